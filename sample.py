@@ -1,0 +1,157 @@
+"""
+Batched sampling with a preallocated KV cache: how a SAPO peer produces its G completions per question.
+
+    generate(model, prompts, num_samples=G, max_new_tokens, temperature, top_k, top_p, eos_token_ids)
+
+1. Prefill. The P prompts (token-id lists of different lengths) are left-padded to one length L and
+   run through the model once, writing their keys and values into a cache preallocated for all
+   B = P * G rows and L + max_new_tokens slots. Each prompt goes into the first row of its group only;
+   its keys and values are then copied into the other G - 1 rows, so a prompt is computed once however
+   many samples it gets. Left padding makes every row write the same slot at every step:
+
+       slot:        0    1    2    3  | 4    5  ...      (L = 4)
+       prompt 0:   pad  pad   a    b  | s0   s1 ...      RoPE positions  -  -  0  1 | 2  3
+       prompt 1:    c    d    e    f  | s0   s1 ...      RoPE positions  0  1  2  3 | 4  5
+
+   Pads are never attended to, and each token's RoPE position counts from its own prompt's start, so
+   the result equals running every prompt alone.
+2. Decode. One token per row per step: sample from the last logits (temperature, top-k, top-p), feed
+   it back, until every row has produced a stop token or max_new_tokens are out. A completion that
+   stopped ends with its stop token (kept: the policy must learn to stop).
+
+The decode step has fixed shapes (the same B rows, the whole cache read under a mask), so on CUDA it
+is captured once in a CUDA graph and replayed every step; this removes the per-kernel launch cost,
+which dominates decoding for models this small (the gpt-fast idea). The eager path below is the
+readable reference and the same arithmetic; `cuda_graph=False` selects it on a GPU.
+
+The SAPO paper (arXiv 2509.08721) samples with Hugging Face transformers' generate(); this is a
+hand-written replacement with the same semantics (the tests compare greedy outputs token for token).
+"""
+
+import torch
+
+from model import KVCache, Transformer
+
+
+def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None):
+    """Pick one token per row from logits (B, V). temperature 0 is greedy. top_k keeps the k most
+    likely tokens; top_p keeps the smallest set of most likely tokens whose probability reaches top_p
+    (the nucleus). Sampling uses argmax(p / E) with E ~ Exponential(1), which draws from p exactly
+    and needs no GPU -> CPU synchronisation (unlike torch.multinomial)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        before = sorted_p.cumsum(dim=-1) - sorted_p  # probability of the more likely tokens
+        sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)  # the first token is always kept
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    noise = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def decode_step(model: Transformer, cache: KVCache, tokens, t, pads):
+    """Feed one token per row at cache slot t. tokens (B,), t a 0-dim tensor, pads (B,) left pads.
+    Returns logits (B, V). Reads cache.kv_len slots; slots past t and pads are masked out."""
+    slots = cache.k.new_zeros((), dtype=torch.long) + t  # (), on the cache's device
+    keys = torch.arange(cache.kv_len, device=tokens.device)
+    mask = (keys >= pads[:, None]) & (keys <= slots)  # (B, kv_len): may attend
+    pos = (slots - pads)[:, None]  # (B, 1) RoPE position of the new token
+    h = model.hidden(tokens[:, None], pos=pos, cache=cache, slots=slots.view(1), mask=mask[:, None, None, :])
+    return model.lm_head(h[:, -1])
+
+
+class GraphedDecode:
+    """decode_step captured in a CUDA graph: static input buffers, one replay per step."""
+
+    def __init__(self, model, cache, pads):
+        self.tokens = torch.zeros_like(pads)
+        self.t = torch.full((), cache.kv_len - 1, dtype=torch.long, device=pads.device)  # a slot never read
+        self.pads = pads
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up (allocations, kernel choice) outside the graph
+            for _ in range(2):
+                decode_step(model, cache, self.tokens, self.t, self.pads)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = decode_step(model, cache, self.tokens, self.t, self.pads)
+
+    def __call__(self, tokens, t):
+        self.tokens.copy_(tokens)
+        self.t.fill_(t)
+        self.graph.replay()
+        return self.logits
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=0,
+             top_p=1.0, eos_token_ids=(), seed=None, cuda_graph=True):
+    """Sample num_samples completions for each prompt (a list of token-id lists).
+
+    Returns len(prompts) * num_samples lists of new token ids, prompt-major: all samples of prompt 0,
+    then all of prompt 1, ... A completion that produced a token of eos_token_ids ends with it;
+    otherwise it is max_new_tokens long. seed makes the draw reproducible."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if max_new_tokens < 1:
+        return [[] for _ in range(len(prompts) * num_samples)]
+    device = model.lm_head.weight.device
+    dtype = model.lm_head.weight.dtype
+    P, G = len(prompts), num_samples
+    B, L = P * G, max(len(p) for p in prompts)
+    if L + max_new_tokens > model.cfg.max_seq_len:
+        raise ValueError(f"prompt ({L} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                         f"{model.cfg.max_seq_len} positions")
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    stop = torch.tensor(list(eos_token_ids), dtype=torch.long, device=device)
+
+    # prefill: P left-padded prompts into rows 0, G, 2G, ... of the cache, then copied to their group
+    pads = torch.tensor([L - len(p) for p in prompts], device=device)
+    idx = torch.tensor([[0] * (L - len(p)) + list(p) for p in prompts], device=device)
+    cache = KVCache(model.cfg, B, L + max_new_tokens, device, dtype)
+    cache.kv_len = L
+    keys = torch.arange(L, device=device)
+    causal = keys[None, :, None] >= keys[None, None, :]  # (1, L, L) query >= key
+    mask = causal & (keys[None, None, :] >= pads[:, None, None])  # and the key is not a pad
+    mask = mask | torch.eye(L, dtype=torch.bool, device=device)  # pad queries see themselves, not NaN
+    pos = (keys[None, :] - pads[:, None]).clamp(min=0)
+    h = model.hidden(idx, pos=pos, cache=cache.rows(G), slots=keys, mask=mask[:, None])
+    logits = model.lm_head(h[:, -1]).repeat_interleave(G, dim=0)  # (B, V)
+    cache.share_prefix(G, L)
+    pads = pads.repeat_interleave(G)
+
+    # decode: one token per row per step, until every row has stopped
+    def step_fn(tokens, t):  # eager: read only the filled slots 0..t
+        cache.kv_len = t + 1
+        return decode_step(model, cache, tokens, torch.tensor(t, device=device), pads)
+    if cuda_graph and device.type == "cuda":  # fixed shapes: every step reads the whole cache, masked
+        cache.kv_len = L + max_new_tokens
+        step_fn = GraphedDecode(model, cache, pads)
+    out = torch.zeros(B, max_new_tokens, dtype=torch.long, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    check_every = 8 if device.type == "cuda" else 1  # asking "all done?" costs a GPU -> CPU sync
+    n = 0
+    for n in range(1, max_new_tokens + 1):
+        tokens = sample_token(logits, temperature, top_k, top_p, generator)
+        out[:, n - 1] = tokens
+        done |= torch.isin(tokens, stop)
+        if n == max_new_tokens or (n % check_every == 0 and bool(done.all())):
+            break
+        logits = step_fn(tokens, L + n - 1)
+
+    # cut each row after its first stop token
+    rows = out[:, :n].tolist()
+    stops = set(eos_token_ids)
+    completions = []
+    for row in rows:
+        end = next((i + 1 for i, tok in enumerate(row) if tok in stops), len(row))
+        completions.append(row[:end])
+    return completions

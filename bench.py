@@ -1,6 +1,6 @@
 """
 Speed of nanoSAPO's hand-written parts, measured side by side with Hugging Face transformers on the
-same weights and batch, in one process.
+same shapes and batch, and the load the rollout server takes.
 
     python bench.py                     # sampling: our generate() vs transformers' generate()
     python bench.py --train             # one GRPO training step's forward + backward: tokens/s, peak memory
@@ -18,11 +18,16 @@ Training: our model's final hidden states go through grpo.hidden_logprobs (the l
 target token, computed chunk by chunk and recomputed in the backward pass), against transformers'
 model whose full logits go through log_softmax + gather, the usual way. Both backpropagate the mean
 log-prob over a (batch x seq) batch. Peak memory is torch.cuda.max_memory_allocated on CUDA and the
-growth of the process's resident memory, sampled every millisecond, on the CPU.
+peak resident memory above the process's size after imports on the CPU; each side runs in a fresh
+process of its own, so neither sees the other's memory.
 
---model takes a model folder or Hub id, or one of the shapes below with random weights (no download).
-This file follows no part of the SAPO paper; it exists because a SAPO peer spends most of its time
-sampling.
+Swarm: a server in a subprocess and --peers simulated peers (threads) that each publish one batch
+of groups and fetch the others' every round, for --rounds rounds: posts per second, p50/p99 fetch
+latency, and acknowledged groups missing from a final full read (must be 0).
+
+--model takes a model folder or Hub id (sampling only), or one of the shapes below with random
+weights (no download). This file follows no part of the SAPO paper; it exists because a SAPO peer
+spends most of its time sampling and training, and a swarm lives or dies by its server.
 """
 
 import argparse
@@ -140,81 +145,80 @@ def roofline_fraction(model, batch, args, seconds):
     return total / seconds / peak
 
 
-class PeakRSS:
-    """Peak growth of this process's resident memory (Linux), sampled every millisecond."""
-
-    def __enter__(self):
-        self.base = self.peak = self.rss()
-        self.running = True
-        self.thread = threading.Thread(target=self.watch, daemon=True)
-        self.thread.start()
-        return self
-
-    def rss(self):
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def watch(self):
-        while self.running:
-            self.peak = max(self.peak, self.rss())
-            time.sleep(0.001)
-
-    def __exit__(self, *exc):
-        self.running = False
-        self.thread.join()
-        self.peak = max(self.peak, self.rss())
-
-    @property
-    def bytes(self):
-        return self.peak - self.base
+def rss_bytes():
+    """This process's resident memory now (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def bench_train(args, name, device, dtype):
-    import grpo
-    ours, hf = load_pair(name, device, dtype)
-    ours.train(), hf.train()
+    """Each side runs in a fresh process of its own, so its peak memory is its own: weights, gradients,
+    activations and temporaries (torch.cuda.max_memory_allocated on CUDA, peak resident memory above
+    the process's size after imports on the CPU). Random weights of the right shape."""
     results = []
     for batch in args.batch:
+        sides = {}
+        for side in ("ours", "hf"):
+            cmd = [sys.executable, os.path.abspath(__file__), "--train-side", side, "--model", name,
+                   "--device", str(device), "--dtype", str(dtype).removeprefix("torch."), "--batch", str(batch),
+                   "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens),
+                   "--repeats", str(args.repeats)]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode != 0:
+                sys.exit(f"bench.py: the {side} training step failed:\n{out.stderr[-2000:]}")
+            sides[side] = json.loads(out.stdout.strip().splitlines()[-1])
         T = args.prompt_tokens + args.new_tokens
-        g = torch.Generator().manual_seed(batch)
-        ids = torch.randint(0, min(ours.cfg.vocab_size, 32000), (batch, T), generator=g).to(device)
-
-        def step_ours():
-            h = ours.hidden(ids[:, :-1])
-            logp = grpo.hidden_logprobs(h, ours.lm_head.weight, ids[:, 1:])
-            logp.mean().backward()
-
-        def step_hf():
-            logits = hf(ids[:, :-1]).logits
-            logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-            logp.mean().backward()
-
-        def measure(step, model):
-            model.zero_grad(set_to_none=True)
-            step()  # warm-up (and the gradient buffers exist from here on, as in training)
-            times, mem = [], 0
-            for _ in range(args.repeats):
-                if torch.device(device).type == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
-                    base = torch.cuda.memory_allocated()
-                    times.append(timed(step, device))
-                    mem = max(mem, torch.cuda.max_memory_allocated() - base)
-                else:
-                    with PeakRSS() as peak:
-                        times.append(timed(step, device))
-                    mem = max(mem, peak.bytes)
-            model.zero_grad(set_to_none=True)
-            return min(times), mem
-
-        ours_t, ours_mem = measure(step_ours, ours)
-        hf_t, hf_mem = measure(step_hf, hf)
-        tokens = batch * (T - 1)
         r = dict(what="train", model=name, device=str(device), batch=batch, seq=T,
-                 tok_per_s=tokens / ours_t, hf_tok_per_s=tokens / hf_t, ratio=hf_t / ours_t,
-                 peak_gb=ours_mem / 1e9, hf_peak_gb=hf_mem / 1e9, memory_ratio=ours_mem / max(hf_mem, 1))
+                 tok_per_s=sides["ours"]["tok_per_s"], hf_tok_per_s=sides["hf"]["tok_per_s"])
+        r["ratio"] = r["tok_per_s"] / r["hf_tok_per_s"]
+        r.update(peak_gb=sides["ours"]["peak_bytes"] / 1e9, hf_peak_gb=sides["hf"]["peak_bytes"] / 1e9)
+        r["memory_ratio"] = r["peak_gb"] / max(r["hf_peak_gb"], 1e-9)
         results.append(r)
         report(r, args)
     return results
+
+
+def train_side(args):
+    """One side of --train in this process: forward + backward of the mean log-prob of every token."""
+    import resource
+    import grpo
+    import model as M
+    from transformers import AutoConfig, AutoModelForCausalLM
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    base_rss = rss_bytes()
+    torch.manual_seed(0)
+    cfg_dict = dict(SHAPES[args.model[0]])
+    if args.train_side == "ours":
+        model = M.Transformer(M.config_from_hf(cfg_dict), cfg_dict).to(device=device, dtype=dtype)
+        model.init_rope()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.02)
+    else:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg_dict), dtype=dtype,
+                                                     attn_implementation="sdpa")
+    model.train()
+    batch, T = args.batch[0], args.prompt_tokens + args.new_tokens
+    ids = torch.randint(0, 32000, (batch, T), generator=torch.Generator().manual_seed(batch)).to(device)
+
+    def step():
+        if args.train_side == "ours":
+            logp = grpo.hidden_logprobs(model.hidden(ids[:, :-1]), model.lm_head.weight, ids[:, 1:])
+        else:
+            logits = model(ids[:, :-1]).logits
+            logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        logp.mean().backward()
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    step()  # warm-up; the gradients exist from here on, as in training
+    times = [timed(step, device) for _ in range(args.repeats)]
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss
+    print(json.dumps(dict(tok_per_s=batch * (T - 1) / min(times), peak_bytes=peak)))
 
 
 def bench_swarm(peers=32, rounds=20, groups_per_post=4, completions=8, completion_chars=600):
@@ -310,7 +314,10 @@ def main():
     p.add_argument("--peers", type=int, default=32, help="--swarm: simulated peers")
     p.add_argument("--rounds", type=int, default=20, help="--swarm: rounds each peer posts and polls")
     p.add_argument("--json", action="store_true", help="one JSON object per measurement")
+    p.add_argument("--train-side", choices=["ours", "hf"], help=argparse.SUPPRESS)  # one side of --train
     args = p.parse_args()
+    if args.train_side:
+        return train_side(args)
     if args.swarm:
         r = dict(what="swarm", **bench_swarm(peers=args.peers, rounds=args.rounds))
         print(json.dumps(r) if args.json else "swarm: " + ", ".join(f"{k} {v:,.1f}" if isinstance(v, float)
@@ -325,6 +332,8 @@ def main():
     if args.batch is None:
         args.batch = ([4] if args.train else [8]) if cpu else ([64] if args.train else [1, 64, 256])
     torch.set_grad_enabled(args.train)
+    if args.train and any(m not in SHAPES for m in models):
+        sys.exit(f"bench.py: --train measures the shapes {', '.join(SHAPES)} (random weights)")
     for name in models:
         (bench_train if args.train else bench_sampling)(args, name, device, dtype)
 

@@ -33,7 +33,6 @@ import calendar
 import datetime
 import json
 import math
-import random
 import re
 from decimal import Decimal, localcontext
 from fractions import Fraction

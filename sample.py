@@ -129,9 +129,10 @@ def generate(model: Transformer, prompts, num_samples=1, max_new_tokens=256, tem
     pads = pads.repeat_interleave(G)
 
     # decode: one token per row per step, until every row has stopped
-    def step_fn(tokens, t):  # eager: read only the filled slots 0..t
+    def eager_step(tokens, t):  # read only the filled slots 0..t
         cache.kv_len = t + 1
         return decode_step(model, cache, tokens, torch.tensor(t, device=device), pads)
+    step_fn = eager_step
     if cuda_graph and device.type == "cuda":  # fixed shapes: every step reads the whole cache, masked
         cache.kv_len = L + max_new_tokens
         step_fn = GraphedDecode(model, cache, pads)

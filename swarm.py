@@ -30,9 +30,10 @@ Deviations from the paper, and why:
 - A peer receives every group published since its last poll; dropping zero-advantage groups and
   sampling J of the rest is the receiving peer's job (train.py), as in the paper.
 - Storage is bounded (--keep-groups): the oldest batches are deleted; the paper does not discuss it.
-- Peers are trusted: an optional shared bearer token guards writes, but content is not verified.
-  A receiver rewards external completions with its own verifier, so nobody can inject fake rewards,
-  only fake completions.
+- The server does not judge content: an optional shared bearer token guards writes, and beyond
+  that it only checks shapes and sizes. Receivers do the judging: they reward external completions
+  with their own verifier and drop groups whose answer does not follow from their question
+  (reward.verify_item, in train.py), so nobody can inject fake rewards or fake ground truth.
 """
 
 import argparse

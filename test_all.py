@@ -240,6 +240,34 @@ def test_sample_greedy_equals_transformers_batch_of_different_lengths():
         assert g == want[0, len(p):].tolist()
 
 
+def test_sample_fixed_shape_decode_step_equals_the_eager_one():
+    """The step the CUDA graph captures reads the whole preallocated cache under a mask; on the CPU it
+    must give the same logits as the eager step that reads only the filled slots."""
+    ours = ours_from(hf_model("qwen2", std=0.3))
+    L, new = 6, 5
+    pads = torch.tensor([3, 0])
+    idx = torch.tensor([[0, 0, 0, 5, 6, 7], [1, 2, 3, 4, 5, 6]])
+    keys = torch.arange(L)
+    mask = (keys[None, :, None] >= keys[None, None, :]) & (keys[None, None, :] >= pads[:, None, None])
+    mask = mask | torch.eye(L, dtype=torch.bool)
+    caches = []
+    for _ in range(2):
+        cache = M.KVCache(ours.cfg, 2, L + new, "cpu", torch.float32)
+        cache.kv_len = L
+        with torch.no_grad():
+            ours.hidden(idx, pos=(keys - pads[:, None]).clamp(min=0), cache=cache, slots=keys, mask=mask[:, None])
+        caches.append(cache)
+    tokens = torch.tensor([8, 9])
+    with torch.no_grad():
+        for t in range(L, L + new - 1):
+            caches[0].kv_len = t + 1  # eager
+            caches[1].kv_len = L + new  # fixed shape
+            a = sample.decode_step(ours, caches[0], tokens, torch.tensor(t), pads)
+            b = sample.decode_step(ours, caches[1], tokens, torch.tensor(t), pads)
+            assert (a - b).abs().max() < 1e-5
+            tokens = a.argmax(-1)
+
+
 def test_sample_seed_reproduces_and_samples_differ():
     ours = ours_from(hf_model("llama", True, std=0.05))
     a = sample.generate(ours, [[1, 2, 3]], num_samples=16, max_new_tokens=6, seed=7)
@@ -329,6 +357,8 @@ def test_train_completion_logprobs_line_up_with_the_full_forward(tiny):
     rows = [([5, 6], [7, 8, tok.eos_token_id]), ([9, 10, 11], [12])]
     ids, pos, mask = train.pad_rows(rows, tok.pad_token_id, "cpu")
     assert ids.tolist()[0][:5] == [5, 6, 7, 8, tok.eos_token_id] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    _, pos_empty, mask_empty = train.pad_rows([([5, 6, 7], []), ([5], [8])], tok.pad_token_id, "cpu")
+    assert pos_empty.max() < 3 and mask_empty.tolist() == [[0], [1]]  # an empty completion stays in range
     with torch.no_grad():
         got = train.completion_logprobs(ours, ids, pos, temperature=0.7)
         full = torch.log_softmax(ours(ids) / 0.7, dim=-1)
@@ -377,8 +407,8 @@ def test_train_poisoned_and_uniform_external_groups_are_dropped():
     poisoned = dict(good, answer=str(int(item["answer"]) + 1),
                     completions=[f"<answer>{int(item['answer']) + 1}</answer>", "no"])
     uniform = dict(good, completions=["no", "nope"])
-    chosen, survived = train.pick_external([good, poisoned, uniform], 4, rng, log=lambda *a: None)
-    assert survived == 1 and [g for g, _ in chosen] == [good] and chosen[0][1] == [1.0, 0.0]
+    usable = train.usable_external([good, poisoned, uniform], log=lambda *a: None)
+    assert usable == [(good, [1.0, 0.0])]
 
 
 def test_train_silo_without_a_server_and_bad_flags(tiny, tmp_path):

@@ -46,7 +46,6 @@ import argparse
 import copy
 import glob
 import json
-import math
 import os
 import random
 import re
@@ -119,6 +118,8 @@ def parse_args(argv=None):
     check_args(p, args)
     return args
 
+
+POOL_ROUNDS = 2  # an unused external group stays eligible this many rounds, then it is too stale
 
 # a CPU is ~100x slower than a GPU at this: shrink what was not set explicitly
 GPU_DEFAULTS = dict(local=4, external=4, generations=8, max_new_tokens=256)
@@ -205,19 +206,20 @@ def external_ids(tokenizer, text, stopped, stop_id, max_new_tokens):
     return ids
 
 
-def pick_external(groups, J, rng, log):
-    """Step 5 for external groups: verify, re-score with the local verifier, keep groups with some
-    spread of reward, draw J uniformly. Returns (chosen groups with their rewards, survivors count)."""
-    survivors = []
+def usable_external(groups, log):
+    """Step 5 for external groups: drop those whose answer does not follow from their question
+    (reward.verify_item), re-score the rest with the local verifier, and keep those with some spread
+    of reward (the others have zero advantage). Returns [(group, rewards)]."""
+    usable = []
     for g in groups:
         if not reward.verify_item(g):
             log(f"dropped a group from {g.get('peer')}: its answer does not follow from its question")
             continue
         rewards = [reward.score(g, c) for c in g["completions"]]
         if len(set(rewards)) > 1:
-            survivors.append((g, rewards))
-    chosen = rng.sample(survivors, min(J, len(survivors)))
-    return chosen, len(survivors)
+            usable.append((g, rewards))
+    return usable
+
 
 # -----------------------------------------------------------------------------
 # the GRPO step
@@ -239,7 +241,7 @@ def pad_rows(rows, pad_id, device):
     mask = torch.zeros(len(rows), Tc, dtype=torch.bool)
     for b, (p, c) in enumerate(rows):
         ids[b, :len(p) + len(c)] = torch.tensor(p + c)
-        pos[b] = len(p) + torch.arange(Tc).clamp(max=max(len(c) - 1, 0))
+        pos[b] = (len(p) + torch.arange(Tc).clamp(max=max(len(c) - 1, 0))).clamp(max=T - 1)
         mask[b, :len(c)] = True
     return ids.to(device), pos.to(device), mask.to(device)
 
@@ -309,7 +311,10 @@ class Peer:
             raise SystemExit(f"{self.dir} already holds a run: pass --resume to continue it, or another --out")
         os.makedirs(self.dir, exist_ok=True)
         torch.manual_seed(args.seed)
-        self.model, self.tok = M.load_model(ckpt if resuming else args.model, self.device, torch.float32, log=log)
+        try:
+            self.model, self.tok = M.load_model(ckpt if resuming else args.model, self.device, torch.float32, log=log)
+        except (OSError, ValueError, RuntimeError) as e:  # a model that cannot be found or read
+            raise SystemExit(f"train.py: {e}") from None
         self.model.grad_checkpoint = args.grad_checkpoint
         self.stop_ids = self.model.stop_ids or [self.tok.eos_token_id]
         self.stop_id = self.tok.eos_token_id if self.tok.eos_token_id in self.stop_ids else self.stop_ids[0]
@@ -321,7 +326,7 @@ class Peer:
             self.sampler = copy.deepcopy(self.model).to(self.sample_dtype).eval()
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if args.beta > 0 else None
         self.rng = random.Random(args.seed)
-        self.pool = []  # external survivors not yet trained on
+        self.pool = []  # (round received, group, rewards): usable external groups not yet trained on
         self.client = None
         if args.swarm:  # with J = 0 a peer still shares its rollouts
             self.client = swarm.SwarmClient(args.swarm, self.name, token=args.token)
@@ -330,6 +335,7 @@ class Peer:
             self.load_state(ckpt)
         elif args.resume:
             log(f"{self.dir}: no checkpoint yet, starting from round 0")
+            open(os.path.join(self.dir, "metrics.jsonl"), "w").close()  # those rounds will run again
         with open(os.path.join(self.dir, "settings.json"), "w") as f:
             json.dump(vars(args), f, indent=2)
 
@@ -390,15 +396,16 @@ class Peer:
             self.client.publish(r, groups)
             fetched = self.client.fetch() if args.external > 0 else []
             available = len(fetched)
-            # 5. verify, re-score locally, keep groups with a reward spread, draw J
-            self.pool += [g for g in fetched]
-            self.pool = self.pool[-256:]
-            external, survived = pick_external(self.pool, args.external, self.rng, self.log)
-            used = {id(g) for g, _ in external}
-            self.pool = [g for g in self.pool if id(g) not in used]
-            if len(external) < args.external and args.external > 0:
+            # 5. verify, re-score locally, keep groups with a reward spread, draw J uniformly
+            fresh = usable_external(fetched, self.log)
+            survived = len(fresh)
+            self.pool = [x for x in self.pool if r - x[0] < POOL_ROUNDS] + [(r, g, rw) for g, rw in fresh]
+            drawn = self.rng.sample(range(len(self.pool)), min(args.external, len(self.pool)))
+            external = [self.pool[i][1:] for i in drawn]
+            self.pool = [x for i, x in enumerate(self.pool) if i not in drawn]
+            if len(external) < args.external:
                 self.log(f"round {r}: {len(external)} of J={args.external} external groups "
-                         f"({available} new, {survived} usable in the pool)")
+                         f"({available} new, {survived} usable)")
         # 6. the training batch: local groups on their sampled ids, external ones re-tokenised
         rows, advantages, group_rewards = [], [], []
         for i in range(args.local):
@@ -482,6 +489,8 @@ def launch(args):
     """Start a swarm server on a free loopback port and args.peers peer processes, show their progress
     together, stop them all on Ctrl-C. A peer that crashes is reported; the others go on."""
     from tqdm import tqdm
+    if not args.resume and glob.glob(os.path.join(args.out, "*", "metrics.jsonl")):
+        raise SystemExit(f"{args.out} already holds a run: pass --resume to continue it, or another --out")
     os.makedirs(args.out, exist_ok=True)
     children = []
 
@@ -521,8 +530,11 @@ def launch(args):
             with open(path, "w") as f:
                 json.dump(settings, f, indent=2)
             log = open(os.path.join(args.out, name, "log.txt"), "a")
+            env = dict(os.environ)
+            if args.device == "cpu":  # share the cores instead of every peer fighting for all of them
+                env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.peers)))
             procs[name] = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), "--peer-settings", path],
-                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
             children.append(procs[name])
         bars = {n: tqdm(total=args.rounds, desc=n, position=k, dynamic_ncols=True) for k, n in enumerate(names)}
         reported = set()

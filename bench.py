@@ -54,7 +54,7 @@ SHAPES = {
                          num_attention_heads=14, num_key_value_heads=2, rms_norm_eps=1e-6,
                          rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True),
 }
-PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L4": 3.0e11, "4090": 1.0e12}  # bytes/s
+PEAK_BANDWIDTH = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA A100-SXM4-80GB": 2.04e12}  # bytes/s
 
 
 def load_pair(name, device, dtype):
@@ -136,11 +136,12 @@ def roofline_fraction(model, batch, args, seconds):
     kv_per_slot = 2 * cfg.n_layers * batch * cfg.n_kv_heads * cfg.head_dim * elt
     avg_context = args.prompt_tokens + args.new_tokens / 2
     total = args.new_tokens * (weight_bytes + kv_per_slot * avg_context)
-    name = torch.cuda.get_device_name()
-    peak = next((bw for key, bw in PEAK_BANDWIDTH.items() if key in name), None)
-    if peak is None:  # unknown GPU: measure a device-to-device copy (reads + writes)
-        x = torch.empty(2**28, dtype=torch.uint8, device="cuda")
-        t = timed(lambda: x.clone(), "cuda")
+    name = torch.cuda.get_device_name(model.lm_head.weight.device)
+    peak = next((bw for key, bw in PEAK_BANDWIDTH.items() if name.startswith(key)), None)
+    if peak is None:  # another GPU: measure a device-to-device copy (reads + writes), after a warm-up
+        x = torch.empty(2**28, dtype=torch.uint8, device=model.lm_head.weight.device)
+        y = x.clone()
+        t = min(timed(lambda: y.copy_(x), "cuda") for _ in range(5))
         peak = 2 * x.numel() / t
     return total / seconds / peak
 

@@ -176,7 +176,13 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
             k, v = cache.update(layer, slots, k, v)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            # Query heads g*rep .. g*rep+rep-1 share key/value head g: fold them into the query length,
+            # (B, n_heads, T, D) -> (B, n_kv_heads, rep*T, D), so one plain attention call serves them.
+            # (With a mask, enable_gqa=True would drop CUDA to the slow math kernel.)
+            rep = cfg.n_heads // cfg.n_kv_heads
+            q = q.reshape(B, cfg.n_kv_heads, rep * T, cfg.head_dim)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(1, 1, rep, 1))
+            y = y.reshape(B, cfg.n_heads, T, cfg.head_dim)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim))
 
 
@@ -360,10 +366,11 @@ def stop_token_ids(folder, hf, tokenizer):
     return ids
 
 
-def save_model(model: Transformer, tokenizer, folder):
+def save_model(model: Transformer, tokenizer, folder, write_extra=None):
     """Write a Hugging Face–format folder (config.json, model.safetensors, tokenizer files) that
     transformers.AutoModelForCausalLM.from_pretrained loads with the same logits. Atomic: written to a
-    temporary folder beside `folder`, then renamed over it."""
+    temporary folder beside `folder` (with whatever write_extra(temporary_folder) adds, such as a
+    trainer's state), then renamed over it; the previous folder stays as `folder`.old meanwhile."""
     from safetensors.torch import save_file
     folder = os.path.abspath(folder)
     parent = os.path.dirname(folder)
@@ -383,6 +390,8 @@ def save_model(model: Transformer, tokenizer, folder):
             json.dump({"eos_token_id": model.stop_ids}, f, indent=2)
     save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(tmp)
+    if write_extra is not None:
+        write_extra(tmp)
     if os.path.exists(folder):
         old = folder + ".old"
         shutil.rmtree(old, ignore_errors=True)

@@ -19,10 +19,12 @@ Batched sampling with a preallocated KV cache: how a SAPO peer produces its G co
    it back, until every row has produced a stop token or max_new_tokens are out. A completion that
    stopped ends with its stop token (kept: the policy must learn to stop).
 
-The decode step has fixed shapes (the same B rows, the whole cache read under a mask), so on CUDA it
-is captured once in a CUDA graph and replayed every step; this removes the per-kernel launch cost,
-which dominates decoding for models this small (the gpt-fast idea). The eager path below is the
-readable reference and the same arithmetic; `cuda_graph=False` selects it on a GPU.
+The decode step can run with fixed shapes (the same B rows, the whole cache read under a mask), so on
+CUDA it is captured in a CUDA graph once per generate() call and replayed at every step. This removes
+the per-kernel launch cost, which dominates decoding for models this small (the gpt-fast idea). The
+eager step reads only the filled slots; it is the readable reference, the CPU path, and what
+`cuda_graph=False` selects on a GPU. A test checks that both give the same logits. The CUDA-graph
+path itself has not yet run on a GPU in this project's sessions (none was lent); see the README.
 
 The SAPO paper (arXiv 2509.08721) samples with Hugging Face transformers' generate(); this is a
 hand-written replacement with the same semantics (the tests compare greedy outputs token for token).
@@ -101,6 +103,17 @@ def generate(model: Transformer, prompts, num_samples=1, max_new_tokens=256, tem
         raise ValueError("every prompt needs at least one token")
     if max_new_tokens < 1:
         return [[] for _ in range(len(prompts) * num_samples)]
+    device = model.lm_head.weight.device
+    if device.type == "cuda":  # streams and graphs belong to the current device: make it the model's
+        with torch.cuda.device(device):
+            return _generate(model, prompts, num_samples, max_new_tokens, temperature, top_k, top_p,
+                             eos_token_ids, seed, cuda_graph)
+    return _generate(model, prompts, num_samples, max_new_tokens, temperature, top_k, top_p, eos_token_ids,
+                     seed, cuda_graph)
+
+
+def _generate(model, prompts, num_samples, max_new_tokens, temperature, top_k, top_p, eos_token_ids, seed,
+              cuda_graph):
     device = model.lm_head.weight.device
     dtype = model.lm_head.weight.dtype
     P, G = len(prompts), num_samples

@@ -395,6 +395,22 @@ def test_train_micro_batches_give_the_gradient_of_the_whole_batch(tiny, tmp_path
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(whole, micro))
 
 
+def test_train_grad_checkpoint_gives_the_same_gradients(tiny, tmp_path, monkeypatch):
+    ours, tok = M.load_model(str(tiny))
+    calls = []
+    monkeypatch.setattr(M, "checkpoint", lambda *a, **k: calls.append(1) or torch.utils.checkpoint.checkpoint(*a, **k))
+    rows = [([5, 6, 7], [8, 9, 3]), ([11, 12], [13, 14, 15, 16])]
+    grads = []
+    for flag in ([], ["--grad-checkpoint"]):
+        model = copy_model(ours)
+        model.grad_checkpoint = bool(flag)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        train.train_step(model, opt, rows, [1.0, -1.0], tiny_args(tmp_path, *flag), tok.pad_token_id)
+        grads.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
+    assert len(calls) == ours.cfg.n_layers  # one recomputed block per layer, in the second run only
+
+
 def copy_model(m):
     import copy
     return copy.deepcopy(m)

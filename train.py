@@ -14,7 +14,7 @@ One round on one peer:
   4. poll the server for groups other peers published since the last poll;
   5. score every group with the *local* verifier; drop external groups that reward.verify_item
      rejects (a poisoned ground truth) or whose rewards are all equal (no advantage); draw J of the
-     survivors uniformly;
+     survivors uniformly (a survivor not drawn stays eligible for one more round, then it is stale);
   6. re-tokenise the I + J groups with the local tokenizer and take one GRPO step (grpo.py);
   7. log the round to metrics.jsonl, post it to the dashboard, checkpoint every --save-every rounds.
 Peers never wait for each other: a peer trains on whatever external groups have arrived.

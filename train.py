@@ -19,9 +19,10 @@ One round on one peer:
   7. log the round to metrics.jsonl, post it to the dashboard, checkpoint every --save-every rounds.
 Peers never wait for each other: a peer trains on whatever external groups have arrived.
 
-Defaults follow the paper where it gives one (marked "paper"): I = 4 local and J = 4 external groups
-(its best configuration), G = 8 completions, temperature 1.0, clip 0.2 / 0.28 and no KL (its code,
-which uses TRL's GRPO with DAPO-style token-mean loss), 256 new tokens, one optimizer step per round.
+Defaults: I = 4 local and J = 4 external groups are the paper's best configuration (+94% cumulative
+reward over peers in silo, with 8 Qwen2.5-0.5B peers). The others (G = 8, temperature 1.0, clip
+0.2 / 0.28, no KL, DAPO's token-mean loss, 256 new tokens, one optimizer step per round) are common
+GRPO settings, chosen to match what the paper's code is described to do where we know it.
 
 Deviations from the paper, and why:
 - Learning rate: the paper's text says Adam at 0.001, its code 1e-5 or 1e-6. We use AdamW at
@@ -82,21 +83,21 @@ def parse_args(argv=None):
     a("--tasks", default="auto", help="comma list of reward.py tasks, or 'paper', 'easy', 'auto'")
     a("--one-shot", action=argparse.BooleanOptionalAction, default=True,
       help="show one worked example of the task family as an earlier chat turn")
-    # SAPO (paper: I = 4, J = 4, G = 8)
+    # SAPO (the paper's best: I = 4, J = 4)
     a("--local", type=int, default=None, help="I: local questions per round (paper: 4)")
     a("--external", type=int, default=None, help="J: external groups trained on per round (paper: 4)")
-    a("--generations", type=int, default=None, help="G: completions per question (paper: 8)")
-    a("--rounds", type=int, default=2000, help="rounds to train (paper: 2000)")
-    a("--max-new-tokens", type=int, default=None, help="completion length limit in tokens (paper: 256)")
-    a("--temperature", type=float, default=1.0, help="sampling temperature (paper: 1.0)")
+    a("--generations", type=int, default=None, help="G: completions per question (default 8 on a GPU)")
+    a("--rounds", type=int, default=2000, help="rounds to train")
+    a("--max-new-tokens", type=int, default=None, help="completion length limit in tokens (default 256 on a GPU)")
+    a("--temperature", type=float, default=1.0, help="sampling temperature")
     # GRPO
     a("--lr", type=float, default=1e-5, help="AdamW learning rate (measured, see README)")
-    a("--epsilon", type=float, default=0.2, help="lower clip: ratio >= 1 - epsilon (paper's code: 0.2)")
+    a("--epsilon", type=float, default=0.2, help="lower clip: ratio >= 1 - epsilon")
     a("--epsilon-high", type=float, default=0.28, help="upper clip: ratio <= 1 + epsilon_high (DAPO: 0.28)")
-    a("--beta", type=float, default=0.0, help="weight of the k3 KL penalty to the initial model (paper: 0)")
+    a("--beta", type=float, default=0.0, help="weight of the k3 KL penalty to the initial model")
     a("--loss-type", default="token_mean", choices=["token_mean", "seq_mean", "constant"])
     a("--adv-scale", default="group", choices=["group", "batch", "none"], help="advantage normalisation")
-    a("--inner-steps", type=int, default=1, help="optimizer steps on each round's batch (paper: 1)")
+    a("--inner-steps", type=int, default=1, help="optimizer steps on each round's batch (1: one step per round)")
     a("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
     a("--micro-batch", type=int, default=16, help="completions per forward/backward (gradient accumulation)")
     a("--grad-checkpoint", action="store_true", help="recompute activations in the backward pass")

@@ -71,8 +71,8 @@ def load_pair(name, device, dtype):
         ours.load_state_dict(hf.state_dict(), strict=not cfg_dict["tie_word_embeddings"])
         ours.init_rope()
     else:
-        ours, _ = M.load_model(name, device=device, dtype=dtype)
-        folder = M.resolve(name, log=lambda *a: None)
+        folder = M.resolve(name)
+        ours, _ = M.load_folder(folder, device=device, dtype=dtype)
         hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").to(device)
     return ours.eval(), hf.eval()
 

@@ -64,23 +64,31 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     rewards (n_groups * group_size,) laid end to end -> advantages of the same shape, e.g.
         rewards [1, 0, 0, 1,  1, 1, 1, 1], group_size 4, scale "group"
         -> [0.8659, -0.8659, -0.8659, 0.8659,  0, 0, 0, 0]
+    group_size may also be a list of sizes, one per group, when groups differ (a peer trains on
+    external groups sampled with another G): rewards [1, 0,  1, 1, 0], group_size [2, 3].
     """
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}.")
-    if group_size < 1 or rewards.numel() % group_size != 0:
-        raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of {group_size}; "
-                         "pass rewards for whole groups laid end to end.")
-    r = rewards.float().view(-1, group_size)              # (n_groups, G)
-    centred = r - r.mean(dim=1, keepdim=True)
+    if isinstance(group_size, int):
+        if group_size < 1 or rewards.numel() % group_size != 0:
+            raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of {group_size}; "
+                             "pass rewards for whole groups laid end to end.")
+        sizes = [group_size] * (rewards.numel() // group_size)
+    else:
+        sizes = list(group_size)
+        if min(sizes, default=0) < 1 or sum(sizes) != rewards.numel():
+            raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of sizes {sizes}; "
+                             "pass rewards for whole groups laid end to end.")
+    r = rewards.float().view(-1)
+    groups = r.split(sizes)
+    centred = torch.cat([g - g.mean() for g in groups])
     if scale == "none":
-        return centred.view(-1)
-    if group_size == 1:                                   # no spread to measure: nothing to learn
-        return torch.zeros_like(centred).view(-1)
-    if scale == "group":
-        std = r.std(dim=1, keepdim=True)                  # unbiased (divides by G - 1)
+        return centred
+    if scale == "group":  # unbiased (divides by G - 1); a group of one has no spread: 0 / (0 + eps)
+        std = torch.cat([(g.std() if len(g) > 1 else g.new_zeros(())).expand(len(g)) for g in groups])
     else:
         std = r.std() if r.numel() > 1 else r.new_zeros(())
-    return (centred / (std + eps)).view(-1)
+    return centred / (std + eps)
 
 
 # -----------------------------------------------------------------------------

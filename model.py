@@ -501,13 +501,6 @@ def num_params(model):
     return sum(p.numel() for p in model.parameters())
 
 
-def flops_per_token(cfg: Config, context_len):
-    """Matmul FLOPs of one forward token: 2 x weights touched + attention over context_len keys."""
-    weights = cfg.n_layers * (cfg.dim * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
-                              + 3 * cfg.dim * cfg.hidden_dim) + cfg.dim * cfg.vocab_size
-    return 2 * weights + 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * context_len
-
-
 if __name__ == "__main__":  # python model.py [MODEL]: load a model and describe it
     model, tok = load_model(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_MODEL)
     print(f"{model.cfg}\n{num_params(model) / 1e6:.1f}M parameters; stop ids {model.stop_ids}")

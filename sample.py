@@ -30,6 +30,8 @@ The SAPO paper (arXiv 2509.08721) samples with Hugging Face transformers' genera
 hand-written replacement with the same semantics (the tests compare greedy outputs token for token).
 """
 
+import contextlib
+
 import torch
 
 from model import KVCache, Transformer
@@ -57,13 +59,13 @@ def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None):
 
 
 def decode_step(model: Transformer, cache: KVCache, tokens, t, pads):
-    """Feed one token per row at cache slot t. tokens (B,), t a 0-dim tensor, pads (B,) left pads.
+    """Feed one token per row at cache slot t. tokens (B,), t a 0-dim long tensor on the model's
+    device, pads (B,) left pads.
     Returns logits (B, V). Reads cache.kv_len slots; slots past t and pads are masked out."""
-    slots = cache.k.new_zeros((), dtype=torch.long) + t  # (), on the cache's device
     keys = torch.arange(cache.kv_len, device=tokens.device)
-    mask = (keys >= pads[:, None]) & (keys <= slots)  # (B, kv_len): may attend
-    pos = (slots - pads)[:, None]  # (B, 1) RoPE position of the new token
-    h = model.hidden(tokens[:, None], pos=pos, cache=cache, slots=slots.view(1), mask=mask[:, None, None, :])
+    mask = (keys >= pads[:, None]) & (keys <= t)  # (B, kv_len): may attend
+    pos = (t - pads)[:, None]  # (B, 1) RoPE position of the new token
+    h = model.hidden(tokens[:, None], pos=pos, cache=cache, slots=t.view(1), mask=mask[:, None, None, :])
     return model.lm_head(h[:, -1])
 
 
@@ -104,12 +106,10 @@ def generate(model: Transformer, prompts, num_samples=1, max_new_tokens=256, tem
     if max_new_tokens < 1:
         return [[] for _ in range(len(prompts) * num_samples)]
     device = model.lm_head.weight.device
-    if device.type == "cuda":  # streams and graphs belong to the current device: make it the model's
-        with torch.cuda.device(device):
-            return _generate(model, prompts, num_samples, max_new_tokens, temperature, top_k, top_p,
-                             eos_token_ids, seed, cuda_graph)
-    return _generate(model, prompts, num_samples, max_new_tokens, temperature, top_k, top_p, eos_token_ids,
-                     seed, cuda_graph)
+    # streams and CUDA graphs belong to the current device: make it the model's
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        return _generate(model, prompts, num_samples, max_new_tokens, temperature, top_k, top_p,
+                         eos_token_ids, seed, cuda_graph)
 
 
 def _generate(model, prompts, num_samples, max_new_tokens, temperature, top_k, top_p, eos_token_ids, seed,

@@ -767,6 +767,21 @@ def test_reward_get_task_and_constants():
 # group_advantages
 
 
+def test_grpo_group_advantages_groups_of_different_sizes():
+    # external groups may come with another G: [1, 0] and [1, 1, 0] laid end to end
+    r = torch.tensor([1., 0, 1, 1, 0])
+    for scale in ("group", "none"):
+        want = torch.cat([grpo.group_advantages(r[:2], 2, scale), grpo.group_advantages(r[2:], 3, scale)])
+        assert torch.allclose(grpo.group_advantages(r, [2, 3], scale), want)
+    # "batch": per-group means 0.5 and 2/3; unbiased std of all five rewards sqrt(0.3) = 0.5477
+    centred = torch.tensor([0.5, -0.5, 1 / 3, 1 / 3, -2 / 3])
+    assert torch.allclose(grpo.group_advantages(r, [2, 3], "batch"), centred / (0.3 ** 0.5 + 1e-4), atol=1e-6)
+    assert torch.equal(grpo.group_advantages(r, [1, 4], "group")[:1], torch.zeros(1))  # a group of one
+    for bad in ([2, 2], [0, 5], []):
+        with pytest.raises(ValueError, match="cannot be split"):
+            grpo.group_advantages(r, bad)
+
+
 def test_grpo_group_advantages_group_scale():
     # group [1, 0, 0, 1]: mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = 0.57735 -> +-0.5 / 0.57745
     # group [1, 1, 1, 1]: no spread -> 0

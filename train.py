@@ -408,7 +408,7 @@ class Peer:
                 self.log(f"round {r}: {len(external)} of J={args.external} external groups "
                          f"({available} new, {survived} usable)")
         # 6. the training batch: local groups on their sampled ids, external ones re-tokenised
-        rows, advantages, group_rewards = [], [], []
+        rows, group_rewards = [], []
         for i in range(args.local):
             rows += [(prompts[i], outs[i * G + k]) for k in range(G)]
             group_rewards.append(local_rewards[i * G:(i + 1) * G])
@@ -417,12 +417,9 @@ class Peer:
             rows += [(p, external_ids(self.tok, c, s, self.stop_id, args.max_new_tokens))
                      for c, s in zip(g["completions"], g["stopped"])]
             group_rewards.append(rewards)
-        for rewards in group_rewards:
-            advantages += grpo.group_advantages(torch.tensor(rewards), len(rewards), args.adv_scale).tolist()
-        if args.adv_scale == "batch":  # one std over the whole batch
-            flat = torch.tensor([x for g in group_rewards for x in g])
-            means = torch.cat([torch.full((len(g),), sum(g) / len(g)) for g in group_rewards])
-            advantages = ((flat - means) / (flat.std() + 1e-4)).tolist()
+        batch_rewards = [x for g in group_rewards for x in g]
+        advantages = grpo.group_advantages(torch.tensor(batch_rewards), [len(g) for g in group_rewards],
+                                           args.adv_scale).tolist()
         t_train, stats = time.time(), {}
         if any(a != 0 for a in advantages):
             stats = train_step(self.model, self.opt, rows, advantages, args, self.pad_id, self.ref_model)
@@ -432,7 +429,6 @@ class Peer:
                         ps.copy_(pm)
         t_train = time.time() - t_train
         # 7. log
-        batch_rewards = [x for g in group_rewards for x in g]
         train_tokens = sum(len(c) for _, c in rows)
         m = dict(round=r, local_reward=mean(local_rewards), batch_reward=mean(batch_rewards),
                  external_available=available, external_survived=survived, external_used=len(external),

@@ -279,8 +279,8 @@ def _base_name(base):
 
 class BaseConversion(Task):
     """Convert a number 0..1000 between two different bases 2..16, digits above 9 as lowercase
-    letters: "... convert the base-7 number 1234 to hexadecimal" -> "1ca". ReasoningGym's default
-    rule, so "1CA" and "0x1ca" are not the answer (the latter earns 4/5 partial credit)."""
+    letters: "... convert the base-7 number 1234 to hexadecimal" -> "1d2". ReasoningGym's default
+    rule, so "1D2" and "0x1d2" are not the answer (the latter earns 3/5 partial credit)."""
 
     name = "base_conversion"
 
@@ -339,7 +339,8 @@ class BasicArithmetic(Task):
         return rng.choice(self.TEMPLATES).format(expression), str(value), {"expression": expression}
 
     def working(self, item):
-        return f"Multiply and divide before adding and subtracting, innermost parentheses first: {item['metadata']['expression']} = {item['answer']}."
+        return ("Multiply and divide before adding and subtracting, innermost parentheses first: "
+                f"{item['metadata']['expression']} = {item['answer']}.")
 
 
 _DECIMAL_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
@@ -382,8 +383,8 @@ class DecimalArithmetic(Task):
                 break
             except ArithmeticError:  # a division by a group worth 0: draw again
                 continue
-        question = (f"Compute this to {c['precision']} significant digits, rounding halves up, and reply "
-                    f"with the final value only.\n{expression} = ?")
+        question = (f"Compute this to {c['precision']} significant digits and reply with the final value "
+                    f"only.\n{expression} = ?")
         return question, answer, {"expression": expression}
 
     def score_answer(self, answer, item):
@@ -392,7 +393,8 @@ class DecimalArithmetic(Task):
             return 1.0 if abs(Decimal(answer) - Decimal(item["answer"])) <= Decimal("0.001") else 0.0
 
     def working(self, item):
-        return f"Multiply and divide before adding and subtracting, keeping 5 significant digits: {item['metadata']['expression']} = {item['answer']}."
+        return ("Multiply and divide before adding and subtracting, keeping 5 significant digits: "
+                f"{item['metadata']['expression']} = {item['answer']}.")
 
 
 class FractionSimplification(Task):
@@ -415,7 +417,8 @@ class FractionSimplification(Task):
         form = self.STYLES[style]
         question = (f"Simplify the fraction {form.format(p * k, q * k)} to lowest terms. Give only the "
                     f"simplified fraction, written the same way, as your answer.")
-        meta = {"numerator": p * k, "denominator": q * k, "simplified_numerator": p, "simplified_denominator": q, "style": style}
+        meta = {"numerator": p * k, "denominator": q * k, "simplified_numerator": p, "simplified_denominator": q,
+                "style": style}
         return question, form.format(p, q), meta
 
     def score_answer(self, answer, item):
@@ -437,12 +440,13 @@ class FractionSimplification(Task):
         return f"gcd({n}, {d}) = {math.gcd(n, d)}; divide both by it."
 
 
-_DAYS = list(calendar.day_name)  # Monday .. Sunday
+_DAYS = "Monday Tuesday Wednesday Thursday Friday Saturday Sunday".split()  # English in any locale
+_MONTHS = [""] + "January February March April May June July August September October November December".split()
 
 
 def _long_date(d, weekday=False):
     """datetime.date(2023, 7, 10) -> "July 10, 2023" (with weekday: "Monday, July 10, 2023")."""
-    text = f"{calendar.month_name[d.month]} {d.day}, {d.year}"
+    text = f"{_MONTHS[d.month]} {d.day}, {d.year}"
     return f"{_DAYS[d.weekday()]}, {text}" if weekday else text
 
 
@@ -472,18 +476,21 @@ class CalendarArithmetic(Task):
             count = sum((start + datetime.timedelta(i)).weekday() == weekday for i in range((end - start).days + 1))
             question = (f"How many {_DAYS[weekday]}s are there from {_long_date(start, True)} to "
                         f"{_long_date(end, True)}, counting both dates? Answer with a number.")
-            meta = {"task": task, "year": year, "start_date": start.isoformat(), "end_date": end.isoformat(), "weekday": _DAYS[weekday]}
+            meta = {"task": task, "year": year, "start_date": start.isoformat(), "end_date": end.isoformat(),
+                    "weekday": _DAYS[weekday]}
             return question, str(count), meta
         if task == "is_leap_year":
             y = rng.randint(year - c["leap_year_range"] // 2, year + c["leap_year_range"] // 2)
             return (f"Is {y} a leap year? Answer with Yes or No.", "Yes" if calendar.isleap(y) else "No",
                     {"task": task, "year": y, "is_leap": calendar.isleap(y)})
         month, ordinal, weekday = rng.randint(1, 12), rng.choice(self.ORDINALS), rng.randrange(7)
-        days = [d for d in range(1, calendar.monthrange(year, month)[1] + 1) if datetime.date(year, month, d).weekday() == weekday]
+        days = [d for d in range(1, calendar.monthrange(year, month)[1] + 1)
+                if datetime.date(year, month, d).weekday() == weekday]
         day = days[-1] if ordinal == "last" else days[self.ORDINALS.index(ordinal)]  # every month has 4 of each
-        question = (f"A meeting is held on the {ordinal} {_DAYS[weekday]} of {calendar.month_name[month]} {year}. "
+        question = (f"A meeting is held on the {ordinal} {_DAYS[weekday]} of {_MONTHS[month]} {year}. "
                     f"On which day of the month is it? Answer with a number, or -1 if there is no such day.")
-        return question, str(day), {"task": "recurring_event_day", "year": year, "month": month, "ordinal": ordinal, "weekday": _DAYS[weekday]}
+        return question, str(day), {"task": "recurring_event_day", "year": year, "month": month,
+                                    "ordinal": ordinal, "weekday": _DAYS[weekday]}
 
     def score_answer(self, answer, item):
         if not isinstance(answer, str) or not answer:
@@ -506,7 +513,7 @@ class CalendarArithmetic(Task):
         if meta["task"] == "weekday_of_date":
             return "January 1, 2023 was a Sunday; count the days from it and take the remainder after dividing by 7."
         if meta["task"] == "count_days":
-            return f"List the {meta['weekday']}s from {meta['start_date']} to {meta['end_date']}, one week apart, and count them."
+            return f"List the {meta['weekday']}s from {meta['start_date']} to {meta['end_date']}, and count them."
         return f"Find the first {meta['weekday']} of the month, then add 7 days per week."
 
 
@@ -619,18 +626,14 @@ def _bf_print(text):
 
 
 # common five-letter words (ReasoningGym prints words from a Wordle list)
-_WORDS = """about above actor adult agent alarm album alive angle apple arena aside award basic beach begin
-black blank board brain brave bread brick brief bring brown build cabin candy chain chair charm cheap check
-chest chief child clean clear clock cloud coast cover craft cream crowd curve dance dream dress drink drive
-eagle early earth empty enjoy equal error event extra faith field final flame floor focus frame fresh front
-fruit giant glass grace grain grape grass green guard guest guide happy heart horse hotel house human ideal
-juice knife large laugh layer lemon level light lucky lunch magic march match metal model money month
-mouse music night noble north novel ocean offer order paint paper party peace phone piano piece pilot place
-plant plate point power price prize proud queen quick quiet radio range reach ready river robot round royal
-salad scale score sense shape share sheep shelf shirt short skill sleep small smile smoke solid sound space
-spoon sport stage stone storm story sugar sunny sweet table taste teach thick thing tiger toast today tower
-track trade train trust truth uncle under upper urban value video visit voice watch water wheel white
-whole world write young youth zebra""".split()
+_WORDS = """about above actor agent album alive angle arena award basic beach black board brain brave brick bring
+brown build candy chair charm cheap chest child clean clear cloud cover craft cream curve dream dress
+drink eagle earth empty enjoy error extra faith field flame focus frame fresh fruit glass grace grain
+grass guard guest guide heart hotel house human juice large laugh layer level lucky lunch magic match
+model money month music noble north novel offer paint paper party phone piece pilot place plate power
+price prize queen quiet radio range ready robot round royal scale sense shape share shelf short skill
+sleep smile solid sound space sport stone storm story sunny table taste teach thing toast today tower
+trade trust truth uncle upper value video visit watch wheel white whole write youth zebra""".split()
 
 
 class BF(Task):
@@ -647,7 +650,8 @@ class BF(Task):
         return question, run_bf(program), {"program": program}
 
     def working(self, item):
-        return "Each loop [<...>-] adds its inner +s (or -s) once per count of the cell on its right; each . prints the current cell as a character."
+        return ("Each loop [<...>-] adds its inner +s (or -s) once per count in the cell on its right; each . prints "
+                "the current cell as a character.")
 
 
 def _parse_logic(s):
@@ -691,12 +695,12 @@ def _variables(f):
 
 
 class PropositionalLogic(Task):
-    """Premises over 2..4 variables P, Q, R, S (2..4 of them, up to 3 levels deep, with ¬ ∧ ∨ → ↔);
-    the answer is a conclusion that follows from them: "1. (P → Q)  2. P" -> "Q" would do, though not
-    for full marks. ReasoningGym's rule, by truth table: 1.0 for a conclusion that follows and is not
-    trivial, 0.25 for one that is trivial (a bare variable or a tautology), 0.05 for one that does not
-    follow, 0 for a formula with an unknown capital letter or none at all. Any such conclusion earns
-    full marks: the item's answer is just one of them."""
+    """State a conclusion that follows from 2..4 premises over 2..4 variables P, Q, R, S (formulas up
+    to 3 levels deep with ¬ ∧ ∨ → ↔). ReasoningGym's rule, by truth table: 1.0 for a conclusion that
+    follows and is not trivial, 0.25 for a trivial one (a bare variable or a tautology), 0.05 for one
+    that does not follow, 0 for a capital letter that is no variable, or no formula at all. From
+    "(P → Q)" and "P": "(P ∧ Q)" and "Q ∧ P" score 1.0, "Q" 0.25, "¬Q" 0.05. The item's answer is just
+    one conclusion worth 1.0."""
 
     name = "propositional_logic"
     OPS = ("∧", "∨", "¬", "→", "↔")
@@ -778,39 +782,24 @@ def _arc_move(rng, n, k, solid, wrap):
     return inp, out
 
 
-def _arc_scatter(rng, n):
-    """A row with about half of its cells colored 1..9."""
-    return [rng.randint(1, 9) if rng.random() < 0.5 else 0 for _ in range(n)]
-
-
-def _arc_gravity(rng, n):
-    """Every colored cell falls to the left, in order."""
-    inp = _arc_scatter(rng, n)
+def _arc_scattered(rng, n, kind):
+    """A row with about half of its cells colored 1..9, and what the rule `kind` makes of it:
+    "gravity": the colored cells fall to the left, in order; "gravity_counting": they are counted, as
+    that many 1s at the left; "gravity_one_step": each one with an empty cell on its left moves into
+    it (scanning from the left); "change_to_five": each one becomes 5."""
+    inp = [rng.randint(1, 9) if rng.random() < 0.5 else 0 for _ in range(n)]
     kept = [c for c in inp if c]
-    return inp, kept + [0] * (n - len(kept))
-
-
-def _arc_counting(rng, n):
-    """The colored cells are counted, as that many 1s at the left."""
-    inp = _arc_scatter(rng, n)
-    count = sum(1 for c in inp if c)
-    return inp, [1] * count + [0] * (n - count)
-
-
-def _arc_one_step(rng, n):
-    """Every colored cell with an empty cell on its left moves one step left (scanning from the left)."""
-    inp = _arc_scatter(rng, n)
+    if kind == "gravity":
+        return inp, kept + [0] * (n - len(kept))
+    if kind == "gravity_counting":
+        return inp, [1] * len(kept) + [0] * (n - len(kept))
+    if kind == "change_to_five":
+        return inp, [5 if c else 0 for c in inp]
     out = list(inp)
     for i in range(1, n):
         if out[i] and not out[i - 1]:
             out[i - 1], out[i] = out[i], 0
     return inp, out
-
-
-def _arc_five(rng, n):
-    """Every colored cell becomes color 5."""
-    inp = _arc_scatter(rng, n)
-    return inp, [5 if c else 0 for c in inp]
 
 
 def _arc_fill(rng, n):
@@ -859,14 +848,15 @@ def _arc_touch(rng, n):
     return inp, out
 
 
-# rule name (ReasoningGym's, for the 43 rules we have) -> (generator, its arguments, mirrored?)
+# rule name -> (generator, its arguments, mirrored?). The names are ReasoningGym's for the 43 rules we
+# have, except that gravity rules here are named after the side the cells move to.
 ARC_RULES = {f"move_{k}pix_{'solid' if solid else 'colorful'}{'_wrapped' if wrap else ''}_{side}":
              (_arc_move, {"k": k, "solid": solid, "wrap": wrap}, side == "left")
              for k in (1, 2, 3, 4) for solid in (True, False) for wrap in (False, True) for side in ("right", "left")}
-ARC_RULES.update({f"{name}_{side}": (fn, {}, side == "right") for name, fn in
-                  (("gravity", _arc_gravity), ("gravity_counting", _arc_counting), ("gravity_one_step", _arc_one_step))
-                  for side in ("left", "right")})
-ARC_RULES.update({"change_to_five": (_arc_five, {}, False), "two_points_and_fill": (_arc_fill, {}, False),
+ARC_RULES.update({f"{kind}_{side}": (_arc_scattered, {"kind": kind}, side == "right")
+                  for kind in ("gravity", "gravity_counting", "gravity_one_step") for side in ("left", "right")})
+ARC_RULES.update({"change_to_five": (_arc_scattered, {"kind": "change_to_five"}, False),
+                  "two_points_and_fill": (_arc_fill, {}, False),
                   "reflect_block_with_border_pixel": (_arc_reflect, {}, False),
                   "move_block_by_own_size": (_arc_own_size, {}, False), "block_touch_dot": (_arc_touch, {}, False)})
 
@@ -896,8 +886,8 @@ class Arc1D(Task):
         lines = ["Find the common rule that maps each input grid to its output grid in the examples below.", ""]
         for i, (inp, out) in enumerate(pairs[:-1], 1):
             lines += [f"Example {i}:", f"Input:  {show(inp)}", f"Output: {show(out)}", ""]
-        lines += ["Below is a test input grid. Work out the rule, explain how you found it, then give the "
-                  "output grid for the test input; your final answer is just that grid.", "", "Input:", show(pairs[-1][0])]
+        lines += ["Below is a test input grid. Work out the rule, explain how you found it, then give the output grid "
+                  "for the test input; your final answer is just that grid.", "", "Input:", show(pairs[-1][0])]
         return "\n".join(lines), show(pairs[-1][1]), {"task_name": rule, "size": n}
 
     def working(self, item):
@@ -939,7 +929,8 @@ class EasyTask(Task):
 
     def verify(self, item):
         meta = item["metadata"]
-        return self.render(meta) == item["question"] and self.score_answer(item["answer"], {"answer": self.solve(meta)}) == 1.0
+        same = self.score_answer(item["answer"], {"answer": self.solve(meta)}) == 1.0
+        return self.render(meta) == item["question"] and same
 
     def score_answer(self, answer, item):
         x = _int_answer(answer)
@@ -958,7 +949,8 @@ class Addition(EasyTask):
         self.name, self.difficulty = name, difficulty
 
     def sample(self, rng):
-        return {"a": rng.randint(self._lowest(), 10 ** self.difficulty - 1), "b": rng.randint(self._lowest(), 10 ** self.difficulty - 1)}
+        top = 10 ** self.difficulty - 1
+        return {"a": rng.randint(self._lowest(), top), "b": rng.randint(self._lowest(), top)}
 
     def render(self, meta):
         a, b = meta["a"], meta["b"]
@@ -1102,13 +1094,15 @@ def near_misses(item):
         out += ["No" if a == "Yes" else "Yes", "True", "Y"]
     if "simplified_numerator" in meta:
         p, q, n, d = (meta[k] for k in ("simplified_numerator", "simplified_denominator", "numerator", "denominator"))
-        out += [f"{p}/{q}", f"{p} / {q}", f"\\frac{{{p}}}{{{q}}}", f"$\\frac{{{p}}}{{{q}}}$", f"\\dfrac{{ {p} }}{{ {q} }}",
-                f"\\FRAC{{{p}}}{{{q}}}", f"{n}/{d}", f"{2 * p}/{2 * q}", f"{q}/{p}", f"-{p}/{q}", f"{p}:{q}",
-                f"{p / q:.3f}", f"{p}/{q} = {p / q:.2f}", f"{p}/{d}", f"{n}/{q}", f"\\frac{{{p}}}{{{q}}} is it", f"{p}/{q}/1"]
+        latex = f"\\frac{{{p}}}{{{q}}}"
+        out += [f"{p}/{q}", f"{p} / {q}", latex, f"${latex}$", f"\\dfrac{{ {p} }}{{ {q} }}", latex.upper(),
+                f"{latex} is it", f"{n}/{d}", f"{2 * p}/{2 * q}", f"{q}/{p}", f"-{p}/{q}", f"{p}:{q}", f"{p / q:.3f}",
+                f"{p}/{q} = {p / q:.2f}", f"{p}/{d}", f"{n}/{q}", f"{p}/{q}/1"]
     if re.fullmatch(r"[0-9]+( [0-9]+)*(\n[0-9]+( [0-9]+)*)*", a):  # a grid: arc_1d, binary_matrix
         rows = [[int(v) for v in line.split()] for line in a.split("\n")]
-        out += [str(rows), str(tuple(map(tuple, rows))), json.dumps(rows), "[" + "]\n [".join(map(" ".join, (r.split() for r in a.split("\n")))) + "]",
-                str((int(a[0]) + 1) % 10) + a[1:], "\n".join(line + " " for line in a.split("\n")), "; ".join(a.split("\n")),
+        lines = a.split("\n")
+        out += [str(rows), str(tuple(map(tuple, rows))), json.dumps(rows), "[" + "]\n [".join(lines) + "]",
+                str((int(a[0]) + 1) % 10) + a[1:], "\n".join(line + " " for line in lines), "; ".join(lines),
                 _grid(zip(*rows)), str(rows[0]) if len(rows) == 1 else str(rows[:-1])]
     if "premises" in meta:
         premises = meta["premises"]
@@ -1123,51 +1117,51 @@ def near_misses(item):
 
 
 def parity(n, seed=0):
-    """Agreement between our scorers and reasoning_gym's for each of the nine families, on n of
-    reasoning_gym's items (its reference answer and near_misses) and on n of ours (rg's scorer must
-    give our reference answer 1.0, and agree with ours on its near misses). Returns one dict of
-    counts per family and the list of disagreements (family, answer, our score, rg's score)."""
-    rows, diffs = [], []
+    """Agreement between our scorers and reasoning_gym's for each of the nine families: on n of rg's
+    items (its reference answer, then near_misses of it) and on n of ours (rg's scorer must give our
+    reference answer 1.0, and agree with ours on near misses). Returns a dict of counts per family
+    and the disagreements as (family, whose item, answer, our score, rg's score)."""
     tag = "<answer>{}</answer>".format
+    rows, diffs = [], []
+
+    def agree(ours, theirs, answers, whose):
+        """How many answers our scorer (on item ours) and rg's (on item theirs) give the same score."""
+        scores = [(v, score(ours, tag(v)), score(theirs, tag(v))) for v in answers]
+        diffs.extend((ours["task"], whose, v, a, b) for v, a, b in scores if not math.isclose(a, b, abs_tol=1e-9))
+        return sum(math.isclose(a, b, abs_tol=1e-9) for _, a, b in scores)
+
     for name in PAPER_TASKS:
-        rg_task, row = get_task("rg:" + name), dict(family=name, refs=0, variants=0, variants_n=0, accepts=0, ours=0, ours_n=0)
-        rng = random.Random(f"parity {seed} {name}")
+        rg_task, rng = get_task("rg:" + name), random.Random(f"parity {seed} {name}")
+        row = dict(family=name, n=n, refs=0, variants=0, variants_n=0, accepts=0, ours=0, ours_n=0)
         for _ in range(n):
             theirs = rg_task.generate(rng)
-            mine = {**theirs, "task": name}
-            for i, v in enumerate([theirs["answer"]] + near_misses(theirs)):
-                s_ours, s_rg = score(mine, tag(v)), score(theirs, tag(v))
-                same = math.isclose(s_ours, s_rg, abs_tol=1e-9)
-                row["refs" if i == 0 else "variants"] += same
-                row["variants_n"] += i > 0
-                if not same:
-                    diffs.append((name, v, s_ours, s_rg))
-            item = TASKS[name].generate(rng)
-            as_rg = {**item, "task": rg_task.name}
-            row["accepts"] += score(as_rg, tag(item["answer"])) == 1.0
-            for v in near_misses(item):
-                s_ours, s_rg = score(item, tag(v)), score(as_rg, tag(v))
-                row["ours"] += math.isclose(s_ours, s_rg, abs_tol=1e-9)
-                row["ours_n"] += 1
-                if not math.isclose(s_ours, s_rg, abs_tol=1e-9):
-                    diffs.append((name + " (our item)", v, s_ours, s_rg))
+            mine, misses = {**theirs, "task": name}, near_misses(theirs)
+            row["refs"] += agree(mine, theirs, [theirs["answer"]], "rg's")
+            row["variants"] += agree(mine, theirs, misses, "rg's")
+            row["variants_n"] += len(misses)
+            ours = TASKS[name].generate(rng)
+            as_rg, misses = {**ours, "task": rg_task.name}, near_misses(ours)
+            row["accepts"] += score(as_rg, tag(ours["answer"])) == 1.0
+            row["ours"] += agree(ours, as_rg, misses, "our")
+            row["ours_n"] += len(misses)
         rows.append(row)
     return rows, diffs
 
 
 def _print_parity(n):
-    rows, diffs = parity(n)
-    pct = lambda k, m: f"{k}/{m} ({100 * k / m:.1f}%)" if m else "-"  # noqa: E731
     from importlib.metadata import version
+    rows, diffs = parity(n)
+    rows.append({k: "all" if k == "family" else sum(r[k] for r in rows) for k in rows[0]})
     print(f"Agreement with reasoning_gym {version('reasoning-gym')} score_answer, {n} items per family\n")
-    print("| family | rg's reference answers | rg's items, near misses | rg accepts our reference answers | our items, near misses |")
+    print("| family | rg's reference answers | rg's items, near misses | rg accepts our reference answers "
+          "| our items, near misses |")
     print("|---|---|---|---|---|")
-    for r in rows + [{k: (sum(r[k] for r in rows) if k != "family" else "all") for k in rows[0]}]:
-        print(f"| {r['family']} | {pct(r['refs'], n if r['family'] != 'all' else n * len(rows))} | "
-              f"{pct(r['variants'], r['variants_n'])} | {pct(r['accepts'], n if r['family'] != 'all' else n * len(rows))} | "
-              f"{pct(r['ours'], r['ours_n'])} |")
-    for name, v, a, b in diffs:
-        print(f"differs: {name}: answer {v!r}: ours {a:.4g}, rg {b:.4g}")
+    for r in rows:
+        cells = [f"{r[k]}/{r[m]} ({100 * r[k] / max(r[m], 1):.1f}%)" for k, m in
+                 (("refs", "n"), ("variants", "variants_n"), ("accepts", "n"), ("ours", "ours_n"))]
+        print(f"| {r['family']} | " + " | ".join(cells) + " |")
+    for name, whose, v, a, b in diffs:
+        print(f"differs: {name}, {whose} item: answer {v!r}: ours {a:.4g}, rg {b:.4g}")
 
 
 if __name__ == "__main__":

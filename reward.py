@@ -1131,15 +1131,16 @@ def parity(n, seed=0):
         return sum(math.isclose(a, b, abs_tol=1e-9) for _, a, b in scores)
 
     for name in PAPER_TASKS:
-        rg_task, rng = get_task("rg:" + name), random.Random(f"parity {seed} {name}")
+        rg_task = get_task("rg:" + name)
+        rg_rng, our_rng = random.Random(f"parity {seed} {name} rg"), random.Random(f"parity {seed} {name} ours")
         row = dict(family=name, n=n, refs=0, variants=0, variants_n=0, accepts=0, ours=0, ours_n=0)
         for _ in range(n):
-            theirs = rg_task.generate(rng)
+            theirs = rg_task.generate(rg_rng)
             mine, misses = {**theirs, "task": name}, near_misses(theirs)
             row["refs"] += agree(mine, theirs, [theirs["answer"]], "rg's")
             row["variants"] += agree(mine, theirs, misses, "rg's")
             row["variants_n"] += len(misses)
-            ours = TASKS[name].generate(rng)
+            ours = TASKS[name].generate(our_rng)
             as_rg, misses = {**ours, "task": rg_task.name}, near_misses(ours)
             row["accepts"] += score(as_rg, tag(ours["answer"])) == 1.0
             row["ours"] += agree(ours, as_rg, misses, "our")

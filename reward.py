@@ -274,6 +274,7 @@ def _to_base(n, base):
 
 
 def _base_name(base):
+    """How the question names a base: "binary", "hexadecimal" or "base-7"."""
     return {2: "binary", 16: "hexadecimal"}.get(base, f"base-{base}")
 
 
@@ -691,7 +692,13 @@ def _holds(f, row):
 
 
 def _variables(f):
+    """The variable names in a parsed formula."""
     return {f} if isinstance(f, str) else set().union(*map(_variables, f[1:]))
+
+
+def _bit_rows(n):
+    """All 2^n tuples of n truth values."""
+    return [tuple(bool(i >> j & 1) for j in range(n)) for i in range(2**n)]
 
 
 class PropositionalLogic(Task):
@@ -761,11 +768,6 @@ class PropositionalLogic(Task):
 
     def working(self, item):
         return f"In every row of the truth table where all the premises are true, {item['answer']} is true too."
-
-
-def _bit_rows(n):
-    """All 2^n tuples of n truth values."""
-    return [tuple(bool(i >> j & 1) for j in range(n)) for i in range(2**n)]
 
 
 def _arc_move(rng, n, k, solid, wrap):
@@ -1031,7 +1033,8 @@ class ReasoningGymTask(Task):
     reasoning_gym.create_dataset("bf", ...) with the paper's config for the nine (rg's defaults for
     other names) and scores with that dataset's score_answer. An item is entry 0 of the dataset with
     the item's seed; its metadata is rg's (made JSON-safe) plus that seed and the config. An entry
-    without an answer (propositional_logic) takes its example answer, which rg's scorer accepts."""
+    without an answer (propositional_logic) takes its example answer, which rg's scorer accepts.
+    rg's scorers trust the metadata: score a peer's rg item only after verify_item accepted it."""
 
     def __init__(self, rg_name):
         self.rg_name, self.name = rg_name, "rg:" + rg_name
@@ -1047,7 +1050,7 @@ class ReasoningGymTask(Task):
         meta = json.loads(json.dumps(entry.get("metadata", {}), default=str))
         answer = entry["answer"] if entry["answer"] is not None else meta.get("example_answer")
         return {"task": self.name, "question": entry["question"], "answer": str(answer),
-                "metadata": {**meta, "seed": seed, "config": self.config}}
+                "metadata": {**meta, "seed": seed, "config": json.loads(json.dumps(self.config))}}
 
     def score_answer(self, answer, item):
         entry = {"question": item["question"], "answer": item["answer"], "metadata": item["metadata"]}
@@ -1150,6 +1153,7 @@ def parity(n, seed=0):
 
 
 def _print_parity(n):
+    """Print parity(n) as the README's Markdown table, then every disagreement."""
     from importlib.metadata import version
     rows, diffs = parity(n)
     rows.append({k: "all" if k == "family" else sum(r[k] for r in rows) for k in rows[0]})

@@ -1,55 +1,106 @@
 """
-The verifiable tasks of nanoSAPO: a question generator and a verifier per task family, the system
-prompt, and answer extraction from the last <answer>...</answer> span.
+The verifiable tasks of nanoSAPO: a question generator and a scorer per task family, the system
+prompts, answer extraction from the last <answer>...</answer> span, and `verify_item`, which lets a
+peer trust a question that another peer shared.
 
-SAPO (arXiv 2509.08721, §4.1) trains on nine ReasoningGYM "specialties": base_conversion,
-basic_arithmetic, arc_1d, bf, propositional_logic, fraction_simplification, decimal_arithmetic,
-calendar_arithmetic and binary_matrix. Each question has one exactly checkable answer, so the reward
-of a completion is 1.0 when its last <answer>...</answer> holds an answer equal to the ground truth,
-else 0.0. Every family here is a `Task` that does four things: sample a small JSON `metadata` dict
-from an rng, render the question text from it, solve it, and say when two answers are equal.
+SAPO (arXiv 2509.08721, §4.1) trains on nine ReasoningGym families (base_conversion, basic_arithmetic,
+arc_1d, bf, propositional_logic, fraction_simplification, decimal_arithmetic, calendar_arithmetic,
+binary_matrix), generated with the configs of the paper's code (PAPER_CONFIGS below) and rewarded with
+ReasoningGym's own `score_answer`. This file rewrites all nine from scratch, standard library only:
+- each scorer gives what reasoning_gym 0.1.25's `score_answer` gives, with the same answer formats and
+  the same partial credit (0.1 for a fraction that keeps the question's numerator, exp(-5 x relative
+  error) for a day count, 0.25 for a true but trivial logical conclusion, ...);
+- each generator follows the paper's config for its family (sizes, ranges, sub-tasks, answer format)
+  with our own code and wording, so items are alike, not identical.
+`python reward.py --parity 200` measures the agreement with reasoning_gym; the README has the table.
 
-Deviations from the paper, and why:
-- The generators are written from scratch in the spirit of ReasoningGYM's generators of the same
-  names, not identical to them: same idea per family, different wording, sizes and variety (e.g. our
-  propositional_logic evaluates a formula under given truth values; our arc_1d has five row
-  transformations). So numbers are not comparable one to one with the paper's.
-- The paper's reward is ReasoningGYM's scorer (which gives partial credit on some tasks); ours is
-  strict 0/1 with the per-family equivalences listed in each family's docstring.
-- Trust: in the paper a peer scores shared rollouts against the ground truth the *sender* attached,
-  which the paper names as an open trust problem. `verify_item` closes it here: the receiver
-  re-renders the question from the metadata, checks it equals the question shown to the model, and
-  re-derives the answer itself, so a receiver can drop any item where they disagree.
+Deviations, and why:
+- arc_1d draws from 43 of ReasoningGym's 77 rule types (block moves with and without wrap-around,
+  gravity, counting, one-step gravity, recolor to 5, fill between two points, reflect a block, move a
+  block by its own size, move a block to touch a dot): the other 34 would triple the family's code.
+- Our generators skip ReasoningGym's degenerate items: basic_arithmetic only divides exactly (rg's
+  floor division sometimes rounds), propositional_logic premises can all be true and always have a
+  conclusion worth 1.0 (rg falls back to a bare variable, worth 0.25), base_conversion writes 0 as "0"
+  (rg writes an empty answer that nothing can match).
+- Scoring: an answer over 2,000 characters scores 0; binary_matrix reads a Python-list answer with
+  ast.literal_eval where rg calls eval(); propositional_logic gives up (0) on an answer with more than
+  12 distinct variables, where rg enumerates all 2^n truth assignments; where rg's scorer raises, ours
+  gives 0. decimal_arithmetic compares in a 5-digit Decimal context, the one rg's generator leaves
+  behind with the paper's precision 5.
+- The paper's code never rewards propositional_logic: the item's answer is None and its reward
+  function returns 0 for a missing answer (rl-swarm rgym_exp/src/rewards.py). We use rg's scorer,
+  which gives 1.0 to any non-trivial conclusion that follows from the premises.
+- Trust: in the paper a peer scores shared rollouts against the ground truth the sender attached,
+  which the paper names as an open trust problem. Here every item carries the seed it was made from
+  in its metadata, and `verify_item` regenerates the item from that seed and accepts only an exact
+  copy, so a peer can inject neither a wrong answer nor a question our generator would not make.
 - Very easy families (one_digit_addition, ...) are added so that a 135M-parameter model gets some
-  reward at all (see DESIGN.md); the paper's nine are far too hard for it.
-- Optional: names `rg:NAME` use the real `reasoning_gym` package when it is installed (it is not a
-  dependency). For those, verify_item can only ask ReasoningGYM's scorer whether the sent answer
-  scores 1.0 against the sent entry; it cannot rule out forged metadata.
-
-Standard library only.
+  reward at all (see DESIGN.md); they keep a simpler contract (strict 0/1 reward; verify re-renders
+  the question from the metadata and re-derives the answer).
+- Optional: `rg:NAME` uses the real reasoning_gym package when it is installed (it is not a
+  dependency), with the paper's config for the nine; `verify_item` regenerates those items with
+  reasoning_gym from their seed and config.
 """
 
+import ast
 import calendar
+import contextlib
 import datetime
+import io
 import json
 import math
+import operator
+import random
 import re
-from decimal import Decimal, localcontext
+from decimal import Context, Decimal, localcontext
 from fractions import Fraction
 
+# ReasoningGym's default system prompt, which the paper's code uses: reasoning_gym 0.1.25,
+# reasoning_gym/utils.py SYSTEM_PROMPTS["default"], chosen in rl-swarm rgym_exp/src/data.py.
+RG_SYSTEM_PROMPT = (
+    "Given a problem, your task is to answer the question by thinking step-by-step in a clear and specific manner.\n"
+    "Once you have thought about the reasoning process, provide the answer in the following format:\n"
+    "<answer>answer here</answer>\n"
+    "Do not explain your reasoning inside the answer tags, provide only the final answer. When an example is "
+    "provided, you should strictly follow the format of the output/answer in that example.\n"
+)
 SYSTEM_PROMPT = (
     "You are a careful problem solver. Think about the question step by step, then give your final "
     "answer inside <answer></answer> tags, for example <answer>42</answer>. Put only the final "
     "answer inside the tags, nothing else."
 )
+SYSTEM_PROMPTS = {"default": SYSTEM_PROMPT, "rg": RG_SYSTEM_PROMPT}
+
+PAPER_TASKS = ["base_conversion", "basic_arithmetic", "arc_1d", "bf", "propositional_logic",
+               "fraction_simplification", "decimal_arithmetic", "calendar_arithmetic", "binary_matrix"]
+EASY_TASKS = ["one_digit_addition", "one_digit_multiplication", "two_digit_addition"]
+
+# The generator configs of the paper's code (rl-swarm rgym_exp/src/datasets.yaml, in reasoning_gym's
+# parameter names; seed and size left out). Our generators read their ranges from here too.
+PAPER_CONFIGS = {
+    "base_conversion": {"min_base": 2, "max_base": 16, "min_value": 0, "max_value": 1000},
+    "basic_arithmetic": {"min_terms": 2, "max_terms": 6, "min_digits": 1, "max_digits": 4,
+                         "operators": ["+", "-", "*", "/"], "allow_parentheses": True, "allow_negation": True,
+                         "format_style": "natural", "whitespace": "single"},
+    "arc_1d": {"min_size": 10, "max_size": 30, "num_train": 3},
+    "bf": {"difficulty": 1},
+    "propositional_logic": {"min_vars": 2, "max_vars": 4, "min_statements": 2, "max_statements": 4,
+                            "min_complexity": 1, "max_complexity": 3},
+    "fraction_simplification": {"min_value": 1, "max_value": 100, "min_factor": 2, "max_factor": 100,
+                                "styles": ["plain", "latex_frac", "latex_dfrac"]},
+    "decimal_arithmetic": {"min_terms": 2, "max_terms": 6, "min_num_decimal_places": 1,
+                           "max_num_decimal_places": 3, "precision": 5},
+    "calendar_arithmetic": {"year": 2023, "offset_upper_bound": 100, "leap_year_range": 200,
+                            "tasks": ["count_days", "weekday_of_date", "is_leap_year", "recurring_event_day"]},
+    "binary_matrix": {"min_n": 3, "max_n": 10, "p_zero": 0.25},
+}
 
 MAX_COMPLETION_CHARS = 10_000  # only the last 10k characters of a completion are looked at
-MAX_ANSWER_CHARS = 2_000       # a longer answer span is wrong (and too costly to parse)
-MAX_QUESTION_CHARS = 5_000     # a longer question or metadata from a peer is rejected
+MAX_ANSWER_CHARS = 2_000       # a longer answer scores 0 (and is not worth parsing)
 MAX_BF_STEPS = 100_000         # the bf interpreter gives up after this many instructions
 
 # -----------------------------------------------------------------------------
-# answer extraction and number parsing
+# the contract: extract_answer, Task, score, verify_item, get_task, task_names
 
 
 def extract_answer(text):
@@ -74,569 +125,449 @@ def extract_answer(text):
     return None if found is None else found.strip()
 
 
-# ASCII digits only ("٤٢" is not a number here), exponent at most 3 digits (no "1e999999")
-_NUMBER_RE = re.compile(r"[+-]?(?:[0-9]{1,60}(?:\.[0-9]{0,60})?|\.[0-9]{1,60})(?:[eE][+-]?[0-9]{1,3})?")
-
-
-def parse_number(s):
-    """An exactly parsed decimal number as a Fraction, or None: " +4.20e1 " -> Fraction(42)."""
-    if not isinstance(s, str) or len(s) > 200:
-        return None
-    s = s.strip()
-    if not _NUMBER_RE.fullmatch(s):
-        return None
-    return Fraction(s)
-
-
-def _int_answer(s):
-    """An integer answer in any exact decimal spelling ("42", "42.0", "4.2e1"), else None."""
-    x = parse_number(s)
-    return x.numerator if x is not None and x.denominator == 1 else None
-
-
-def _is_int(x, lo, hi):
-    """True if x is a real int (not a bool) with lo <= x <= hi."""
-    return type(x) is int and lo <= x <= hi
-
-
-# -----------------------------------------------------------------------------
-# the Task base class
-
-
 class Task:
-    """One task family. A subclass sets `name` and `difficulty` and writes four small methods:
-    sample(rng) -> metadata, render(metadata) -> question, solve(metadata) -> answer, and
-    normalize(answer) -> a canonical value (None if the answer is malformed); two answers agree
-    when both normalize to the same non-None value. metadata must be JSON with plain types."""
+    """One task family. A family writes make(rng) -> (question, answer, metadata), drawing only from
+    rng; score_answer(answer, item) -> reward in [0, 1] for an extracted answer (None when the
+    completion has none), which by default is ReasoningGym's default rule; and working(item), a
+    line of working for the worked example. Every item carries the seed it was made from as
+    metadata["seed"]: that is all verify() needs to trust it."""
 
     name = "task"
-    difficulty = 1
 
-    def __init__(self, difficulty=None):
-        if difficulty is not None:
-            self.difficulty = difficulty
-
-    # --- what a family writes
-    def sample(self, rng):
+    def make(self, rng):
         raise NotImplementedError
 
-    def render(self, meta):
-        raise NotImplementedError
+    def score_answer(self, answer, item):
+        return rg_default_score(answer, item["answer"])
 
-    def solve(self, meta):
-        raise NotImplementedError
-
-    def normalize(self, answer):
-        return answer.strip()
-
-    def working(self, meta):
-        """One or two lines of working shown before the answer in the worked example."""
+    def working(self, item):
         return ""
 
-    # --- what every family gets
+    def from_seed(self, seed):
+        """The item made from random.Random(seed): {task, question, answer, metadata}."""
+        question, answer, meta = self.make(random.Random(seed))
+        return {"task": self.name, "question": question, "answer": answer, "metadata": {**meta, "seed": seed}}
+
     def generate(self, rng):
-        """A new item {task, question, answer, metadata}, drawing only from rng."""
-        meta = self.sample(rng)
-        return {"task": self.name, "question": self.render(meta), "answer": self.solve(meta), "metadata": meta}
-
-    def same(self, a, b):
-        """True if answers a and b (str) are equal under this family's equivalence."""
-        if not isinstance(a, str) or not isinstance(b, str) or len(a) > MAX_ANSWER_CHARS or len(b) > MAX_ANSWER_CHARS:
-            return False
-        na = self.normalize(a)
-        return na is not None and na == self.normalize(b)
-
-    def score(self, item, completion):
-        """1.0 if the completion's last <answer> equals item["answer"], else 0.0."""
-        return 1.0 if self.same(extract_answer(completion), item["answer"]) else 0.0
+        """A new item, drawing only its seed from rng."""
+        return self.from_seed(rng.randrange(2**32))
 
     def verify(self, item):
-        """True iff the question is the one rendered from the metadata and the answer is right."""
-        meta, question = item["metadata"], item["question"]
-        if not isinstance(meta, dict) or not isinstance(question, str) or len(question) > MAX_QUESTION_CHARS:
+        """True iff the item is exactly the one its seed makes (question, answer and metadata)."""
+        seed = item["metadata"].get("seed")
+        if type(seed) is not int or not 0 <= seed < 2**32:
             return False
-        if len(json.dumps(meta)) > MAX_QUESTION_CHARS:
-            return False
-        if self.render(meta) != question:
-            return False
-        return self.same(item["answer"], self.solve(meta))
+        fresh = self.from_seed(seed)
+        return all(_canonical(item[k]) == _canonical(fresh[k]) for k in ("question", "answer", "metadata"))
+
+    def score(self, item, completion):
+        """Reward of one completion: score_answer on its last <answer> span."""
+        answer = extract_answer(completion)
+        if answer is not None and len(answer) > MAX_ANSWER_CHARS:
+            return 0.0
+        return self.score_answer(answer, item)
 
     def solution(self, item):
         """A short worked solution: a line of working, then <answer>...</answer>."""
-        work = self.working(item["metadata"])
+        work = self.working(item)
         return (work + "\n" if work else "") + f"<answer>{item['answer']}</answer>"
 
 
-# -----------------------------------------------------------------------------
-# very easy families, for small models and tests
+def _canonical(x):
+    """JSON text with sorted keys: tells 1, 1.0 and True apart, as a peer's JSON would."""
+    return json.dumps(x, sort_keys=True)
 
 
-class Addition(Task):
-    """a + b with `difficulty`-digit numbers; integer answer, any exact spelling ("8", "8.0").
-    Example (difficulty 1): "What is 3 + 5?" -> "8"."""
-
-    op = "+"
-
-    def __init__(self, name, difficulty):
-        self.name, self.difficulty = name, difficulty
-
-    def sample(self, rng):
-        lo = 0 if self.difficulty == 1 else 10 ** (self.difficulty - 1)
-        return {"a": rng.randint(lo, 10 ** self.difficulty - 1), "b": rng.randint(lo, 10 ** self.difficulty - 1)}
-
-    def render(self, meta):
-        a, b = meta["a"], meta["b"]
-        if not (_is_int(a, 0, 10**9) and _is_int(b, 0, 10**9)):
-            raise ValueError("bad operands")
-        return f"What is {a} {self.op} {b}?"
-
-    def solve(self, meta):
-        return str(meta["a"] + meta["b"] if self.op == "+" else meta["a"] * meta["b"])
-
-    def normalize(self, answer):
-        return _int_answer(answer)
-
-    def working(self, meta):
-        return f"{meta['a']} {self.op} {meta['b']} = {self.solve(meta)}."
+def rg_default_score(answer, oracle):
+    """ReasoningGym's default rule: 1.0 for exactly the answer, len(oracle) / len(answer) when the
+    answer contains it ("The answer is 42" -> 2/16), else 0.0."""
+    if not isinstance(answer, str) or not answer:
+        return 0.0
+    if answer == oracle:
+        return 1.0
+    return len(oracle) / len(answer) if oracle in answer else 0.0
 
 
-class Multiplication(Addition):
-    """a * b with `difficulty`-digit numbers; integer answer, any exact spelling.
-    Example (difficulty 1): "What is 3 * 5?" -> "15"."""
-
-    op = "*"
-
-
-class LargerNumber(Task):
-    """Which of two different `difficulty`-digit numbers is larger; answer that number (exact value).
-    Near chance for a guessing model: copying either number scores half the time.
-    Example (difficulty 2): "Which number is larger, 37 or 52? Answer with the larger number." -> "52"."""
-
-    name, difficulty = "larger_number", 2
-
-    def sample(self, rng):
-        lo = 0 if self.difficulty == 1 else 10 ** (self.difficulty - 1)
-        a, b = rng.sample(range(lo, 10 ** self.difficulty), 2)
-        return {"a": a, "b": b}
-
-    def render(self, meta):
-        a, b = meta["a"], meta["b"]
-        if not (_is_int(a, 0, 10**9) and _is_int(b, 0, 10**9)) or a == b:
-            raise ValueError("bad numbers")
-        return f"Which number is larger, {a} or {b}? Answer with the larger number."
-
-    def solve(self, meta):
-        return str(max(meta["a"], meta["b"]))
-
-    def normalize(self, answer):
-        return _int_answer(answer)
-
-    def working(self, meta):
-        return f"{self.solve(meta)} is larger than {min(meta['a'], meta['b'])}."
+def _task_of(item):
+    """The Task of a well-formed item (a dict with a known task name, a str question and answer and a
+    dict metadata), else None."""
+    if not isinstance(item, dict) or not isinstance(item.get("task"), str):
+        return None
+    if not (isinstance(item.get("question"), str) and isinstance(item.get("answer"), str)
+            and isinstance(item.get("metadata"), dict)):
+        return None
+    try:
+        return get_task(item["task"])
+    except ValueError:
+        return None
 
 
-class RepeatNumber(Task):
-    """Repeat a `difficulty`-digit number; exact value.
-    Example (difficulty 1): "Repeat this number: 7" -> "7"."""
+def score(item, completion):
+    """Reward in [0, 1] of one completion for one item; 0.0 for anything malformed, never raises."""
+    task = _task_of(item)
+    try:
+        x = float(task.score(item, completion)) if task else 0.0
+    except Exception:  # whatever a hostile item or completion makes a scorer raise
+        return 0.0
+    return x if 0.0 <= x <= 1.0 else 0.0
 
-    name, difficulty = "repeat_number", 1
 
-    def sample(self, rng):
-        return {"n": rng.randint(0 if self.difficulty == 1 else 10 ** (self.difficulty - 1), 10 ** self.difficulty - 1)}
+def verify_item(item):
+    """True iff the item is well formed and is exactly what its family's generator makes from the
+    item's own seed (for the easy families: its question and answer re-derived from its metadata).
+    The sender's question and ground truth are never trusted; never raises."""
+    task = _task_of(item)
+    try:
+        return bool(task and task.verify(item))
+    except Exception:
+        return False
 
-    def render(self, meta):
-        if not _is_int(meta["n"], 0, 10**9):
-            raise ValueError("bad number")
-        return f"Repeat this number: {meta['n']}"
 
-    def solve(self, meta):
-        return str(meta["n"])
+def solution(item):
+    """A short worked solution ending in <answer>...</answer>, for the item's family."""
+    return get_task(item["task"]).solution(item)
 
-    def normalize(self, answer):
-        return _int_answer(answer)
 
-    def working(self, meta):
-        return f"The number is {meta['n']}."
+def get_task(name):
+    """The Task called `name`: a plain name from TASKS, or "rg:NAME" for a reasoning_gym dataset."""
+    if isinstance(name, str) and name in TASKS:
+        return TASKS[name]
+    if isinstance(name, str) and name.startswith("rg:"):
+        if reasoning_gym is None:
+            raise ValueError(f"Task {name!r} needs the reasoning_gym package: pip install reasoning-gym==0.1.25.")
+        if name not in _RG_TASKS:
+            try:
+                _RG_TASKS[name] = ReasoningGymTask(name[3:])
+            except Exception:
+                raise ValueError(f"reasoning_gym has no dataset called {name[3:]!r}.") from None
+        return _RG_TASKS[name]
+    raise ValueError(f"Unknown task {name!r}; known tasks are {', '.join(TASKS)}, the groups paper, easy "
+                     f"and rg:paper, and rg:NAME for any reasoning_gym dataset.")
 
+
+def task_names(spec):
+    """The task names that a --tasks value selects: a comma list of task names and the groups "paper"
+    (the nine), "easy" and "rg:paper" (the nine from reasoning_gym, with the paper's configs).
+    task_names("rg:paper,easy") -> ["rg:base_conversion", ..., "two_digit_addition"]."""
+    groups = {"paper": PAPER_TASKS, "easy": EASY_TASKS, "rg:paper": ["rg:" + n for n in PAPER_TASKS]}
+    names = []
+    for part in str(spec).split(","):
+        for name in groups.get(part.strip(), [part.strip()] if part.strip() else []):
+            get_task(name)  # raises ValueError naming the known tasks
+            names.append(name)
+    if not names:
+        raise ValueError("No tasks given: name tasks, or paper, easy or rg:paper.")
+    return names
 
 # -----------------------------------------------------------------------------
 # the paper's nine families
 
-_DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
-
 
 def _to_base(n, base):
-    """n >= 0 written in base 2..16 with lowercase digits: _to_base(255, 16) -> "ff"."""
-    out = ""
+    """n >= 0 written in base 2..36 with lowercase digits: _to_base(255, 16) -> "ff"."""
+    digits = ""
     while True:
         n, r = divmod(n, base)
-        out = _DIGITS[r] + out
+        digits = "0123456789abcdefghijklmnopqrstuvwxyz"[r] + digits
         if n == 0:
-            return out
+            return digits
+
+
+def _base_name(base):
+    """How the question names a base: "binary", "hexadecimal" or "base-7"."""
+    return {2: "binary", 16: "hexadecimal"}.get(base, f"base-{base}")
 
 
 class BaseConversion(Task):
-    """Convert a number from base a to base b (2..16), digits above 9 as lowercase letters.
-    Harmless: upper/lower case, leading zeros. Not accepted: prefixes such as 0x, spaces inside.
-    n is drawn below 2**(4*difficulty). Example: "Convert the base-16 number ff to base 2. ..."
-    -> "11111111"."""
+    """Convert a number 0..1000 between two different bases 2..16, digits above 9 as lowercase
+    letters: "... convert the base-7 number 1234 to hexadecimal" -> "1d2". ReasoningGym's default
+    rule, so "1D2" and "0x1d2" are not the answer (the latter earns 3/5 partial credit)."""
 
-    name, difficulty = "base_conversion", 3
+    name = "base_conversion"
 
-    def sample(self, rng):
-        a, b = rng.sample(range(2, 17), 2)
-        return {"number": _to_base(rng.randrange(1, 2 ** (4 * self.difficulty)), a), "from_base": a, "to_base": b}
+    def make(self, rng):
+        c = PAPER_CONFIGS[self.name]
+        value = rng.randint(c["min_value"], c["max_value"])
+        source, target = rng.sample(range(c["min_base"], c["max_base"] + 1), 2)
+        question = ("Convert a number from one base to another. If the target base is above 10, write "
+                    "the digits above 9 as lowercase letters a-z.\n\n"
+                    f"Now, convert the {_base_name(source)} number {_to_base(value, source)} to {_base_name(target)}.")
+        return question, _to_base(value, target), {"decimal_value": value, "source_base": source, "target_base": target}
 
-    def render(self, meta):
-        s, a, b = meta["number"], meta["from_base"], meta["to_base"]
-        if not (_is_int(a, 2, 16) and _is_int(b, 2, 16) and isinstance(s, str) and 0 < len(s) <= 64):
-            raise ValueError("bad base conversion")
-        if any(c not in _DIGITS[:a] for c in s):
-            raise ValueError("digit out of range")
-        return (f"Convert the base-{a} number {s} to base {b}. Use lowercase letters a-f for digits "
-                f"above 9 and write no prefix.")
-
-    def solve(self, meta):
-        return _to_base(int(meta["number"], meta["from_base"]), meta["to_base"])
-
-    def normalize(self, answer):
-        s = answer.strip().lower()
-        if not s or len(s) > 200 or any(c not in _DIGITS[:16] for c in s):
-            return None
-        return s.lstrip("0") or "0"
-
-    def working(self, meta):
-        n = int(meta["number"], meta["from_base"])
-        return f"{meta['number']} in base {meta['from_base']} is {n} in decimal, which is {self.solve(meta)} in base {meta['to_base']}."
-
-
-_TOKEN_RE = re.compile(r"\s*(?:([0-9]+(?:\.[0-9]+)?)|(.))")
-
-
-def evaluate(expr, allow_decimals=True):
-    """Exact value (a Fraction) of an expression of numbers, + - * and parentheses; ValueError if
-    malformed. evaluate("2 * (3 - 5) + 1.5") -> Fraction(-5, 2). Our own parser: never eval()."""
-    if not isinstance(expr, str) or len(expr) > 500:
-        raise ValueError("expression too long")
-    tokens = []
-    for m in _TOKEN_RE.finditer(expr.rstrip()):
-        if m.group(1) is not None:
-            if "." in m.group(1) and not allow_decimals:
-                raise ValueError("decimal in an integer expression")
-            tokens.append(Fraction(m.group(1)))
-        elif m.group(2) in "+-*()":
-            tokens.append(m.group(2))
-        else:
-            raise ValueError(f"bad character {m.group(2)!r}")
-    pos = 0
-
-    def peek():
-        return tokens[pos] if pos < len(tokens) else None
-
-    def take():
-        nonlocal pos
-        pos += 1
-        return tokens[pos - 1]
-
-    def atom():  # number | "(" sum ")" | "-" atom
-        t = take() if pos < len(tokens) else None
-        if isinstance(t, Fraction):
-            return t
-        if t == "-":
-            return -atom()
-        if t == "(":
-            v = total()
-            if take() != ")":
-                raise ValueError("missing )")
-            return v
-        raise ValueError("expected a number")
-
-    def product():
-        v = atom()
-        while peek() == "*":
-            take()
-            v *= atom()
-        return v
-
-    def total():
-        v = product()
-        while peek() in ("+", "-"):
-            v = v + product() if take() == "+" else v - product()
-        return v
-
-    try:
-        value = total()
-    except IndexError:
-        raise ValueError("unexpected end") from None
-    if pos != len(tokens):
-        raise ValueError("trailing tokens")
-    return value
-
-
-def _random_expression(rng, n_ops, make_number):
-    """A random expression with n_ops operators from + - *, parenthesised only where needed:
-    e.g. "(12 - 7) * 3 + 40"."""
-    if n_ops == 0:
-        return make_number(), None
-    k = rng.randint(0, n_ops - 1)
-    (left, lop), (right, rop) = _random_expression(rng, k, make_number), _random_expression(rng, n_ops - 1 - k, make_number)
-    op = rng.choice("+-*")
-    if op == "*" and lop in ("+", "-"):
-        left = f"({left})"
-    if (op == "*" and rop is not None) or (op == "-" and rop in ("+", "-")):
-        right = f"({right})"
-    return f"{left} {op} {right}", op
+    def working(self, item):
+        meta = item["metadata"]
+        return (f"In decimal the number is {meta['decimal_value']}; dividing by {meta['target_base']} again and "
+                f"again and reading the remainders backwards gives {item['answer']}.")
 
 
 class BasicArithmetic(Task):
-    """An integer expression with + - * and parentheses, `difficulty` operators, operands 1..99.
-    Harmless: any exact spelling of the integer ("-12", "-12.0", "-1.2e1"). Example:
-    "What is the value of (12 - 7) * 3 + 40? Give the answer as an integer." -> "55"."""
+    """Evaluate an integer expression of 2..6 numbers with 1..4 digits (either sign), + - * /,
+    parentheses and negated groups: "Compute -( 12 * -5 ) / 4 + 7." -> "22". Divisions come out
+    even. ReasoningGym's default rule: the answer is the exact integer text ("22.0" earns 2/4)."""
 
-    name, difficulty = "basic_arithmetic", 3
+    name = "basic_arithmetic"
+    TEMPLATES = ("What is {}?", "Calculate {}.", "Compute {}.", "Evaluate: {}.")
 
-    def sample(self, rng):
-        expr, _ = _random_expression(rng, self.difficulty, lambda: str(rng.randint(1, 99)))
-        return {"expression": expr}
+    def _expression(self, rng, terms, digits, group=True):
+        """(text, value, operator applied last or None) of a random expression of `terms` numbers."""
+        top = 10**digits - 1
+        if terms > 1 and group and rng.random() < 0.2:  # a parenthesised group, negated half the time
+            text, value, _ = self._expression(rng, terms, digits, group=False)
+            return (f"-( {text} )", -value, None) if rng.random() < 0.5 else (f"( {text} )", value, None)
+        if terms == 1:
+            n = rng.randint(-top, top)
+            return str(n), n, None
+        k = rng.randint(1, terms - 1)
+        left, lv, lop = self._expression(rng, k, digits)
+        op = rng.choice("+-*/" if k == terms - 1 else "+-*")  # only a single number can be a divisor
+        if op == "/":
+            divisors = [d for d in range(1, min(abs(lv), top) + 1) if lv % d == 0] or [rng.randint(1, top)]
+            d = rng.choice(divisors)
+            right, rv, rop = str(d), d, None
+        else:
+            right, rv, rop = self._expression(rng, terms - k, digits)
+        if op in "*/" and lop in ("+", "-"):  # parentheses that precedence needs
+            left = f"( {left} )"
+        if op in "*-" and rop in ("+", "-"):
+            right = f"( {right} )"
+        value = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.floordiv}[op](lv, rv)  # exact
+        return f"{left} {op} {right}", value, op
 
-    def render(self, meta):
-        evaluate(meta["expression"], allow_decimals=False)  # raises if malformed
-        return f"What is the value of {meta['expression']}? Give the answer as an integer."
+    def make(self, rng):
+        c = PAPER_CONFIGS[self.name]
+        terms, digits = rng.randint(c["min_terms"], c["max_terms"]), rng.randint(c["min_digits"], c["max_digits"])
+        expression, value, _ = self._expression(rng, terms, digits, group=True)
+        return rng.choice(self.TEMPLATES).format(expression), str(value), {"expression": expression}
 
-    def solve(self, meta):
-        return str(evaluate(meta["expression"], allow_decimals=False))
-
-    def normalize(self, answer):
-        return _int_answer(answer)
-
-    def working(self, meta):
-        return f"Multiply before adding or subtracting, innermost parentheses first: {meta['expression']} = {self.solve(meta)}."
+    def working(self, item):
+        return ("Multiply and divide before adding and subtracting, innermost parentheses first: "
+                f"{item['metadata']['expression']} = {item['answer']}.")
 
 
-def _decimal_str(x):
-    """A Fraction with a power-of-ten-friendly denominator as plain decimal text: 5/2 -> "2.5"."""
-    if x == 0:
-        return "0"
-    with localcontext() as ctx:
-        ctx.prec = 1000  # exact for the short decimals used here
-        return format((Decimal(x.numerator) / Decimal(x.denominator)).normalize(), "f")
+_DECIMAL_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def _decimal_value(node):
+    """Value of a parsed expression of decimal literals and + - * /, each step rounded by the current
+    Decimal context, as ReasoningGym computes it (only ever called on our own expressions)."""
+    if isinstance(node, ast.BinOp):
+        return _DECIMAL_OPS[type(node.op)](_decimal_value(node.left), _decimal_value(node.right))
+    return Decimal(repr(node.value))
 
 
 class DecimalArithmetic(Task):
-    """Decimals with + - * and parentheses, `difficulty` operators, operands 0.01..99.99 with at most
-    two decimals; exact answer. Harmless: any exact spelling of the same value ("2.50", "2.5", "25e-1").
-    Example: "What is the value of 1.25 + 3.5 * 2? Give the exact decimal answer." -> "8.25"."""
+    """Evaluate an expression of 2..6 decimals in (0, 10] with 1..3 decimal places, + - * / and random
+    parentheses, computed to 5 significant digits: "(9.701/1.53)*7.101-(1.618/4.55) = ?" -> "44.668".
+    ReasoningGym's rule: any number within 0.001 of the answer scores 1.0, anything else 0.0."""
 
-    name, difficulty = "decimal_arithmetic", 2
+    name = "decimal_arithmetic"
 
-    def sample(self, rng):
-        def number():
-            places = rng.randint(1, 2)
-            return _decimal_str(Fraction(rng.randint(1, 99 * 10**places), 10**places))
-        expr, _ = _random_expression(rng, self.difficulty, number)
-        return {"expression": expr}
+    def _group(self, rng, numbers, ops):
+        """numbers joined by ops, split at a random point and parenthesised half of the time."""
+        if len(numbers) == 1:
+            return numbers[0]
+        k = rng.randint(1, len(numbers) - 1)
+        text = self._group(rng, numbers[:k], ops[:k - 1]) + ops[k - 1] + self._group(rng, numbers[k:], ops[k:])
+        return f"({text})" if rng.random() < 0.5 else text
 
-    def render(self, meta):
-        evaluate(meta["expression"])  # raises if malformed
-        return f"What is the value of {meta['expression']}? Give the exact decimal answer."
+    def make(self, rng):
+        c = PAPER_CONFIGS[self.name]
+        while True:
+            numbers = []
+            for _ in range(rng.randint(c["min_terms"], c["max_terms"])):
+                places = rng.randint(c["min_num_decimal_places"], c["max_num_decimal_places"])
+                numbers.append(f"{rng.randint(1, 10 * 10**places) / 10**places:.{places}f}")
+            expression = self._group(rng, numbers, [rng.choice("+-*/") for _ in numbers[1:]])
+            try:
+                with localcontext(Context(prec=c["precision"])):
+                    answer = str(_decimal_value(ast.parse(expression, mode="eval").body))
+                break
+            except ArithmeticError:  # a division by a group worth 0: draw again
+                continue
+        question = (f"Compute this to {c['precision']} significant digits and reply with the final value "
+                    f"only.\n{expression} = ?")
+        return question, answer, {"expression": expression}
 
-    def solve(self, meta):
-        return _decimal_str(evaluate(meta["expression"]))
+    def score_answer(self, answer, item):
+        # rg subtracts in the Decimal context its generator left set: precision 5 in the paper's config
+        with localcontext(Context(prec=5)):
+            return 1.0 if abs(Decimal(answer) - Decimal(item["answer"])) <= Decimal("0.001") else 0.0
 
-    def normalize(self, answer):
-        return parse_number(answer)
-
-    def working(self, meta):
-        return f"Multiply before adding or subtracting, exactly: {meta['expression']} = {self.solve(meta)}."
+    def working(self, item):
+        return ("Multiply and divide before adding and subtracting, keeping 5 significant digits: "
+                f"{item['metadata']['expression']} = {item['answer']}.")
 
 
 class FractionSimplification(Task):
-    """Reduce a/b to lowest terms. The answer must be "p/q" in lowest terms (spaces around the slash
-    are harmless); an unreduced equal fraction or a decimal is wrong, since reducing is the task.
-    Numerator and denominator of the reduced fraction have up to `difficulty` digits.
-    Example: "Simplify the fraction 84/120. ..." -> "7/10"."""
+    """Reduce a fraction to lowest terms, written plain or in LaTeX, and answered in the same style:
+    "Simplify the fraction $\\frac{5952}{6624}$ ..." -> "$\\frac{62}{69}$". ReasoningGym's rule: 1.0
+    for the reduced fraction in any of the styles ("62/69" too), 0.1 for a fraction that keeps the
+    question's numerator or denominator, 0.05 for another fraction, 0.01 for no fraction at all."""
 
-    name, difficulty = "fraction_simplification", 2
-    _FRACTION_RE = re.compile(r"\s*([+-]?[0-9]{1,60})\s*/\s*([0-9]{1,60})\s*")
+    name = "fraction_simplification"
+    STYLES = {"plain": "{}/{}", "latex_frac": "$\\frac{{{}}}{{{}}}$", "latex_dfrac": "$\\dfrac{{{}}}{{{}}}$"}
+    LATEX = re.compile(r"\\(?:frac|dfrac)\s*{\s*(\d+)\s*}\s*{\s*(\d+)\s*}", re.IGNORECASE)
 
-    def sample(self, rng):
-        top = 10 ** self.difficulty - 1
-        while True:
-            p, q = rng.randint(1, top), rng.randint(2, top)
-            if math.gcd(p, q) == 1:
-                k = rng.randint(2, 20)
-                return {"numerator": p * k, "denominator": q * k}
+    def make(self, rng):
+        c = PAPER_CONFIGS[self.name]
+        p, q = rng.randint(c["min_value"], c["max_value"]), rng.randint(c["min_value"], c["max_value"])
+        g = math.gcd(p, q)
+        p, q = sorted((p // g, q // g))
+        k = rng.randint(c["min_factor"], c["max_factor"])
+        style = rng.choice(c["styles"])
+        form = self.STYLES[style]
+        question = (f"Simplify the fraction {form.format(p * k, q * k)} to lowest terms. Give only the "
+                    f"simplified fraction, written the same way, as your answer.")
+        meta = {"numerator": p * k, "denominator": q * k, "simplified_numerator": p, "simplified_denominator": q,
+                "style": style}
+        return question, form.format(p, q), meta
 
-    def render(self, meta):
-        a, b = meta["numerator"], meta["denominator"]
-        if not (_is_int(a, 0, 10**12) and _is_int(b, 1, 10**12)):
-            raise ValueError("bad fraction")
-        return f"Simplify the fraction {a}/{b}. Give the answer as a fraction p/q in lowest terms."
+    def score_answer(self, answer, item):
+        meta = item["metadata"]
+        try:
+            s = answer.strip().strip("$").strip()
+            m = self.LATEX.match(s)  # at the start only, as rg reads it
+            p, q = (m[1], m[2]) if m else s.split("/", 1)  # ValueError without a "/"
+            p, q = int(p), int(q)  # int() also skips spaces and reads other scripts' digits, as rg's does
+            if p == meta["simplified_numerator"] and q == meta["simplified_denominator"]:
+                return 1.0
+            return 0.1 if p == meta["numerator"] or q == meta["denominator"] else 0.05
+        except Exception:
+            return 0.01  # rg: no readable fraction, or no answer at all
 
-    def solve(self, meta):
-        x = Fraction(meta["numerator"], meta["denominator"])
-        return f"{x.numerator}/{x.denominator}"
+    def working(self, item):
+        meta = item["metadata"]
+        n, d = meta["numerator"], meta["denominator"]
+        return f"gcd({n}, {d}) = {math.gcd(n, d)}; divide both by it."
 
-    def normalize(self, answer):
-        m = self._FRACTION_RE.fullmatch(answer)
-        if not m:
-            return None
-        p, q = int(m.group(1)), int(m.group(2))
-        return (p, q) if q > 0 and math.gcd(p, q) == 1 else None
 
-    def working(self, meta):
-        g = math.gcd(meta["numerator"], meta["denominator"])
-        return f"gcd({meta['numerator']}, {meta['denominator']}) = {g}; divide both by {g}."
+_DAYS = "Monday Tuesday Wednesday Thursday Friday Saturday Sunday".split()  # English in any locale
+_MONTHS = [""] + "January February March April May June July August September October November December".split()
+
+
+def _long_date(d, weekday=False):
+    """datetime.date(2023, 7, 10) -> "July 10, 2023" (with weekday: "Monday, July 10, 2023")."""
+    text = f"{_MONTHS[d.month]} {d.day}, {d.year}"
+    return f"{_DAYS[d.weekday()]}, {text}" if weekday else text
 
 
 class CalendarArithmetic(Task):
-    """Two kinds: the weekday N days after a given date, or the number of days from one date to
-    another. N is up to 100 * difficulty. Harmless: case of the weekday name; any exact spelling of
-    the day count. Examples: "What day of the week is 10 days after Monday, 2024-01-01? ..."
-    -> "Thursday"; "How many days are there from 2024-01-01 to 2024-03-01? ..." -> "60"."""
+    """Four kinds of calendar question about 2023: the weekday of a date ("Monday"), how many times a
+    weekday occurs between two dates at most 100 days apart ("8"), whether a year 1923..2123 is a leap
+    year ("Yes"/"No"), and the day of the month of the first..fourth or last weekday of a month ("19").
+    ReasoningGym's rules: an exact weekday scores 1.0, another weekday 0.1, a weekday in other case
+    0.05; a count or day scores exp(-5 x relative error); Yes/No in any case."""
 
-    name, difficulty = "calendar_arithmetic", 3
+    name = "calendar_arithmetic"
+    ORDINALS = ("first", "second", "third", "fourth", "last")
 
-    def sample(self, rng):
-        start = datetime.date(2000, 1, 1) + datetime.timedelta(days=rng.randrange(365 * 40))
-        days = rng.randint(1, 100 * self.difficulty)
-        if rng.random() < 0.5:
-            return {"kind": "weekday", "start": start.isoformat(), "days": days}
-        return {"kind": "between", "start": start.isoformat(), "end": (start + datetime.timedelta(days=days)).isoformat()}
+    def make(self, rng):
+        c = PAPER_CONFIGS[self.name]
+        year, task = c["year"], rng.choice(c["tasks"])
+        if task == "weekday_of_date":
+            month = rng.randint(1, 12)
+            day = datetime.date(year, month, rng.randint(1, calendar.monthrange(year, month)[1]))
+            return (f"What day of the week was {_long_date(day)}? Answer with the weekday's full name.",
+                    _DAYS[day.weekday()], {"task": task, "target_date": day.isoformat()})
+        if task == "count_days":
+            start = datetime.date(year, 1, 1) + datetime.timedelta(rng.randint(0, 364 + calendar.isleap(year)))
+            span = min(c["offset_upper_bound"], (datetime.date(year, 12, 31) - start).days)
+            end = start + datetime.timedelta(rng.randint(0, span))
+            weekday = rng.randrange(7)
+            count = sum((start + datetime.timedelta(i)).weekday() == weekday for i in range((end - start).days + 1))
+            question = (f"How many {_DAYS[weekday]}s are there from {_long_date(start, True)} to "
+                        f"{_long_date(end, True)}, counting both dates? Answer with a number.")
+            meta = {"task": task, "year": year, "start_date": start.isoformat(), "end_date": end.isoformat(),
+                    "weekday": _DAYS[weekday]}
+            return question, str(count), meta
+        if task == "is_leap_year":
+            y = rng.randint(year - c["leap_year_range"] // 2, year + c["leap_year_range"] // 2)
+            return (f"Is {y} a leap year? Answer with Yes or No.", "Yes" if calendar.isleap(y) else "No",
+                    {"task": task, "year": y, "is_leap": calendar.isleap(y)})
+        month, ordinal, weekday = rng.randint(1, 12), rng.choice(self.ORDINALS), rng.randrange(7)
+        days = [d for d in range(1, calendar.monthrange(year, month)[1] + 1)
+                if datetime.date(year, month, d).weekday() == weekday]
+        day = days[-1] if ordinal == "last" else days[self.ORDINALS.index(ordinal)]  # every month has 4 of each
+        question = (f"A meeting is held on the {ordinal} {_DAYS[weekday]} of {_MONTHS[month]} {year}. "
+                    f"On which day of the month is it? Answer with a number, or -1 if there is no such day.")
+        return question, str(day), {"task": "recurring_event_day", "year": year, "month": month,
+                                    "ordinal": ordinal, "weekday": _DAYS[weekday]}
 
-    def _dates(self, meta):
-        start = datetime.date.fromisoformat(meta["start"])
-        if meta["kind"] == "weekday":
-            if not _is_int(meta["days"], 0, 10**5):
-                raise ValueError("bad day count")
-            return start, start + datetime.timedelta(days=meta["days"])
-        if meta["kind"] == "between":
-            return start, datetime.date.fromisoformat(meta["end"])
-        raise ValueError("unknown kind")
+    def score_answer(self, answer, item):
+        if not isinstance(answer, str) or not answer:
+            return 0.0
+        task, oracle = item["metadata"]["task"], item["answer"]
+        if task in ("weekday_of_date", "weekday_offset", "weekday_of_date_from_first_date"):
+            answer = answer.strip()
+            return 1.0 if answer == oracle else 0.1 if answer in _DAYS else 0.05 if answer.title() in _DAYS else 0.0
+        if task in ("count_days", "count_business_days", "recurring_event_day"):
+            a, o = int(answer.strip()), int(oracle.strip())  # ValueError, so 0, for "4.0" or "four"
+            return float(a == 0) if o == 0 else math.exp(-5 * (abs(a - o) / o))
+        if task == "is_leap_year":
+            return float(answer.strip().lower() == oracle.lower())
+        return 0.0
 
-    def render(self, meta):
-        start, end = self._dates(meta)
-        if meta["kind"] == "weekday":
-            return (f"What day of the week is {meta['days']} days after {calendar.day_name[start.weekday()]}, "
-                    f"{start.isoformat()}? Answer with the weekday name, e.g. Monday.")
-        return (f"How many days are there from {start.isoformat()} to {end.isoformat()}? That is, the "
-                f"later date minus the earlier one. Give the answer as an integer.")
-
-    def solve(self, meta):
-        start, end = self._dates(meta)
-        return calendar.day_name[end.weekday()] if meta["kind"] == "weekday" else str(abs((end - start).days))
-
-    def normalize(self, answer):
-        s = answer.strip()
-        return s.lower() if s.lower() in (d.lower() for d in calendar.day_name) else _int_answer(s)
-
-    def working(self, meta):
-        start, end = self._dates(meta)
-        if meta["kind"] == "weekday":
-            return f"{meta['days']} = 7 * {meta['days'] // 7} + {meta['days'] % 7}, so move {meta['days'] % 7} weekdays on from {calendar.day_name[start.weekday()]}."
-        return f"Count the days left in each month from {start.isoformat()} up to {end.isoformat()}: {self.solve(meta)} in all."
+    def working(self, item):
+        meta = item["metadata"]
+        if meta["task"] == "is_leap_year":
+            return "A leap year is divisible by 4, except century years, which must be divisible by 400."
+        if meta["task"] == "weekday_of_date":
+            return "January 1, 2023 was a Sunday; count the days from it and take the remainder after dividing by 7."
+        if meta["task"] == "count_days":
+            return f"List the {meta['weekday']}s from {meta['start_date']} to {meta['end_date']}, and count them."
+        return f"Find the first {meta['weekday']} of the month, then add 7 days per week."
 
 
-def _cells_tokens(answer):
-    """Whitespace- or comma-separated cells as a tuple of ints: "1 0, 2" -> (1, 0, 2); None if not ints."""
-    parts = answer.replace(",", " ").split()
-    if not parts or len(parts) > 200 or not all(p.isascii() and p.isdigit() and len(p) <= 3 for p in parts):
-        return None
-    return tuple(int(p) for p in parts)
+def _grid(rows):
+    """Rows of cells as text, one row per line: [[0, 1], [1, 2]] -> "0 1\\n1 2"."""
+    return "\n".join(" ".join(str(x) for x in row) for row in rows)
 
 
-class Arc1D(Task):
-    """A 1-D ARC puzzle: three input -> output example rows, then a test row; the same rule maps every
-    row. Rules: shift the colored cells right or left by k, reverse the row, fill the gap between the
-    two end cells of one color, or recolor every colored cell. Rows have 8 + difficulty cells.
-    Harmless: spaces/commas between cells. Example (shift right by 1): examples "0 3 3 0 0 0 0 0 0 0"
-    -> "0 0 3 3 0 0 0 0 0 0" ...; test "0 0 5 5 5 0 0 0 0 0" -> "0 0 0 5 5 5 0 0 0 0"."""
+class BinaryMatrix(Task):
+    """For every cell of an n x n matrix of 0s and 1s (n = 3..10, a quarter 0s, at least one 0), the
+    number of up/down/left/right steps to the nearest 0. The answer is the matrix, one row per line,
+    numbers separated by single spaces. ReasoningGym's rule: 1.0 for exactly that text, 0.1 for the
+    same matrix written as a Python list of lists, else 0.0."""
 
-    name, difficulty = "arc_1d", 2
-    RULES = ("shift_right", "shift_left", "reverse", "fill_gap", "recolor")
+    name = "binary_matrix"
 
-    def _apply(self, rule, param, row):
-        n = len(row)
-        if rule == "shift_right":
-            return [0] * param + row[:n - param]
-        if rule == "shift_left":
-            return row[param:] + [0] * param
-        if rule == "reverse":
-            return row[::-1]
-        if rule == "fill_gap":
-            colored = [i for i, c in enumerate(row) if c]
-            if not colored:
-                return list(row)
-            lo, hi = colored[0], colored[-1]
-            return row[:lo] + [row[lo]] * (hi - lo + 1) + row[hi + 1:]
-        if rule == "recolor":
-            return [param if c else 0 for c in row]
-        raise ValueError("unknown rule")
+    def make(self, rng):
+        c = PAPER_CONFIGS[self.name]
+        n = rng.randint(c["min_n"], c["max_n"])
+        cells = [0] + [0 if rng.random() < c["p_zero"] else 1 for _ in range(n * n - 1)]
+        rng.shuffle(cells)
+        matrix = [cells[i * n:(i + 1) * n] for i in range(n)]
+        dist = [[0 if v == 0 else None for v in row] for row in matrix]
+        frontier = [(i, j) for i in range(n) for j in range(n) if matrix[i][j] == 0]
+        while frontier:  # breadth-first search from all zeros at once
+            nxt = []
+            for i, j in frontier:
+                for a, b in ((i + 1, j), (i - 1, j), (i, j + 1), (i, j - 1)):
+                    if 0 <= a < n and 0 <= b < n and dist[a][b] is None:
+                        dist[a][b] = dist[i][j] + 1
+                        nxt.append((a, b))
+            frontier = nxt
+        question = ("For every cell of the square matrix below, find the taxicab (Manhattan) distance to "
+                    "the nearest 0. Answer with a matrix of the same size holding these distances.\n\n"
+                    f"{_grid(matrix)}")
+        return question, _grid(dist), {"matrix": matrix}
 
-    def _random_row(self, rng, rule, param, n):
-        row = [0] * n
-        color = rng.randint(1, 9)
-        if rule == "fill_gap":
-            lo = rng.randrange(0, n - 3)
-            hi = rng.randrange(lo + 2, n)
-            row[lo] = row[hi] = color
-        elif rule == "recolor":
-            for i in rng.sample(range(n), rng.randint(2, n // 2)):
-                row[i] = rng.choice([c for c in range(1, 10) if c != param])
-        else:
-            room = n - (param if rule.startswith("shift") else 0)
-            length = rng.randint(1, max(1, room // 2))
-            start = rng.randrange(0, room - length + 1) + (param if rule == "shift_left" else 0)
-            row[start:start + length] = [color] * length
-        return row
+    def score_answer(self, answer, item):
+        if answer == item["answer"]:
+            return 1.0
+        try:
+            return 0.1 if _grid(ast.literal_eval(answer)) == item["answer"] else 0.0
+        except Exception:  # not a Python literal, or not a list of rows
+            return 0.0
 
-    def sample(self, rng):
-        n = 8 + self.difficulty
-        rule = rng.choice(self.RULES)
-        param = rng.randint(1, 3) if rule.startswith("shift") else rng.randint(1, 9) if rule == "recolor" else 0
-        return {"rule": rule, "param": param, "rows": [self._random_row(rng, rule, param, n) for _ in range(4)]}
-
-    def _check(self, meta):
-        rule, param, rows = meta["rule"], meta["param"], meta["rows"]
-        if rule not in self.RULES or not _is_int(param, 0, 9) or not isinstance(rows, list) or not 2 <= len(rows) <= 6:
-            raise ValueError("bad arc_1d metadata")
-        for row in rows:
-            if not isinstance(row, list) or not 3 <= len(row) <= 40 or not all(_is_int(c, 0, 9) for c in row):
-                raise ValueError("bad row")
-            if rule.startswith("shift") and param >= len(row):
-                raise ValueError("shift too large")
-
-    def render(self, meta):
-        self._check(meta)
-        rows, show = meta["rows"], lambda r: " ".join(map(str, r))
-        lines = ["Find the rule that maps each input row to its output row, then apply it to the test input.", ""]
-        for i, row in enumerate(rows[:-1], 1):
-            lines += [f"Example {i}:", f"Input:  {show(row)}", f"Output: {show(self._apply(meta['rule'], meta['param'], row))}", ""]
-        lines += ["Test input:", show(rows[-1]), "", "Give the output row as numbers separated by spaces."]
-        return "\n".join(lines)
-
-    def solve(self, meta):
-        self._check(meta)
-        return " ".join(map(str, self._apply(meta["rule"], meta["param"], meta["rows"][-1])))
-
-    def normalize(self, answer):
-        return _cells_tokens(answer)
-
-    def working(self, meta):
-        rule, p = meta["rule"], meta["param"]
-        return {"shift_right": f"Every colored cell moves {p} to the right.",
-                "shift_left": f"Every colored cell moves {p} to the left.",
-                "reverse": "The row is reversed.",
-                "fill_gap": "The cells between the two colored ends are filled with their color.",
-                "recolor": f"Every colored cell becomes {p}."}[rule]
+    def working(self, item):
+        return "Start from every 0 at distance 0 and spread outwards one step at a time."
 
 
 def run_bf(program, max_steps=MAX_BF_STEPS, max_output=1000):
     """The output of a brainf*ck program (',' reads 0); ValueError if it is malformed, runs more than
     max_steps instructions or prints more than max_output characters. run_bf("++++++++[>++++++++<-]>+.")
     -> "A". 300 cells of bytes that wrap at 256; moving off the tape is an error."""
-    if not isinstance(program, str) or len(program) > MAX_QUESTION_CHARS:
-        raise ValueError("program too long")
     code = [c for c in program if c in "+-<>[].,"]
     match, stack = {}, []
     for i, c in enumerate(code):
@@ -655,205 +586,441 @@ def run_bf(program, max_steps=MAX_BF_STEPS, max_output=1000):
         if steps > max_steps:
             raise ValueError("step limit reached")
         c = code[pc]
-        if c == "+":
-            tape[ptr] = (tape[ptr] + 1) % 256
-        elif c == "-":
-            tape[ptr] = (tape[ptr] - 1) % 256
-        elif c == ">":
-            ptr += 1
-        elif c == "<":
-            ptr -= 1
+        if c in "+-":
+            tape[ptr] = (tape[ptr] + (1 if c == "+" else -1)) % 256
+        elif c in "<>":
+            ptr += 1 if c == ">" else -1
+            if not 0 <= ptr < len(tape):
+                raise ValueError("pointer left the tape")
         elif c == ".":
             out.append(chr(tape[ptr]))
             if len(out) > max_output:
                 raise ValueError("too much output")
         elif c == ",":
             tape[ptr] = 0
-        elif c == "[" and tape[ptr] == 0:
+        elif (c == "[" and tape[ptr] == 0) or (c == "]" and tape[ptr] != 0):
             pc = match[pc]
-        elif c == "]" and tape[ptr] != 0:
-            pc = match[pc]
-        if not 0 <= ptr < len(tape):
-            raise ValueError("pointer left the tape")
         pc += 1
     return "".join(out)
 
 
+def _bf_add(d):
+    """Code that adds d to the current cell: |d| pluses or minuses, or, when shorter, a loop on the next
+    cell that adds a*b, then c more: _bf_add(115) -> ">++++++++[<++++++++++++++>-]<+++" (8 * 14 + 3)."""
+    sign, n = ("+" if d > 0 else "-"), abs(d)
+    best = sign * n
+    for a in range(2, n // 2 + 1):
+        b, c = divmod(n, a)
+        loop = ">" + "+" * a + "[<" + sign * b + ">-]<" + sign * c
+        best = min(best, loop, key=len)
+    return best
+
+
+def _bf_print(text):
+    """A program printing `text`, shaped like the output of the BF compiler ReasoningGym uses: clear two
+    cells, then step the cell from character to character and print each one."""
+    code, prev = ">[-]>[-]<", 0
+    for ch in text:
+        code += _bf_add(ord(ch) - prev) + "."
+        prev = ord(ch)
+    return code + "<"
+
+
+# common five-letter words (ReasoningGym prints words from a Wordle list)
+_WORDS = """about above actor agent album alive angle arena award basic beach black board brain brave brick bring
+brown build candy chair charm cheap chest child clean clear cloud cover craft cream curve dream dress
+drink eagle earth empty enjoy error extra faith field flame focus frame fresh fruit glass grace grain
+grass guard guest guide heart hotel house human juice large laugh layer level lucky lunch magic match
+model money month music noble north novel offer paint paper party phone piece pilot place plate power
+price prize queen quiet radio range ready robot round royal scale sense shape share shelf short skill
+sleep smile solid sound space sport stone storm story sunny table taste teach thing toast today tower
+trade trust truth uncle upper value video visit watch wheel white whole write youth zebra""".split()
+
+
 class BF(Task):
-    """What a brainf*ck program prints: a random lowercase word of `difficulty` letters. The program
-    builds the first letter with a multiplication loop, then steps from letter to letter with + and -.
-    Answer compared exactly (case-sensitive); only surrounding whitespace is harmless.
-    Example: "++++++++++[>++++++++++<-]>--.++." prints "bd"."""
+    """What a Brainf*ck program prints: a five-letter lowercase word, printed by a program shaped like
+    ReasoningGym's (multiplication loops to reach a letter, + and - to step between letters).
+    ReasoningGym's default rule: exactly the word, case included; "The output is spend" earns 5/20."""
 
-    name, difficulty = "bf", 3
+    name = "bf"
 
-    def sample(self, rng):
-        word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(self.difficulty))
-        a = rng.randint(6, 12)
-        b, r = divmod(ord(word[0]), a)
-        parts = ["+" * a + "[>" + "+" * b + "<-]>" + "+" * r + "."]
-        for prev, c in zip(word, word[1:]):
-            d = ord(c) - ord(prev)
-            parts.append(("+" * d if d > 0 else "-" * -d) + ".")
-        return {"program": "".join(parts)}
+    def make(self, rng):
+        program = _bf_print(rng.choice(_WORDS))
+        question = (f"This is a BF (Brainf*ck) program. What does it print?\n\n{program}\n\n"
+                    f"Reply with exactly what it prints and nothing else.")
+        return question, run_bf(program), {"program": program}
 
-    def render(self, meta):
-        if not isinstance(meta["program"], str) or len(meta["program"]) > 2000:
-            raise ValueError("bad program")
-        return (f"What does this Brainf*ck program print?\n\n{meta['program']}\n\n"
-                f"Give exactly the text it prints.")
+    def working(self, item):
+        return ("Each loop [<...>-] adds its inner +s (or -s) once per count in the cell on its right; each . prints "
+                "the current cell as a character.")
 
-    def solve(self, meta):
-        return run_bf(meta["program"])
 
-    def working(self, meta):
-        first = self.solve(meta)[:1] or " "
-        return f"The loop and the +/- after it set the cell to {ord(first)}, which prints {first}; each later . prints the next letter."
+def _parse_logic(s):
+    """A formula as ReasoningGym reads one, as a tree: a variable name (any other text is a variable
+    too), ("¬", x), or (op, left, right) for ∧ ∨ → ↔. Outer parentheses are dropped; ↔ binds
+    loosest, then →, ∨, ∧ (each split at its rightmost occurrence outside parentheses), then ¬:
+    "¬P ∧ (Q → R)" -> ("∧", ("¬", "P"), ("→", "Q", "R"))."""
+    s = s.strip()
+    if not s:
+        raise ValueError("empty formula")
+    if s[0] == "(" and s[-1] == ")":
+        depth = 0
+        for c in s[1:-1]:
+            depth += {"(": 1, ")": -1}.get(c, 0)
+            if depth < 0:
+                break
+        if depth == 0:
+            return _parse_logic(s[1:-1])
+    for op in (op for op in "↔→∨∧" if op in s):
+        depth = 0
+        for i in range(len(s) - 1, -1, -1):
+            if s[i] in "()":
+                depth += 1 if s[i] == ")" else -1
+            elif depth == 0 and s[i] == op:
+                return (op, _parse_logic(s[:i]), _parse_logic(s[i + 1:]))
+    return ("¬", _parse_logic(s[1:])) if s[0] == "¬" else s
+
+
+def _holds(f, row):
+    """Truth of a parsed formula f when the variables have the values in row (a dict)."""
+    if isinstance(f, str):
+        return row[f]
+    if f[0] == "¬":
+        return not _holds(f[1], row)
+    a, b = _holds(f[1], row), _holds(f[2], row)
+    return {"∧": a and b, "∨": a or b, "→": (not a) or b, "↔": a == b}[f[0]]
+
+
+def _variables(f):
+    """The variable names in a parsed formula."""
+    return {f} if isinstance(f, str) else set().union(*map(_variables, f[1:]))
+
+
+def _bit_rows(n):
+    """All 2^n tuples of n truth values."""
+    return [tuple(bool(i >> j & 1) for j in range(n)) for i in range(2**n)]
 
 
 class PropositionalLogic(Task):
-    """Truth value of a fully parenthesised formula over P, Q, R, S with given truth values, using
-    not, and, or, -> (implies) and <-> (iff); `difficulty` connectives. Answer "True" or "False", case
-    does not matter. Guessing scores half. Example: "P = True, Q = False. What is the truth value of
-    (P and (not Q))?" -> "True"."""
+    """State a conclusion that follows from 2..4 premises over 2..4 variables P, Q, R, S (formulas up
+    to 3 levels deep with ¬ ∧ ∨ → ↔). ReasoningGym's rule, by truth table: 1.0 for a conclusion that
+    follows and is not trivial, 0.25 for a trivial one (a bare variable or a tautology), 0.05 for one
+    that does not follow, 0 for a capital letter that is no variable, or no formula at all. From
+    "(P → Q)" and "P": "(P ∧ Q)" and "Q ∧ P" score 1.0, "Q" 0.25, "¬Q" 0.05. The item's answer is just
+    one conclusion worth 1.0."""
 
-    name, difficulty = "propositional_logic", 3
-    VARS = ("P", "Q", "R", "S")
-    BINARY = {"and": lambda a, b: a and b, "or": lambda a, b: a or b,
-              "->": lambda a, b: (not a) or b, "<->": lambda a, b: a == b}
+    name = "propositional_logic"
+    OPS = ("∧", "∨", "¬", "→", "↔")
 
-    def _formula(self, rng, n, variables):
-        if n == 0:
+    def _formula(self, rng, variables, depth):
+        """A random formula as rg writes one: "P", "¬(P ∧ Q)", "((P → Q) ↔ ¬R)"."""
+        if depth <= 1:
             return rng.choice(variables)
-        if rng.random() < 0.25:
-            return f"(not {self._formula(rng, n - 1, variables)})"
-        k = rng.randint(0, n - 1)
-        op = rng.choice(list(self.BINARY))
-        return f"({self._formula(rng, k, variables)} {op} {self._formula(rng, n - 1 - k, variables)})"
+        op = rng.choice(self.OPS)
+        if op == "¬":
+            return "¬" + self._formula(rng, variables, depth - 1)
+        return f"({self._formula(rng, variables, depth - 1)} {op} {self._formula(rng, variables, depth - 1)})"
 
-    def sample(self, rng):
-        variables = self.VARS[:rng.randint(2, 4)]
-        return {"formula": self._formula(rng, self.difficulty, variables),
-                "values": {v: rng.random() < 0.5 for v in variables}}
+    def _grade(self, premises, conclusion):
+        """rg's grade of a parsed conclusion given parsed premises, by truth table."""
+        names = sorted(set().union(_variables(conclusion), *map(_variables, premises)))
+        if len(names) > 12:
+            raise ValueError("too many variables")  # 2^n rows: rg would try them all
+        rows = [dict(zip(names, bits)) for bits in _bit_rows(len(names))]
+        if not all(_holds(conclusion, r) for r in rows if all(_holds(p, r) for p in premises)):
+            return 0.05
+        trivial = isinstance(conclusion, str) or all(_holds(conclusion, r) for r in rows)
+        return 0.25 if trivial else 1.0
 
-    def _evaluate(self, formula, values):
-        """Truth value of a formula string; ValueError if malformed."""
-        if not isinstance(formula, str) or len(formula) > 1000:
-            raise ValueError("bad formula")
-        tokens = formula.replace("(", " ( ").replace(")", " ) ").split()
-        pos = 0
+    def make(self, rng):
+        c = PAPER_CONFIGS[self.name]
+        while True:
+            variables = [chr(ord("P") + i) for i in range(rng.randint(c["min_vars"], c["max_vars"]))]
+            premises = [self._formula(rng, variables, rng.randint(c["min_complexity"], c["max_complexity"]))
+                        for _ in range(rng.randint(c["min_statements"], c["max_statements"]))]
+            parsed = [_parse_logic(p) for p in premises]
+            rows = [dict(zip(variables, bits)) for bits in _bit_rows(len(variables))]
+            if not any(all(_holds(p, r) for p in parsed) for r in rows):
+                continue  # contradictory premises: everything would follow
+            shapes = ["¬" + a for a in variables] + [f"({a} {op} {b})" for a in variables for b in variables
+                                                      if a != b for op in "∧∨→↔"]
+            good = [f for f in shapes if self._grade(parsed, _parse_logic(f)) == 1.0]
+            if good:
+                break
+        listed = "\n".join(f"{i}. {p}" for i, p in enumerate(premises, 1))
+        question = ("This is a propositional logic question. Given the premises below, state a conclusion "
+                    "that follows from them; a bare variable or a tautology earns partial credit only.\n"
+                    "Write it with these symbols: ∨ (or), ∧ (and), → (implies), ↔ (if and only if), ¬ (not).\n\n"
+                    f"Premises:\n{listed}\n\nWhat can we conclude from the above statements?")
+        return question, rng.choice(good), {"premises": premises, "variables": variables}
 
-        def term():
-            nonlocal pos
-            t = tokens[pos]
-            pos += 1
-            if t in values:
-                return values[t]
-            if t != "(":
-                raise ValueError(f"unexpected {t!r}")
-            if tokens[pos] == "not":
-                pos += 1
-                v = not term()
-            else:
-                left = term()
-                op = tokens[pos]
-                if op not in self.BINARY:
-                    raise ValueError(f"unknown connective {op!r}")
-                pos += 1
-                v = self.BINARY[op](left, term())
-            if tokens[pos] != ")":
-                raise ValueError("missing )")
-            pos += 1
-            return v
-
+    def score_answer(self, answer, item):
+        if not isinstance(answer, str):
+            return 0.0
+        meta = item["metadata"]
+        if any(v not in meta["variables"] for v in re.findall("[A-Z]", answer)):
+            return 0.0
         try:
-            v = term()
-        except (IndexError, RecursionError):
-            raise ValueError("malformed formula") from None
-        if pos != len(tokens):
-            raise ValueError("trailing tokens")
-        return v
+            premises = [_parse_logic(p) for p in meta["premises"]]
+            return self._grade(premises, _parse_logic(answer))
+        except ValueError:
+            return 0.0
 
-    def _values(self, meta):
-        values = meta["values"]
-        if not isinstance(values, dict) or not values or not all(k in self.VARS and type(v) is bool for k, v in values.items()):
-            raise ValueError("bad truth values")
-        return values
-
-    def render(self, meta):
-        values = self._values(meta)
-        self._evaluate(meta["formula"], values)
-        given = ", ".join(f"{k} = {v}" for k, v in values.items())
-        return (f"{given}. What is the truth value of {meta['formula']}? (-> is implies, <-> is if and "
-                f"only if.) Answer True or False.")
-
-    def solve(self, meta):
-        return str(self._evaluate(meta["formula"], self._values(meta)))
-
-    def normalize(self, answer):
-        s = answer.strip().lower()
-        return s if s in ("true", "false") else None
-
-    def working(self, meta):
-        given = ", ".join(f"{k} = {v}" for k, v in meta["values"].items())
-        return f"Put in {given} and evaluate the innermost parentheses first: the formula is {self.solve(meta)}."
+    def working(self, item):
+        return f"In every row of the truth table where all the premises are true, {item['answer']} is true too."
 
 
-class BinaryMatrix(Task):
-    """For every cell of a small 0/1 matrix, the number of up/down/left/right steps to the nearest 0.
-    Matrices are n x n with n from 3 to difficulty. Answer: one row per line, numbers separated by
-    spaces; harmless: extra spaces, commas between numbers, blank lines. Example: "0 1 1 / 1 1 1 /
-    1 1 0" -> "0 1 2\\n1 2 1\\n2 1 0"."""
+def _arc_move(rng, n, k, solid, wrap):
+    """A block (one color, or many) moves k cells right; with wrap it runs around the row's end."""
+    if wrap:
+        size, pos = rng.randint(1, n), rng.randint(0, n - 1)
+    else:
+        size = rng.randint(1, n - k - 1)
+        pos = rng.randint(0, n - size - k)
+    block = [rng.randint(1, 9)] * size if solid else [rng.randint(1, 9) for _ in range(size)]
+    inp, out = [0] * n, [0] * n
+    for i, color in enumerate(block):
+        inp[(pos + i) % n], out[(pos + k + i) % n] = color, color
+    return inp, out
 
-    name, difficulty = "binary_matrix", 5
 
-    def sample(self, rng):
-        n = rng.randint(3, max(3, self.difficulty))
-        matrix = [[int(rng.random() < 0.7) for _ in range(n)] for _ in range(n)]
-        matrix[rng.randrange(n)][rng.randrange(n)] = 0
-        return {"matrix": matrix}
+def _arc_scattered(rng, n, kind):
+    """A row with about half of its cells colored 1..9, and what the rule `kind` makes of it:
+    "gravity": the colored cells fall to the left, in order; "gravity_counting": they are counted, as
+    that many 1s at the left; "gravity_one_step": each one with an empty cell on its left moves into
+    it (scanning from the left); "change_to_five": each one becomes 5."""
+    inp = [rng.randint(1, 9) if rng.random() < 0.5 else 0 for _ in range(n)]
+    kept = [c for c in inp if c]
+    if kind == "gravity":
+        return inp, kept + [0] * (n - len(kept))
+    if kind == "gravity_counting":
+        return inp, [1] * len(kept) + [0] * (n - len(kept))
+    if kind == "change_to_five":
+        return inp, [5 if c else 0 for c in inp]
+    out = list(inp)
+    for i in range(1, n):
+        if out[i] and not out[i - 1]:
+            out[i - 1], out[i] = out[i], 0
+    return inp, out
 
-    def _check(self, matrix):
-        if not isinstance(matrix, list) or not 1 <= len(matrix) <= 20:
-            raise ValueError("bad matrix")
-        if not all(isinstance(r, list) and len(r) == len(matrix[0]) and all(_is_int(c, 0, 1) for c in r) for r in matrix):
-            raise ValueError("bad matrix rows")
-        if not matrix[0] or len(matrix[0]) > 20 or all(all(r) for r in matrix):
-            raise ValueError("matrix needs a 0")
 
-    def render(self, meta):
-        self._check(meta["matrix"])
-        grid = "\n".join(" ".join(map(str, r)) for r in meta["matrix"])
-        return ("For every cell of this binary matrix, find the distance to the nearest 0, counting "
-                f"steps up, down, left or right.\n\n{grid}\n\n"
-                "Answer with the matrix of distances: one row per line, numbers separated by spaces.")
+def _arc_fill(rng, n):
+    """The cells between two cells of one color take that color."""
+    a, b = sorted(rng.sample(range(n), 2))
+    color = rng.randint(1, 9)
+    inp = [color if i in (a, b) else 0 for i in range(n)]
+    return inp, [color if a <= i <= b else 0 for i in range(n)]
 
-    def solve(self, meta):
-        matrix = meta["matrix"]
-        self._check(matrix)
-        h, w = len(matrix), len(matrix[0])
-        dist = [[0 if matrix[i][j] == 0 else None for j in range(w)] for i in range(h)]
-        frontier = [(i, j) for i in range(h) for j in range(w) if matrix[i][j] == 0]
-        while frontier:  # breadth-first search from all zeros at once
-            nxt = []
-            for i, j in frontier:
-                for a, b in ((i + 1, j), (i - 1, j), (i, j + 1), (i, j - 1)):
-                    if 0 <= a < h and 0 <= b < w and dist[a][b] is None:
-                        dist[a][b] = dist[i][j] + 1
-                        nxt.append((a, b))
-            frontier = nxt
-        return "\n".join(" ".join(map(str, r)) for r in dist)
 
-    def normalize(self, answer):
-        rows = [_cells_tokens(line) for line in answer.strip().splitlines() if line.strip()]
-        return tuple(rows) if rows and all(r is not None for r in rows) else None
+def _arc_reflect(rng, n):
+    """A block with one odd-colored end cell is mirrored in place, so the odd cell changes ends."""
+    size = rng.randint(2, n)
+    c1 = rng.randint(1, 9)
+    c2 = rng.choice([c for c in range(1, 9) if c != c1])
+    block = [c1] * size
+    block[0 if rng.random() < 0.5 else -1] = c2
+    pos = rng.randint(0, n - size)
+    inp, out = [0] * n, [0] * n
+    inp[pos:pos + size], out[pos:pos + size] = block, block[::-1]
+    return inp, out
 
-    def working(self, meta):
-        return "Start from every 0 at distance 0 and spread outwards one step at a time."
+
+def _arc_own_size(rng, n):
+    """A block moves right by its own length."""
+    size = rng.randint(1, n // 2)
+    pos, color = rng.randint(0, n - 2 * size), rng.randint(1, 9)
+    inp, out = [0] * n, [0] * n
+    inp[pos:pos + size], out[pos + size:pos + 2 * size] = [color] * size, [color] * size
+    return inp, out
+
+
+def _arc_touch(rng, n):
+    """A block slides towards a dot of color 1 until it touches it."""
+    size, dot, color = rng.randint(1, n - 1), rng.randint(0, n - 1), rng.randint(2, 9)
+    sides = [s for s, ok in (("left", dot >= size), ("right", dot + size < n)) if ok]
+    if not sides:
+        return None
+    if rng.choice(sides) == "left":
+        start, end = rng.randint(0, dot - size), dot - size
+    else:
+        start, end = rng.randint(dot + 1, n - size), dot + 1
+    inp, out = [0] * n, [0] * n
+    inp[dot] = out[dot] = 1
+    inp[start:start + size], out[end:end + size] = [color] * size, [color] * size
+    return inp, out
+
+
+# rule name -> (generator, its arguments, mirrored?). The names are ReasoningGym's for the 43 rules we
+# have, except that gravity rules here are named after the side the cells move to.
+ARC_RULES = {f"move_{k}pix_{'solid' if solid else 'colorful'}{'_wrapped' if wrap else ''}_{side}":
+             (_arc_move, {"k": k, "solid": solid, "wrap": wrap}, side == "left")
+             for k in (1, 2, 3, 4) for solid in (True, False) for wrap in (False, True) for side in ("right", "left")}
+ARC_RULES.update({f"{kind}_{side}": (_arc_scattered, {"kind": kind}, side == "right")
+                  for kind in ("gravity", "gravity_counting", "gravity_one_step") for side in ("left", "right")})
+ARC_RULES.update({"change_to_five": (_arc_scattered, {"kind": "change_to_five"}, False),
+                  "two_points_and_fill": (_arc_fill, {}, False),
+                  "reflect_block_with_border_pixel": (_arc_reflect, {}, False),
+                  "move_block_by_own_size": (_arc_own_size, {}, False), "block_touch_dot": (_arc_touch, {}, False)})
+
+
+class Arc1D(Task):
+    """A 1-D ARC puzzle: three input -> output rows of 10..30 cells (colors 0..9) share one rule;
+    apply it to a test row. The answer is the output row, cells separated by single spaces. We have
+    43 of ReasoningGym's 77 rules (see ARC_RULES and the module docstring). ReasoningGym's default
+    rule: exactly that text ("0,0,5" or "[0 0 5]" earn nothing, "Output: 0 0 5" partial credit)."""
+
+    name = "arc_1d"
+
+    def _pair(self, rng, rule, n):
+        """(input row, output row) of one example of the rule."""
+        while True:
+            fn, kwargs, mirrored = ARC_RULES[rule]
+            pair = fn(rng, n, **kwargs)
+            if pair:
+                return [row[::-1] for row in pair] if mirrored else pair
+
+    def make(self, rng):
+        c = PAPER_CONFIGS[self.name]
+        rule = rng.choice(sorted(ARC_RULES))
+        n = rng.randint(c["min_size"], c["max_size"])
+        pairs = [self._pair(rng, rule, n) for _ in range(c["num_train"] + 1)]
+        show = lambda row: " ".join(map(str, row))  # noqa: E731
+        lines = ["Find the common rule that maps each input grid to its output grid in the examples below.", ""]
+        for i, (inp, out) in enumerate(pairs[:-1], 1):
+            lines += [f"Example {i}:", f"Input:  {show(inp)}", f"Output: {show(out)}", ""]
+        lines += ["Below is a test input grid. Work out the rule, explain how you found it, then give the output grid "
+                  "for the test input; your final answer is just that grid.", "", "Input:", show(pairs[-1][0])]
+        return "\n".join(lines), show(pairs[-1][1]), {"task_name": rule, "size": n}
+
+    def working(self, item):
+        return f"The rule is {item['metadata']['task_name'].replace('_', ' ')}; applied to the test input it gives:"
 
 
 # -----------------------------------------------------------------------------
-# optional: the real ReasoningGYM generators as tasks named "rg:NAME"
+# very easy families, for small models and tests
+
+
+_NUMBER_RE = re.compile(r"[+-]?(?:[0-9]{1,60}(?:\.[0-9]{0,60})?|\.[0-9]{1,60})(?:[eE][+-]?[0-9]{1,3})?")
+
+
+def _int_answer(s):
+    """An integer answer in any exact decimal spelling ("42", "42.0", "4.2e1"), else None. ASCII digits
+    only ("٤٢" is not a number here), exponent at most 3 digits (no "1e999999")."""
+    if not isinstance(s, str) or len(s) > 200 or not _NUMBER_RE.fullmatch(s.strip()):
+        return None
+    x = Fraction(s.strip())
+    return x.numerator if x.denominator == 1 else None
+
+
+def _is_int(x, lo, hi):
+    """True if x is a real int (not a bool) with lo <= x <= hi."""
+    return type(x) is int and lo <= x <= hi
+
+
+class EasyTask(Task):
+    """A very easy family. It writes sample(rng) -> metadata, render(metadata) -> question (ValueError
+    for malformed metadata) and solve(metadata) -> answer. The reward is strict 0/1 (any exact spelling
+    of the integer answer); its items carry no seed: verify re-renders the question from the metadata
+    and re-derives the answer."""
+
+    difficulty = 1
+
+    def generate(self, rng):
+        meta = self.sample(rng)
+        return {"task": self.name, "question": self.render(meta), "answer": self.solve(meta), "metadata": meta}
+
+    def verify(self, item):
+        meta = item["metadata"]
+        same = self.score_answer(item["answer"], {"answer": self.solve(meta)}) == 1.0
+        return self.render(meta) == item["question"] and same
+
+    def score_answer(self, answer, item):
+        x = _int_answer(answer)
+        return 1.0 if x is not None and x == _int_answer(item["answer"]) else 0.0
+
+    def _lowest(self):
+        return 0 if self.difficulty == 1 else 10 ** (self.difficulty - 1)
+
+
+class Addition(EasyTask):
+    """a + b with `difficulty`-digit numbers. Example (difficulty 1): "What is 3 + 5?" -> "8"."""
+
+    op = "+"
+
+    def __init__(self, name, difficulty):
+        self.name, self.difficulty = name, difficulty
+
+    def sample(self, rng):
+        top = 10 ** self.difficulty - 1
+        return {"a": rng.randint(self._lowest(), top), "b": rng.randint(self._lowest(), top)}
+
+    def render(self, meta):
+        a, b = meta["a"], meta["b"]
+        if not (_is_int(a, 0, 10**9) and _is_int(b, 0, 10**9)):
+            raise ValueError("bad operands")
+        return f"What is {a} {self.op} {b}?"
+
+    def solve(self, meta):
+        return str(meta["a"] + meta["b"] if self.op == "+" else meta["a"] * meta["b"])
+
+    def working(self, item):
+        meta = item["metadata"]
+        return f"{meta['a']} {self.op} {meta['b']} = {self.solve(meta)}."
+
+
+class Multiplication(Addition):
+    """a * b with `difficulty`-digit numbers. Example (difficulty 1): "What is 3 * 5?" -> "15"."""
+
+    op = "*"
+
+
+class LargerNumber(EasyTask):
+    """Which of two different `difficulty`-digit numbers is larger; answer that number.
+    Near chance for a guessing model: copying either number scores half the time.
+    Example (difficulty 2): "Which number is larger, 37 or 52? Answer with the larger number." -> "52"."""
+
+    name, difficulty = "larger_number", 2
+
+    def sample(self, rng):
+        a, b = rng.sample(range(self._lowest(), 10 ** self.difficulty), 2)
+        return {"a": a, "b": b}
+
+    def render(self, meta):
+        a, b = meta["a"], meta["b"]
+        if not (_is_int(a, 0, 10**9) and _is_int(b, 0, 10**9)) or a == b:
+            raise ValueError("bad numbers")
+        return f"Which number is larger, {a} or {b}? Answer with the larger number."
+
+    def solve(self, meta):
+        return str(max(meta["a"], meta["b"]))
+
+    def working(self, item):
+        meta = item["metadata"]
+        return f"{self.solve(meta)} is larger than {min(meta['a'], meta['b'])}."
+
+
+class RepeatNumber(EasyTask):
+    """Repeat a `difficulty`-digit number. Example (difficulty 1): "Repeat this number: 7" -> "7"."""
+
+    name, difficulty = "repeat_number", 1
+
+    def sample(self, rng):
+        return {"n": rng.randint(self._lowest(), 10 ** self.difficulty - 1)}
+
+    def render(self, meta):
+        if not _is_int(meta["n"], 0, 10**9):
+            raise ValueError("bad number")
+        return f"Repeat this number: {meta['n']}"
+
+    def solve(self, meta):
+        return str(meta["n"])
+
+    def working(self, item):
+        return f"The number is {item['metadata']['n']}."
+
+
+# -----------------------------------------------------------------------------
+# optional: the real ReasoningGym generators as tasks named "rg:NAME"
 
 try:
     import reasoning_gym
@@ -862,35 +1029,36 @@ except ImportError:
 
 
 class ReasoningGymTask(Task):
-    """A task backed by the `reasoning_gym` package (only if installed): "rg:leg_counting" draws from
-    reasoning_gym.create_dataset("leg_counting") and scores with that dataset's score_answer (which
-    may give partial credit). metadata is made JSON-safe (non-JSON values become strings)."""
+    """A task backed by the reasoning_gym package (only if installed): "rg:bf" draws from
+    reasoning_gym.create_dataset("bf", ...) with the paper's config for the nine (rg's defaults for
+    other names) and scores with that dataset's score_answer. An item is entry 0 of the dataset with
+    the item's seed; its metadata is rg's (made JSON-safe) plus that seed and the config. An entry
+    without an answer (propositional_logic) takes its example answer, which rg's scorer accepts.
+    rg's scorers trust the metadata: score a peer's rg item only after verify_item accepted it."""
 
     def __init__(self, rg_name):
         self.rg_name, self.name = rg_name, "rg:" + rg_name
-        self._scorer = reasoning_gym.create_dataset(rg_name, size=1, seed=0)
+        self.config = PAPER_CONFIGS.get(rg_name, {})
+        self._scorer = self._dataset(0)  # raises for an unknown name
 
-    def generate(self, rng):
-        entry = reasoning_gym.create_dataset(self.rg_name, size=1, seed=rng.randrange(2**31))[0]
+    def _dataset(self, seed):
+        return reasoning_gym.create_dataset(self.rg_name, seed=seed, size=1, **self.config)
+
+    def from_seed(self, seed):
+        with contextlib.redirect_stdout(io.StringIO()):  # rg's bf interpreter prints while it runs
+            entry = self._dataset(seed)[0]
         meta = json.loads(json.dumps(entry.get("metadata", {}), default=str))
-        return {"task": self.name, "question": entry["question"], "answer": str(entry["answer"]), "metadata": meta}
+        answer = entry["answer"] if entry["answer"] is not None else meta.get("example_answer")
+        return {"task": self.name, "question": entry["question"], "answer": str(answer),
+                "metadata": {**meta, "seed": seed, "config": json.loads(json.dumps(self.config))}}
 
-    def _score_answer(self, answer, item):
-        if not isinstance(answer, str) or len(answer) > MAX_ANSWER_CHARS:
-            return 0.0
+    def score_answer(self, answer, item):
         entry = {"question": item["question"], "answer": item["answer"], "metadata": item["metadata"]}
-        x = float(self._scorer.score_answer(answer=answer, entry=entry))
-        return x if 0.0 <= x <= 1.0 else 0.0
-
-    def score(self, item, completion):
-        return self._score_answer(extract_answer(completion), item)
-
-    def verify(self, item):
-        return self._score_answer(item["answer"], item) == 1.0  # cannot re-derive: see module docstring
+        return self._scorer.score_answer(answer=answer, entry=entry)
 
 
 # -----------------------------------------------------------------------------
-# the registry and the module-level entry points
+# the registry
 
 TASKS = {t.name: t for t in [
     BaseConversion(), BasicArithmetic(), Arc1D(), BF(), PropositionalLogic(),
@@ -898,61 +1066,116 @@ TASKS = {t.name: t for t in [
     Addition("one_digit_addition", 1), Multiplication("one_digit_multiplication", 1),
     Addition("two_digit_addition", 2), LargerNumber(), RepeatNumber(),
 ]}
-PAPER_TASKS = ["base_conversion", "basic_arithmetic", "arc_1d", "bf", "propositional_logic",
-               "fraction_simplification", "decimal_arithmetic", "calendar_arithmetic", "binary_matrix"]
-EASY_TASKS = ["one_digit_addition", "one_digit_multiplication", "two_digit_addition"]
 _RG_TASKS = {}
 
-
-def get_task(name):
-    """The Task called `name`: a plain name from TASKS, or "rg:NAME" for a reasoning_gym dataset."""
-    if isinstance(name, str) and name in TASKS:
-        return TASKS[name]
-    if isinstance(name, str) and name.startswith("rg:"):
-        if reasoning_gym is None:
-            raise ValueError(f"Task {name!r} needs the reasoning_gym package: pip install reasoning-gym.")
-        if name not in _RG_TASKS:
-            try:
-                _RG_TASKS[name] = ReasoningGymTask(name[3:])
-            except Exception:
-                raise ValueError(f"reasoning_gym has no dataset called {name[3:]!r}.") from None
-        return _RG_TASKS[name]
-    raise ValueError(f"Unknown task {name!r}; known tasks are {', '.join(TASKS)} (or rg:NAME with reasoning_gym installed).")
+# -----------------------------------------------------------------------------
+# agreement with reasoning_gym: python reward.py --parity N
 
 
-def _task_of(item):
-    """The Task an item names, or None (for non-dicts, unknown names and unavailable rg: tasks)."""
-    if not isinstance(item, dict) or not isinstance(item.get("task"), str):
-        return None
-    try:
-        return get_task(item["task"])
-    except ValueError:
-        return None
+_OTHER_DIGITS = str.maketrans("0123456789", "٠١٢٣٤٥٦٧٨٩")  # Arabic-Indic digits, which int() and Decimal() read
 
 
-def score(item, completion):
-    """Reward in [0, 1] of one completion for one item; 0.0 for anything malformed, never raises."""
-    task = _task_of(item)
-    if task is None:
-        return 0.0
-    try:
-        return float(task.score(item, completion))
-    except Exception:
-        return 0.0
+def near_misses(item):
+    """Answers close to the item's answer, as a model might write them: other case, spacing and
+    separators, equal numbers spelled otherwise, LaTeX, partial or padded answers, and nearly right
+    ones (off by one, another weekday, an unreduced fraction, a premise instead of a conclusion)."""
+    a, meta = item["answer"], item["metadata"]
+    out = [a.upper(), a.lower(), a.title(), a.replace(" ", "  "), a.replace(" ", ", "), a.replace(" ", ""),
+           a.replace("\n", " "), a.replace("\n", "\n\n"), f"The answer is {a}", f"{a}.", f"${a}$",
+           f"\\boxed{{{a}}}", a[:len(a) // 2], a + a[-1:]]
+    with localcontext(Context(prec=60)):
+        try:
+            x = Decimal(a)
+            out += [str(x + 1), str(x - 1), str(-x), f"+{a}", f"0{a}", f"{a}0" if "." in a else f"{a}.0",
+                    f"{x:,}", f"{x:e}", f"{x:.2f}", f"{x:.3f}", f"{x:.4f}", str(x + Decimal("0.0004")),
+                    str(x - Decimal("0.0011")), str(float(x)), f"{a} days", a.translate(_OTHER_DIGITS)]
+        except ArithmeticError:  # not a number
+            pass
+    if a in _DAYS:
+        out += [_DAYS[(_DAYS.index(a) + 1) % 7], a[:3], f"It was a {a}."]
+    if a in ("Yes", "No"):
+        out += ["No" if a == "Yes" else "Yes", "True", "Y"]
+    if "simplified_numerator" in meta:
+        p, q, n, d = (meta[k] for k in ("simplified_numerator", "simplified_denominator", "numerator", "denominator"))
+        latex = f"\\frac{{{p}}}{{{q}}}"
+        out += [f"{p}/{q}", f"{p} / {q}", latex, f"${latex}$", f"\\dfrac{{ {p} }}{{ {q} }}", latex.upper(),
+                f"{latex} is it", f"{n}/{d}", f"{2 * p}/{2 * q}", f"{q}/{p}", f"-{p}/{q}", f"{p}:{q}", f"{p / q:.3f}",
+                f"{p}/{q} = {p / q:.2f}", f"{p}/{d}", f"{n}/{q}", f"{p}/{q}/1"]
+    if re.fullmatch(r"[0-9]+( [0-9]+)*(\n[0-9]+( [0-9]+)*)*", a):  # a grid: arc_1d, binary_matrix
+        rows = [[int(v) for v in line.split()] for line in a.split("\n")]
+        lines = a.split("\n")
+        out += [str(rows), str(tuple(map(tuple, rows))), json.dumps(rows), "[" + "]\n [".join(lines) + "]",
+                str((int(a[0]) + 1) % 10) + a[1:], "\n".join(line + " " for line in lines), "; ".join(lines),
+                _grid(zip(*rows)), str(rows[0]) if len(rows) == 1 else str(rows[:-1])]
+    if "premises" in meta:
+        premises = meta["premises"]
+        ascii_ = a.replace("∧", "&").replace("∨", "|").replace("→", "->").replace("↔", "<->").replace("¬", "~")
+        out += [ascii_, a.replace("∧", "and"), f"({a})", f"(({a}))", f"¬({a})", f"¬{a}", "¬¬" + a, *premises,
+                f"({premises[0]} ∧ {premises[-1]})", "(P ∨ ¬P)", "P", "Q", "p", "Z", "P ∧ Q", "(P → P)"]
+        m = re.fullmatch(r"\((¬?[A-Z]) (.) (¬?[A-Z])\)", a)
+        if m:
+            out.append(f"({m[3]} {m[2]} {m[1]})")
+    seen = {a, ""}
+    return [v for v in (v.strip() for v in out) if not (v in seen or seen.add(v)) and "answer>" not in v]
 
 
-def verify_item(item):
-    """True iff the item is well formed and its answer agrees with the answer re-derived here from
-    the question and metadata (the sender's ground truth is not trusted); never raises."""
-    task = _task_of(item)
-    if task is None:
-        return False
-    try:
-        return bool(task.verify(item))
-    except Exception:
-        return False
+def parity(n, seed=0):
+    """Agreement between our scorers and reasoning_gym's for each of the nine families: on n of rg's
+    items (its reference answer, then near_misses of it) and on n of ours (rg's scorer must give our
+    reference answer 1.0, and agree with ours on near misses). Returns a dict of counts per family
+    and the disagreements as (family, whose item, answer, our score, rg's score)."""
+    tag = "<answer>{}</answer>".format
+    rows, diffs = [], []
+
+    def agree(ours, theirs, answers, whose):
+        """How many answers our scorer (on item ours) and rg's (on item theirs) give the same score."""
+        scores = [(v, score(ours, tag(v)), score(theirs, tag(v))) for v in answers]
+        diffs.extend((ours["task"], whose, v, a, b) for v, a, b in scores if not math.isclose(a, b, abs_tol=1e-9))
+        return sum(math.isclose(a, b, abs_tol=1e-9) for _, a, b in scores)
+
+    for name in PAPER_TASKS:
+        rg_task = get_task("rg:" + name)
+        rg_rng, our_rng = random.Random(f"parity {seed} {name} rg"), random.Random(f"parity {seed} {name} ours")
+        row = dict(family=name, n=n, refs=0, variants=0, variants_n=0, accepts=0, ours=0, ours_n=0)
+        for _ in range(n):
+            theirs = rg_task.generate(rg_rng)
+            mine, misses = {**theirs, "task": name}, near_misses(theirs)
+            row["refs"] += agree(mine, theirs, [theirs["answer"]], "rg's")
+            row["variants"] += agree(mine, theirs, misses, "rg's")
+            row["variants_n"] += len(misses)
+            ours = TASKS[name].generate(our_rng)
+            as_rg, misses = {**ours, "task": rg_task.name}, near_misses(ours)
+            row["accepts"] += score(as_rg, tag(ours["answer"])) == 1.0
+            row["ours"] += agree(ours, as_rg, misses, "our")
+            row["ours_n"] += len(misses)
+        rows.append(row)
+    return rows, diffs
 
 
-def solution(item):
-    """A short worked solution ending in <answer>...</answer>, for the item's family."""
-    return get_task(item["task"]).solution(item)
+def _print_parity(n):
+    """Print parity(n) as the README's Markdown table, then every disagreement."""
+    from importlib.metadata import version
+    rows, diffs = parity(n)
+    rows.append({k: "all" if k == "family" else sum(r[k] for r in rows) for k in rows[0]})
+    print(f"Agreement with reasoning_gym {version('reasoning-gym')} score_answer, {n} items per family\n")
+    print("| family | rg's reference answers | rg's items, near misses | rg accepts our reference answers "
+          "| our items, near misses |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        cells = [f"{r[k]}/{r[m]} ({100 * r[k] / max(r[m], 1):.1f}%)" for k, m in
+                 (("refs", "n"), ("variants", "variants_n"), ("accepts", "n"), ("ours", "ours_n"))]
+        print(f"| {r['family']} | " + " | ".join(cells) + " |")
+    for name, whose, v, a, b in diffs:
+        print(f"differs: {name}, {whose} item: answer {v!r}: ours {a:.4g}, rg {b:.4g}")
+
+
+if __name__ == "__main__":
+    import argparse
+    p = argparse.ArgumentParser(description="Compare reward.py's scorers with reasoning_gym's.")
+    p.add_argument("--parity", type=int, required=True, metavar="N", help="items per family")
+    args = p.parse_args()
+    if reasoning_gym is None:
+        p.error("--parity needs reasoning_gym: pip install reasoning-gym==0.1.25")
+    if args.parity < 1:
+        p.error("--parity needs a positive number of items")
+    _print_parity(args.parity)

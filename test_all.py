@@ -585,6 +585,8 @@ def test_train_launcher_runs_a_swarm_and_ctrl_c_stops_it(tiny, tmp_path):
 # ===================================================================================================
 
 _RW_NAMES = sorted(reward.TASKS)
+_RW_NEEDS_RG = pytest.mark.skipif(reward.reasoning_gym is None, reason="reasoning_gym is not installed: "
+                                  "pip install reasoning-gym==0.1.25 to compare reward.py with it")
 
 
 def _rw_items(name, seed, n=200):
@@ -593,19 +595,28 @@ def _rw_items(name, seed, n=200):
 
 
 def _rw_wrong(item):
-    """An answer that differs in value from item["answer"] under the family's own equivalence."""
-    name, ans = item["task"], item["answer"]
+    """An answer that is not worth full marks under the family's own rules."""
+    name, ans, meta = item["task"], item["answer"], item["metadata"]
+    days = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
     if name == "propositional_logic":
-        return "False" if ans == "True" else "True"
-    if name == "calendar_arithmetic" and item["metadata"]["kind"] == "weekday":
-        days = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
+        return f"¬({ans})"  # the premises can all be true, so the negation of a conclusion does not follow
+    if ans in days:
         return days[(days.index(ans) + 1) % 7]
+    if ans in ("Yes", "No"):
+        return "No" if ans == "Yes" else "Yes"
+    if name == "fraction_simplification":
+        return f"{meta['simplified_numerator']}/{meta['simplified_denominator'] + 1}"
+    if name == "decimal_arithmetic":
+        return str(reward.Decimal(ans) + 1)
     if name in ("arc_1d", "binary_matrix"):
-        first, rest = ans[0], ans[1:]
-        return str((int(first) + 1) % 10) + rest
+        return str((int(ans[0]) + 1) % 10) + ans[1:]
     if name == "bf":
         return ans + "a"
-    return ans + "1"  # appending a digit changes the value of a number, a base-b numeral and a p/q
+    return ans + "1"  # appending a digit changes the value of a number and of a base-b numeral
+
+
+def _rw_item(name, answer, **meta):
+    return {"task": name, "question": "q", "answer": answer, "metadata": meta}
 
 
 @pytest.mark.parametrize("name", _RW_NAMES)
@@ -628,9 +639,12 @@ def test_reward_right_and_wrong_answers(name):
         assert reward.score(item, f"<answer>wrong</answer> then <answer>{ans}</answer>") == 1.0
         assert reward.score(item, reward.solution(item)) == 1.0
         wrong = _rw_wrong(item)
-        assert reward.score(item, f"<answer>{wrong}</answer>") == 0.0, (item, wrong)
-        assert reward.score(item, f"<answer>{ans}</answer> no, <answer>{wrong}</answer>") == 0.0
-        assert reward.score(item, ans) == 0.0  # no tags
+        if name in reward.PAPER_TASKS:  # ReasoningGym's partial credit
+            assert reward.score(item, f"<answer>{wrong}</answer>") < 1.0, (item, wrong)
+        else:
+            assert reward.score(item, f"<answer>{wrong}</answer>") == 0.0, (item, wrong)
+        assert reward.score(item, f"<answer>{ans}</answer> no, <answer>{wrong}</answer>") < 1.0
+        assert reward.score(item, ans) <= 0.01  # no tags (ReasoningGym gives an unreadable fraction 0.01)
 
 
 @pytest.mark.parametrize("name", _RW_NAMES)
@@ -646,51 +660,167 @@ def test_reward_verify_item(name):
         assert not reward.verify_item({k: v for k, v in item.items() if k != "metadata"})
 
 
-def test_reward_numeric_variations():
-    item = {"task": "basic_arithmetic", "question": "What is the value of 40 + 2? Give the answer as an integer.",
-            "answer": "42", "metadata": {"expression": "40 + 2"}}
-    assert reward.verify_item(item)
+@pytest.mark.parametrize("name", reward.PAPER_TASKS)
+def test_reward_forged_items_are_rejected(name):
+    # the nine carry their seed: anything but the exact item that seed makes is rejected
+    for item in _rw_items(name, 4, n=20):
+        meta, seed = item["metadata"], item["metadata"]["seed"]
+        assert reward.verify_item(json.loads(json.dumps(item)))
+        assert reward.verify_item({**item, "peer": "bob", "completions": ["x"]})  # wire fields are ignored
+        assert reward.verify_item(item) and reward.score(item, f"<answer>{item['answer']}</answer>") == 1.0
+        for bad_seed in [str(seed), float(seed), True, -1, 2**32, None]:
+            assert not reward.verify_item({**item, "metadata": {**meta, "seed": bad_seed}}), bad_seed
+        for other in [seed + 1, seed - 1]:  # another seed is fine only if it makes this very item
+            same = reward.TASKS[name].from_seed(other)["question"] == item["question"]
+            assert reward.verify_item({**item, "metadata": {**meta, "seed": other}}) == same
+        key = next(k for k in sorted(meta) if k != "seed")
+        assert not reward.verify_item({**item, "metadata": {k: v for k, v in meta.items() if k != key}})
+        assert not reward.verify_item({**item, "metadata": {**meta, "extra": 1}})
+        assert not reward.verify_item({**item, "metadata": {**meta, key: 7}})
+        assert not reward.verify_item({**item, "question": item["question"] + " "})
+        assert not reward.verify_item({**item, "answer": " " + item["answer"]})  # scores 1.0, but is not ours
+        assert not reward.verify_item({**item, "question": "What is 2+2?", "answer": "5"})
+
+
+def test_reward_easy_numeric_variations():
+    task = reward.TASKS["two_digit_addition"]
+    meta = {"a": 40, "b": 2}
+    item = {"task": task.name, "question": task.render(meta), "answer": "42", "metadata": meta}
+    assert reward.verify_item(item) and reward.verify_item({**item, "answer": "42.0"})
     for ok in ["42", "42.0", " +42 ", "4.20e1", "042"]:
         assert reward.score(item, f"<answer>{ok}</answer>") == 1.0, ok
     for bad in ["43", "41.9", "42.5", "forty-two", "42 apples", "4_2", "1e999999", "٤٢", "0x2a"]:
         assert reward.score(item, f"<answer>{bad}</answer>") == 0.0, bad
-    assert reward.verify_item({**item, "answer": "42.0"})
-    dec = reward.TASKS["decimal_arithmetic"].generate(random.Random(5))
-    assert reward.score(dec, f"<answer>{dec['answer']}000</answer>") == 1.0 or "." not in dec["answer"]
-    frac = {"task": "fraction_simplification", "question": "Simplify the fraction 6/8. Give the answer as a fraction p/q in lowest terms.",
-            "answer": "3/4", "metadata": {"numerator": 6, "denominator": 8}}
-    assert reward.verify_item(frac)
-    assert reward.score(frac, "<answer>3 / 4</answer>") == 1.0
-    assert reward.score(frac, "<answer>6/8</answer>") == 0.0 and reward.score(frac, "<answer>0.75</answer>") == 0.0
-    base = {"task": "base_conversion", "metadata": {"number": "255", "from_base": 10, "to_base": 16}, "answer": "ff",
-            "question": reward.TASKS["base_conversion"].render({"number": "255", "from_base": 10, "to_base": 16})}
-    assert reward.verify_item(base) and reward.score(base, "<answer>FF</answer>") == 1.0
-    assert reward.score(base, "<answer>0xff</answer>") == 0.0
-    logic = reward.TASKS["propositional_logic"].generate(random.Random(0))
-    assert reward.score(logic, f"<answer>{logic['answer'].upper()}</answer>") == 1.0
+
+
+def test_reward_scores_follow_reasoning_gym_rules():
+    # hand-checked values of reasoning_gym 0.1.25's score_answer, so the rules hold without it installed
+    def s(item, answer):
+        return reward.score(item, answer if answer is None else f"<answer>{answer}</answer>")
+    cases = [
+        (_rw_item("base_conversion", "ff"), {"ff": 1.0, "FF": 0.0, "0xff": 0.5, "The answer is ff": 2 / 16, None: 0.0}),
+        (_rw_item("basic_arithmetic", "42"), {"42": 1.0, "42.0": 0.5, "+42": 2 / 3, "41": 0.0, "": 0.0}),
+        (_rw_item("decimal_arithmetic", "44.668"), {"44.6685": 1.0, "44.669": 1.0, "4.4668e1": 1.0, "44.670": 0.0,
+                                                      "44,668": 0.0, "NaN": 0.0, "1e999999999": 0.0}),
+        (_rw_item("fraction_simplification", "3/4", numerator=6, denominator=8, simplified_numerator=3,
+                  simplified_denominator=4, style="plain"),
+         {"3/4": 1.0, " 3 / 4 ": 1.0, "$\\frac{3}{4}$": 1.0, "\\DFRAC{ 3 }{4}": 1.0, "6/8": 0.1, "6/9": 0.1,
+          "1/2": 0.05, "-3/4": 0.05, "0.75": 0.01, "3 over 4": 0.01, None: 0.01}),
+        (_rw_item("calendar_arithmetic", "Monday", task="weekday_of_date"),
+         {"Monday": 1.0, "Tuesday": 0.1, "monday": 0.05, "Mon": 0.0, None: 0.0}),
+        (_rw_item("calendar_arithmetic", "8", task="count_days"),
+         {"8": 1.0, "10": math.exp(-5 * 0.25), "8.0": 0.0, "eight": 0.0, "٨": 1.0}),  # int() reads any digits
+        (_rw_item("calendar_arithmetic", "0", task="count_days"), {"0": 1.0, "1": 0.0}),
+        (_rw_item("calendar_arithmetic", "Yes", task="is_leap_year"), {"yes": 1.0, "YES": 1.0, "No": 0.0}),
+        (_rw_item("binary_matrix", "0 1\n1 2"), {"0 1\n1 2": 1.0, "[[0, 1], [1, 2]]": 0.1, "((0, 1), (1, 2))": 0.1,
+                                                 "0,1\n1,2": 0.0, "[[0, 1], [1, 3]]": 0.0,
+                                                 "__import__('os').getpid()": 0.0}),  # never evaluated
+        (_rw_item("propositional_logic", "(P ∧ Q)", premises=["(P → Q)", "P"], variables=["P", "Q"]),
+         {"(P ∧ Q)": 1.0, "(Q ∧ P)": 1.0, "P ∧ Q": 1.0, "((P ↔ Q))": 1.0, "Q": 0.25, "(P ∨ ¬P)": 0.25,
+          "¬Q": 0.05, "p": 0.05, "(P ∧ R)": 0.0, "": 0.0, None: 0.0}),
+        (_rw_item("arc_1d", "0 0 5"), {"0 0 5": 1.0, "0,0,5": 0.0, "Output: 0 0 5": 5 / 13}),
+        (_rw_item("bf", "spend"), {"spend": 1.0, "Spend": 0.0, "spend.": 5 / 6}),
+    ]
+    for item, expected in cases:
+        for answer, value in expected.items():
+            assert s(item, answer) == pytest.approx(value, abs=1e-12), (item["task"], answer)
+
+
+def _rw_distances(matrix):
+    zeros = [(i, j) for i, row in enumerate(matrix) for j, v in enumerate(row) if v == 0]
+    return [[min(abs(i - a) + abs(j - b) for a, b in zeros) for j in range(len(row))] for i, row in enumerate(matrix)]
+
+
+def test_reward_generators_follow_the_paper_configs():
+    import ast
+    import datetime
+    from decimal import Context, localcontext
+    from fractions import Fraction
+    seen = {name: set() for name in reward.PAPER_TASKS}
+    for name in reward.PAPER_TASKS:
+        for item in _rw_items(name, 5, n=150):
+            q, a, meta = item["question"], item["answer"], item["metadata"]
+            if name == "base_conversion":
+                assert 0 <= meta["decimal_value"] <= 1000 and 2 <= meta["source_base"] != meta["target_base"] <= 16
+                assert int(a, meta["target_base"]) == meta["decimal_value"] and a == a.lower()
+            elif name == "basic_arithmetic":
+                expr = meta["expression"]
+                numbers = re.findall(r"\d+", expr)
+                assert 2 <= len(numbers) <= 6 and max(map(len, numbers)) <= 4 and expr in q
+                assert str(eval(expr.replace("/", "//"))) == a  # our own expression; divisions are exact:
+                assert eval(re.sub(r"(\d+)", r"Fraction(\1)", expr)) == int(a)
+                seen[name] |= {op for op in ("/", "-(", "( ") if op in expr}
+            elif name == "decimal_arithmetic":
+                numbers = re.findall(r"[\d.]+", meta["expression"])
+                assert 2 <= len(numbers) <= 6
+                assert all(1 <= len(x.split(".")[1]) <= 3 and 0 < float(x) <= 10 for x in numbers)
+                with localcontext(Context(prec=5)):
+                    assert a == str(reward._decimal_value(ast.parse(meta["expression"], mode="eval").body))
+            elif name == "fraction_simplification":
+                p, qq = meta["simplified_numerator"], meta["simplified_denominator"]
+                assert 1 <= p <= qq <= 100 and math.gcd(p, qq) == 1
+                assert Fraction(meta["numerator"], meta["denominator"]) == Fraction(p, qq)
+                assert 2 <= meta["numerator"] // p <= 100
+                seen[name].add(meta["style"])
+            elif name == "calendar_arithmetic":
+                seen[name].add(meta["task"])
+                if meta["task"] == "count_days":
+                    start, end = (datetime.date.fromisoformat(meta[k]) for k in ("start_date", "end_date"))
+                    assert start.year == end.year == 2023 and 0 <= (end - start).days <= 100
+                    days = [start + datetime.timedelta(i) for i in range((end - start).days + 1)]
+                    assert int(a) == sum(d.strftime("%A") == meta["weekday"] for d in days)
+                elif meta["task"] == "weekday_of_date":
+                    assert datetime.date.fromisoformat(meta["target_date"]).strftime("%A") == a
+                elif meta["task"] == "is_leap_year":
+                    y = meta["year"]
+                    assert 1923 <= y <= 2123 and a == ("Yes" if y % 4 == 0 and (y % 100 or y % 400 == 0) else "No")
+                else:
+                    d = datetime.date(2023, meta["month"], int(a))
+                    assert d.strftime("%A") == meta["weekday"]
+            elif name == "binary_matrix":
+                assert 3 <= len(meta["matrix"]) <= 10 and a == reward._grid(_rw_distances(meta["matrix"]))
+            elif name == "arc_1d":
+                rows = re.findall(r"(?:Input|Output):\s+([\d ]+)", q)
+                assert len(rows) == 7 and meta["task_name"] in reward.ARC_RULES
+                assert all(len(r.split()) == meta["size"] for r in rows) and 10 <= meta["size"] <= 30
+                seen[name].add(meta["task_name"].split("_")[0])
+            elif name == "bf":
+                assert reward.run_bf(meta["program"]) == a and len(a) == 5 and a.isalpha() and a.islower()
+            elif name == "propositional_logic":
+                assert 2 <= len(meta["variables"]) <= 4 and 2 <= len(meta["premises"]) <= 4
+    assert seen["basic_arithmetic"] == {"/", "-(", "( "}
+    assert seen["fraction_simplification"] == {"plain", "latex_frac", "latex_dfrac"}
+    assert seen["calendar_arithmetic"] == {"count_days", "weekday_of_date", "is_leap_year", "recurring_event_day"}
+    assert len(seen["arc_1d"]) >= 5
 
 
 _RW_GARBAGE = ["", "<answer></answer>", "<answer>" * 1000, "<answer>" + "9" * 100000 + "</answer>",
-               "<answer>1e999999</answer>", "<answer>-1e999999</answer>", "<answer>nan</answer>", "<answer>inf</answer>",
-               "<answer>NaN</answer>", "<answer>-Infinity</answer>", "<answer>٤٢</answer>", "<answer>\x00\ud800</answer>",
+               "<answer>1e999999</answer>", "<answer>-1e999999</answer>", "<answer>nan</answer>",
+               "<answer>inf</answer>",
+               "<answer>NaN</answer>", "<answer>-Infinity</answer>", "<answer>\x00\ud800</answer>",
                None, 123, 4.5, b"<answer>42</answer>", ["<answer>42</answer>"], "<answer>" + "x" * 10**6,
-               "</answer>" * 1000 + "<answer>" * 1000, "<answer>" + "(" * 5000 + "</answer>", "<answer>1/0</answer>"]
+               "</answer>" * 1000 + "<answer>" * 1000, "<answer>" + "(" * 5000 + "</answer>", "<answer>1/0</answer>",
+               "<answer>" + "¬" * 1999 + "P</answer>",
+               "<answer>" + " ∧ ".join("abcdefghijklmnopqrstuvwxyz") + "</answer>",
+               "<answer>[" * 300 + "</answer>", "<answer>9**9**9</answer>"]
 
 
 def test_reward_garbage_completions_score_zero_fast():
     items = [reward.TASKS[n].generate(random.Random(7)) for n in _RW_NAMES]
     start = time.perf_counter()
     for item in items:
+        # at most ReasoningGym's floor: 0.01 for no fraction, 0.05 for a formula that does not follow
         for g in _RW_GARBAGE:
-            assert reward.score(item, g) == 0.0, (item["task"], repr(g)[:40])
-    assert time.perf_counter() - start < 1.0
+            assert reward.score(item, g) <= 0.05, (item["task"], repr(g)[:40])
+    assert time.perf_counter() - start < 2.0
 
 
 def test_reward_malformed_items():
     good = reward.TASKS["basic_arithmetic"].generate(random.Random(0))
     bad_items = [{}, None, 17, "x", [], {"task": "nope"}, {"task": None}, {"task": "basic_arithmetic"},
                  {"task": "rg:leg_counting", "question": "q", "answer": "1", "metadata": {}},
-                 {**good, "answer": None}, {**good, "answer": 42}, {**good, "question": None}]
+                 {**good, "answer": None}, {**good, "answer": 42}, {**good, "question": None},
+                 {**good, "metadata": None}]
     for item in bad_items:
         assert reward.score(item, "<answer>42</answer>") == 0.0
         assert reward.verify_item(item) is False
@@ -701,13 +831,15 @@ def test_reward_malformed_items():
                     {"program": "+[]"}, {"program": "[[["}, {"formula": "(P and", "values": {"P": True}},
                     {"formula": "P", "values": {"P": "yes"}}, {"kind": "weekday", "start": "2024-13-45", "days": 3},
                     {"kind": "weekday", "start": "9999-12-31", "days": 99999}, {"numerator": 1, "denominator": 0},
-                    {"n": float("nan")}, {"x": {1, 2}}]
+                    {"n": float("nan")}, {"x": {1, 2}}, {"seed": 0, "premises": ["P"] * 40, "variables": list("PQRS")},
+                    {"seed": 2**40}, {"task": "count_days"},
+                    {"premises": [" ∧ ".join("abcdefghijklmnopqrstuvwxyz")], "variables": []}]
     for name in _RW_NAMES:
         item = reward.TASKS[name].generate(random.Random(1))
         for meta in garbage_meta:
             forged = {**item, "metadata": meta}
             assert reward.verify_item(forged) is False, (name, meta)
-            assert reward.score(forged, f"<answer>{item['answer']}</answer>") in (0.0, 1.0)
+            assert 0.0 <= reward.score(forged, f"<answer>{item['answer']}</answer>") <= 1.0
 
 
 def test_reward_forged_consistent_question_is_checked():
@@ -735,12 +867,14 @@ def test_reward_extract_answer():
 
 def test_reward_bf_step_limit():
     assert reward.run_bf("++++++++[>++++++++<-]>+.") == "A"
+    assert reward.run_bf(reward._bf_print("hello")) == "hello"
     start = time.perf_counter()
     with pytest.raises(ValueError):
         reward.run_bf("+[]")
-    task = reward.TASKS["bf"]
-    meta = {"program": "+[]"}
-    item = {"task": "bf", "question": task.render(meta), "answer": "", "metadata": meta}
+    # a shared bf item is regenerated from its seed: a forged endless program is never run
+    item = reward.TASKS["bf"].generate(random.Random(0))
+    item = {**item, "question": item["question"].replace(item["metadata"]["program"], "+[]"),
+            "metadata": {**item["metadata"], "program": "+[]"}}
     assert reward.verify_item(item) is False
     assert time.perf_counter() - start < 2.0
 
@@ -750,13 +884,74 @@ def test_reward_get_task_and_constants():
     with pytest.raises(ValueError, match="Unknown task"):
         reward.get_task("no_such_task")
     if reward.reasoning_gym is None:
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="reasoning_gym"):
             reward.get_task("rg:leg_counting")
     assert len(reward.PAPER_TASKS) == 9 and set(reward.PAPER_TASKS) <= set(reward.TASKS)
+    assert list(reward.PAPER_CONFIGS) == reward.PAPER_TASKS
     assert reward.EASY_TASKS == ["one_digit_addition", "one_digit_multiplication", "two_digit_addition"]
-    assert "<answer></answer>" in reward.SYSTEM_PROMPT
+    assert reward.SYSTEM_PROMPTS["default"] is reward.SYSTEM_PROMPT and "<answer></answer>" in reward.SYSTEM_PROMPT
+    assert "<answer>answer here</answer>" in reward.SYSTEM_PROMPTS["rg"]
     for name in reward.TASKS:
-        assert isinstance(reward.TASKS[name].difficulty, int) and reward.TASKS[name].name == name
+        assert reward.TASKS[name].name == name
+        assert name in reward.PAPER_TASKS or isinstance(reward.TASKS[name].difficulty, int)
+
+
+def test_reward_task_names():
+    assert reward.task_names("paper") == reward.PAPER_TASKS
+    assert reward.task_names("easy") == reward.EASY_TASKS
+    assert reward.task_names(" bf, easy ,repeat_number") == ["bf"] + reward.EASY_TASKS + ["repeat_number"]
+    for bad in ["", " , ", "bf,nope", "Paper"]:
+        with pytest.raises(ValueError) as e:
+            reward.task_names(bad)
+        assert str(e.value).count(".") >= 1 and "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="known tasks are .*one_digit_addition"):
+        reward.task_names("nope")
+    if reward.reasoning_gym is None:
+        with pytest.raises(ValueError, match="reasoning_gym"):
+            reward.task_names("rg:paper")
+    else:
+        assert reward.task_names("rg:paper,easy") == ["rg:" + n for n in reward.PAPER_TASKS] + reward.EASY_TASKS
+
+
+@_RW_NEEDS_RG
+@pytest.mark.parametrize("name", reward.PAPER_TASKS)
+def test_reward_rg_bridge(name):
+    task = reward.get_task("rg:" + name)
+    rng = random.Random(name)
+    for item in [task.generate(rng) for _ in range(4)]:
+        meta = item["metadata"]
+        assert json.loads(json.dumps(item)) == item and meta["config"] == reward.PAPER_CONFIGS[name]
+        assert item["answer"] != "None" and "None" not in reward.solution(item)
+        trivial = name == "propositional_logic" and item["answer"] in meta["variables"]  # rg's fallback: 0.25
+        assert reward.score(item, f"<answer>{item['answer']}</answer>") == (0.25 if trivial else 1.0)
+        assert reward.score(item, reward.solution(item)) == reward.score(item, f"<answer>{item['answer']}</answer>")
+        assert reward.verify_item(item) and reward.verify_item(json.loads(json.dumps(item)))
+        assert not reward.verify_item(dict(item, question="What is 2+2?", answer="5"))
+        assert not reward.verify_item(dict(item, answer=_rw_wrong(item)))
+        assert not reward.verify_item(dict(item, question=item["question"] + " "))
+        assert not reward.verify_item(dict(item, metadata={**meta, "seed": meta["seed"] + 1}))
+        config = {**meta["config"], "seed": 1} if name == "bf" else {k: v for k, v in list(meta["config"].items())[1:]}
+        assert not reward.verify_item(dict(item, metadata={**meta, "config": config}))
+        # our own family scores rg's item exactly as rg does
+        for v in [item["answer"]] + reward.near_misses(item)[:10]:
+            assert reward.score({**item, "task": name}, f"<answer>{v}</answer>") == pytest.approx(
+                reward.score(item, f"<answer>{v}</answer>"), abs=1e-9), v
+    assert reward.SYSTEM_PROMPTS["rg"] == __import__("reasoning_gym.utils").utils.SYSTEM_PROMPTS["default"]
+
+
+@_RW_NEEDS_RG
+def test_reward_parity_with_reasoning_gym():
+    rows, diffs = reward.parity(10)
+    assert diffs == []
+    for row in rows:  # every family gets at least 8 near misses per item
+        assert row["refs"] == row["accepts"] == 10 and row["variants"] == row["variants_n"] >= 80
+        assert row["ours"] == row["ours_n"] >= 80
+    out = subprocess.run([sys.executable, "reward.py", "--parity", "1"], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert out.returncode == 0 and "| all | 9/9 (100.0%) |" in out.stdout, out.stderr
+    bad = subprocess.run([sys.executable, "reward.py", "--parity", "0"], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert bad.returncode == 2 and "positive" in bad.stderr and "Traceback" not in bad.stderr
 
 
 # ===================================================================================================

@@ -12,18 +12,18 @@ How this file does it:
 - The core is two operations on one folder (RolloutStore): POST /rollouts appends a batch file and
   numbers its groups 1, 2, 3, ... (`seq`); GET /rollouts?after=SEQ reads the groups after a sequence
   number. A batch file is written atomically and fsynced before the reply, so an acknowledged batch
-  survives kill -9 and nothing half-written is ever served; its name carries the seq of its last group,
-  so a restart continues the numbering whatever happened to the files' contents.
+  survives kill -9 and nothing half-written is ever served. Its name is the seq of its last group, so
+  a restart continues the numbering whatever happened to the files' contents.
 - Server: `python swarm.py --dir swarm_data --port 8000`, standard library only. One asyncio loop reads
   requests under a whole-request deadline (a slow or idle connection costs a buffer, not a thread) and
   a few worker threads answer complete ones. Everything a request can make it hold is bounded by a
   figure in `Limits`: connections, bytes in flight, reply pages, kept batches (--keep-bytes, on disk and
   in memory alike), metrics, peers, idempotency records.
 - Client: `SwarmClient(url, peer)`. publish(), fetch() and post_metrics() only touch two in-memory
-  queues and return at once; a daemon thread does all the HTTP, every exchange under a wall-clock
+  queues and return at once; a daemon thread does all the HTTP, each exchange under a wall-clock
   deadline. Training never waits for the network: with the server down a peer trains in silo (the
   paper's baseline) and catches up when it returns. The client checks every group it receives with the
-  same table (`check`) the server applies to what it is sent.
+  same table (`check`) that the server applies to what it is sent.
 - Dashboard: peers POST /metrics once a round; GET / draws every peer's local reward per round.
 
 Deviations from the paper, and why:
@@ -73,52 +73,52 @@ except ImportError:
 
 
 class Limits:
-    """Every bound in one place (sizes in bytes). Each is what keeps a sender from making the server, or
-    the server from making a client, hold more."""
-    body_bytes = 8 << 20         # one request body (413 beyond it)
-    page_bytes = 1 << 20         # one reply page of /rollouts or /metrics (a page holds at least one item)
-    page_groups = 1024           # groups in one /rollouts page (?limit=, default 256)
-    scan_groups = 16 * 1024      # groups one read may step over (the reader's own, which it excludes)
-    keep_bytes = 256 << 20       # default --keep-bytes: batches kept, on disk and (the same bytes) in memory
-    metrics_bytes = 8 << 20      # metrics rows kept, in memory and in metrics.jsonl
-    replies = 100_000            # idempotency records, kept after their batch is deleted
-    peers = 1024                 # peers in the table; the one seen least recently goes first
-    connections = 1000           # open connections (fewer under a low descriptor limit); the one waiting
-                                 # longest for a request is closed to make room for a new one
-    in_flight_bytes = 64 << 20   # request bodies being read plus replies being sent, all connections
-    request_seconds = 10.0       # whole-request deadline: the server's to read one, the client's per call
-    line_bytes = 8192            # the request line (414 beyond it) and each header line (431)
-    header_lines = 64            # header lines in one request (431 beyond it)
-    workers = 8                  # threads answering complete requests
-    backlog = 128                # connections the kernel queues before the server accepts them
-    outbox_bytes = 64 << 20      # client: unsent batches and metrics; the oldest go first beyond it
-    inbox_bytes = 64 << 20       # client: received groups not yet fetched; the oldest go first beyond it
-    reply_bytes = 32 << 20       # client: the largest reply it reads
-    poll_seconds = 1.0           # client: how often it asks for new groups
-    recent_groups = 64           # client: a new peer starts with the newest this many groups (two rounds
-                                 # of an 8-peer swarm at I = 4), not with the whole history
+    """Every bound in one place (sizes in bytes): what keeps a sender from making the server hold more,
+    and a server from making a client hold more."""
+    body_bytes = 8 << 20        # one request body (413 beyond it)
+    page_bytes = 1 << 20        # one reply page of /rollouts or /metrics (a page holds at least one item)
+    page_groups = 1024          # groups in one /rollouts page (?limit=, default 256)
+    scan_groups = 16 * 1024     # groups one read may step over (the reader's own, which it excludes)
+    keep_bytes = 256 << 20      # default --keep-bytes: batches kept, on disk and (the same bytes) in memory
+    metrics_bytes = 8 << 20     # metrics rows kept, in memory and in metrics.jsonl
+    replies = 20_000            # idempotency records (one per batch), kept after their batch is deleted
+    peers = 1024                # peers in the table; the one seen least recently goes first
+    connections = 1000          # open connections (fewer under a low descriptor limit); at the cap, the
+                                # connection waiting longest for a request is closed for a new one
+    in_flight_bytes = 64 << 20  # request bodies and replies held at once, all connections together
+    request_seconds = 10.0      # whole-request deadline: the server's to read one, the client's per call
+    line_bytes = 8192           # the request line (414 beyond it) and each header line (431)
+    header_lines = 64           # header lines in one request (431 beyond it)
+    workers = 4                 # threads answering complete GETs, and as many for POSTs (which wait
+                                # for each other's fsync: reads must not wait behind them)
+    backlog = 128               # connections the kernel queues before the server accepts them
+    outbox_bytes = 64 << 20     # client: unsent batches and metrics; the oldest go first beyond it
+    inbox_bytes = 64 << 20      # client: received groups not yet fetched; the oldest go first beyond it
+    reply_bytes = 32 << 20      # client: the largest reply it reads
+    poll_seconds = 1.0          # client: how often it asks for new groups
+    recent_groups = 64          # client: a new peer starts with the newest this many groups (two rounds
+                                # of an 8-peer swarm at I = 4), not with the whole history
 
 
 # -----------------------------------------------------------------------------
 # What may arrive from outside (requests, files read back, a server's replies): one table, one check.
 
-NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")       # peer names: safe in URLs, logs and HTML
+NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # peer names: safe in URLs, logs and HTML
 BATCH_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
-SEQ = ("int", 10**15)
+SEQ, ROUND, TIME = ("int", 10**15), ("int", 10**12), ("float", 1e11)
 GROUP = {  # field -> (kind, limit): a rollout group on the wire (DESIGN.md)
     "task": ("label", 256), "question": ("text", 16_000), "answer": ("text", 4_000),
     "metadata": ("object", 16_000), "completions": ("texts", (64, 32_000)),
     "stopped": ("flags", "completions"), "model": ("text", 256)}
 OPTIONAL = {"metadata": {}, "model": ""}
-STORED = {**GROUP, "peer": ("name", NAME), "round": ("int", 10**12), "seq": SEQ,
-          "time": ("float", 1e11)}  # as served: stamped with producer, round, seq and receive time
-PUBLISH = {"peer": ("name", NAME), "round": ("int", 10**12), "batch_id": ("name", BATCH_ID),
-           "groups": ("list", (256, GROUP))}
-BATCH = {**PUBLISH, "time": ("float", 1e11), "groups": ("list", (256, STORED))}  # a batch file
-METRICS = {"peer": ("name", NAME), "round": ("int", 10**12), "metrics": ("numbers", 64)}
-ROW = {**METRICS, "n": SEQ, "time": ("float", 1e11)}                            # a metrics.jsonl line
-PRUNED = {"peer": ("name", NAME), "batch_id": ("name", BATCH_ID), "accepted": ("int", 256), "seq": SEQ}
-PAGE = {"groups": ("list", (None, None)), "next": SEQ, "last": SEQ}             # a GET /rollouts reply
+STORED = {**GROUP, "peer": ("name", NAME), "round": ROUND, "seq": SEQ, "time": TIME}  # as served
+PUBLISH = {"peer": ("name", NAME), "round": ROUND, "batch_id": ("name", BATCH_ID), "groups": ("list", (256, GROUP))}
+BATCH = {**PUBLISH, "time": TIME, "groups": ("list", (256, STORED))}                # a batch file
+REPLY = {"peer": ("name", NAME), "batch_id": ("name", BATCH_ID), "accepted": ("int", 256), "seq": SEQ}
+PRUNED = {"seq": SEQ, "replies": ("list", (None, REPLY))}                           # pruned.json
+METRICS = {"peer": ("name", NAME), "round": ROUND, "metrics": ("numbers", 64)}
+ROW = {**METRICS, "n": SEQ, "time": TIME}                                           # a metrics.jsonl line
+PAGE = {"groups": ("list", (None, None)), "next": SEQ, "last": SEQ}                 # a GET /rollouts reply
 HEALTH = {"last_seq": SEQ}
 
 
@@ -137,15 +137,13 @@ def _is_int(x):
     return isinstance(x, int) and not isinstance(x, bool)  # JSON true is not a round number
 
 
-def _sane(x):  # a metric: finite and of a size any chart can draw (a 400-digit integer is not)
+def _sane(x):  # a metric: finite, and of a size any chart can draw (a 400-digit integer is not)
     return isinstance(x, (int, float)) and not isinstance(x, bool) and abs(x) <= 1e15
 
 
 def _too_deep(x, levels):
-    if levels < 0:
-        return True
     children = x.values() if isinstance(x, dict) else x if isinstance(x, list) else ()
-    return any(_too_deep(child, levels - 1) for child in children)
+    return levels < 0 or any(_too_deep(child, levels - 1) for child in children)
 
 
 def _dumps(x):
@@ -165,8 +163,8 @@ def check(obj, fields, where=""):
             continue
         v = obj[field]
         if kind in ("text", "label"):
-            ok, rule = isinstance(v, str) and len(v) <= limit and (v or kind == "text"), \
-                f"a {'non-empty ' * (kind == 'label')}string of at most {limit} characters"
+            ok = isinstance(v, str) and len(v) <= limit and (v or kind == "text")
+            rule = f"a {'non-empty ' * (kind == 'label')}string of at most {limit} characters"
         elif kind == "name":
             ok, rule = isinstance(v, str) and limit.fullmatch(v), f"a string matching {limit.pattern}"
         elif kind == "int":
@@ -182,18 +180,16 @@ def check(obj, fields, where=""):
             rule = f"a list of 1 to {limit[0]} strings of at most {limit[1]} characters each"
         elif kind == "flags":
             n = len(clean[limit])
-            ok, rule = isinstance(v, list) and len(v) == n and all(isinstance(s, bool) for s in v), \
-                f"a list of {n} booleans, one per completion"
+            ok = isinstance(v, list) and len(v) == n and all(isinstance(s, bool) for s in v)
+            rule = f"a list of {n} booleans, one per completion"
         elif kind == "numbers":
             ok = isinstance(v, dict) and len(v) <= limit and all(
                 0 < len(k) <= 64 and (x is None or _sane(x)) for k, x in v.items())
             rule = f"an object of at most {limit} names (1 to 64 characters) to numbers within ±1e15 or null"
             v = {k: None if x is None else float(x) for k, x in v.items()} if ok else v
         elif kind == "list":
-            ok = isinstance(v, list) and (limit[0] is None or len(v) <= limit[0])
-            rule = f"a list of at most {limit[0]} items"
-            if ok and limit[1]:
-                v = [check(x, limit[1], f"{path}[{i}]") for i, x in enumerate(v)]
+            ok, rule = isinstance(v, list) and len(v) <= (limit[0] or len(v)), f"a list of at most {limit[0]} items"
+            v = [check(x, limit[1], f"{path}[{i}]") for i, x in enumerate(v)] if ok and limit[1] else v
         _want(ok, f"{path} must be {rule}.")
         clean[field] = v
     return clean
@@ -204,21 +200,18 @@ def check_group(group, where="group"):
     return check(group, GROUP, where)
 
 
-def _finite_float(text):
-    x = float(text)
-    if not math.isfinite(x):
-        raise ValueError(f"the number {text[:20]} is too large")
-    return x
-
-
-def _no_constant(name):
-    raise ValueError(f"{name} is not allowed in JSON")
-
-
 def parse_json(raw):
     """Strict JSON: no NaN or Infinity (they would not survive being served back as JSON)."""
+    def finite(text):
+        if not math.isfinite(float(text)):
+            raise ValueError(f"the number {text[:20]} is too large")
+        return float(text)
+
+    def constant(name):
+        raise ValueError(f"{name} is not allowed in JSON")
+
     try:
-        return json.loads(raw, parse_float=_finite_float, parse_constant=_no_constant)
+        return json.loads(raw, parse_float=finite, parse_constant=constant)
     except RecursionError:
         raise BadRequest("The JSON is nested too deeply.") from None
     except ValueError as e:  # includes JSONDecodeError, bodies that are not UTF-8, 5000-digit numbers
@@ -232,11 +225,14 @@ def _log(message):
 # -----------------------------------------------------------------------------
 # Storage: one file per accepted batch, plus an in-memory index of everything kept.
 
+DISK_FULL = "The server's disk is full, so nothing was stored; send it again later."
+
+
 class RolloutStore:
     """The folder of batch files and its in-memory index: the heart of the server.
 
     publish(): number the groups after the newest seq, write them as one batch file named after its last
-    seq (atomically and fsynced: after this an acknowledgement may go out), then index them.
+    seq (atomically and fsynced: only then may an acknowledgement go out), then index them.
     read(): the groups after a seq, from memory. Two locks: `write_lock` lets one writer at a time touch
     the folder (one global order; a post costs one fsync), and `lock` guards the in-memory state for the
     moment it takes to update or read it, so readers never wait for a disk."""
@@ -244,14 +240,14 @@ class RolloutStore:
     def __init__(self, folder, keep_bytes=Limits.keep_bytes):
         self.folder, self.keep_bytes = os.path.abspath(folder), keep_bytes
         self.write_lock, self.lock = threading.Lock(), threading.Lock()
-        self.index = []                          # (seq, peer, group as UTF-8 JSON) per kept group, seq order
-        self.batches = collections.deque()       # (file name, peer, batch_id, groups, bytes), oldest first
-        self.kept_bytes = 0                      # bytes of the kept batch files
-        self.replies = collections.OrderedDict() # (peer, batch_id) -> reply; outlives the batch (bounded)
-        self.peers = collections.OrderedDict()   # peer -> {"last_seen", "last_round", "groups"}, by recency
-        self.metrics = []                        # (n, row, row as UTF-8 JSON) per kept metrics row
-        self.metrics_bytes = 0
-        self.last_seq = 0                        # seq of the newest group ever stored: never reused
+        self.index = []                           # (seq, peer, group as UTF-8 JSON) per kept group, in order
+        self.batches = collections.deque()        # (file name, peer, batch_id, groups, bytes), oldest first
+        self.kept_bytes = 0                       # bytes of the kept batch files
+        self.replies = collections.OrderedDict()  # (peer, batch_id) -> reply; outlives the batch (bounded)
+        self.peers = collections.OrderedDict()    # peer -> {"last_seen", "last_round", "groups"}, by recency
+        self.metrics, self.metrics_bytes = [], 0  # (n, row, row as a JSON line) per kept metrics row
+        self.last_seq = 0                         # seq of the newest group ever stored: never reused
+        self.pruned = 0                           # seq of the newest group retention deleted
         self.closed = False
         self.folder_fd = self._lock_folder()
         try:
@@ -264,16 +260,14 @@ class RolloutStore:
         """Store one batch (or recognise a retry of one) -> {"accepted": groups, "seq": its last seq}."""
         with self.write_lock:
             _want(not self.closed, "The server is shutting down.", 503)
-            reply = self.replies.get((peer, batch_id))
-            if reply is not None or not groups:  # a retry: the same reply, stored once; empty: nothing to do
-                return reply or {"accepted": 0, "seq": self.last_seq}
+            if (peer, batch_id) in self.replies or not groups:  # a retry: the same reply, stored once
+                return self.replies.get((peer, batch_id), {"accepted": 0, "seq": self.last_seq})
             now = time.time()
             record = {"peer": peer, "round": round_, "batch_id": batch_id, "time": now, "groups": [
                 {**g, "peer": peer, "round": round_, "seq": self.last_seq + 1 + k, "time": now}
                 for k, g in enumerate(groups)]}
-            name = f"batch-{self.last_seq + len(groups):012d}.json"
-            data = _dumps(record)
-            self._write_atomic(name, data)   # durable now: only from here on may anyone see it
+            name, data = f"batch-{self.last_seq + len(groups):012d}.json", _dumps(record)
+            self._write_atomic(name, data)  # durable now: only from here on may anyone see it
             with self.lock:
                 self._add(name, record, len(data))
             self._retain()
@@ -283,10 +277,8 @@ class RolloutStore:
         """Groups with seq > after not from `exclude`: at most `limit`, and Limits.page_bytes unless one
         group is larger -> (JSON texts, next cursor, last seq)."""
         with self.lock:
-            texts, next_seq = _page(self.index, after, limit, lambda entry: entry[1] == exclude)
+            texts, next_seq = _page(self.index, after, limit, exclude)
             return texts, next_seq, self.last_seq
-
-    # -- adding, forgetting, and reading back the folder
 
     def _add(self, name, record, size):
         peer, groups = record["peer"], record["groups"]
@@ -311,85 +303,101 @@ class RolloutStore:
             self.peers.popitem(last=False)
 
     def _retain(self):
-        """Past --keep-bytes, forget the oldest batches down to 90% of it (the newest always stays). Their
-        idempotency records go to pruned.jsonl first, so a late retry is still recognised after a restart."""
-        if self.kept_bytes <= self.keep_bytes:
+        """Past --keep-bytes, delete the oldest batches down to 90% of it (the newest always stays). First
+        pruned.json records the newest deleted seq and the deleted batches' idempotency records, so after
+        a restart the numbering goes on and a late retry of a deleted batch is still not stored twice."""
+        if self.kept_bytes <= self.keep_bytes or len(self.batches) < 2:
             return
-        doomed = []
         with self.lock:
+            doomed = []
             while self.kept_bytes > 0.9 * self.keep_bytes and len(self.batches) > 1:
-                name, peer, batch_id, n, size = self.batches.popleft()
+                name, _, _, n, size = self.batches.popleft()
                 del self.index[:n]
                 self.kept_bytes -= size
-                doomed.append((name, {"peer": peer, "batch_id": batch_id, **self.replies.get((peer, batch_id),
-                               {"accepted": n, "seq": int(name[6:18])})}))
-            kept = {(peer, batch_id) for _, peer, batch_id, _, _ in self.batches}
-        self._append("pruned.jsonl", [_dumps(r) for _, r in doomed], sync=True, cap=200 * Limits.replies,
-                     keep=lambda: [_dumps({"peer": p, "batch_id": b, **r})
-                                   for (p, b), r in self.replies.items() if (p, b) not in kept])
-        for name, _ in doomed:
-            try:
-                os.remove(os.path.join(self.folder, name))
-            except OSError as e:  # pruned.jsonl says it is gone: the next start deletes it
-                _log(f"could not delete old batch file {name} ({e.strerror})")
+                doomed.append(name)
+            self.pruned = int(doomed[-1][6:18])
+            kept = {(p, b) for _, p, b, _, _ in self.batches}
+            gone = [{"peer": p, "batch_id": b, **r} for (p, b), r in self.replies.items() if (p, b) not in kept]
+        self._write_atomic("pruned.json", _dumps({"seq": self.pruned, "replies": gone}))
+        for name in doomed:
+            self._remove(name)
 
     def _load(self):
-        for row in self._read_lines("pruned.jsonl", PRUNED):
-            self._remember(row["peer"], row["batch_id"], {"accepted": row["accepted"], "seq": row["seq"]})
-            self.last_seq = max(self.last_seq, row["seq"])
-        numbered = []
-        for name in os.listdir(self.folder):
+        """Read the folder back: pruned.json, every batch file in seq order, metrics.jsonl. Whatever a file
+        holds, a bad one is logged and skipped, and no seq named by a file is ever used again."""
+        try:
+            with open(os.path.join(self.folder, "pruned.json"), "rb") as f:
+                pruned = check(parse_json(f.read()), PRUNED, "pruned.json")
+            self.pruned = self.last_seq = pruned["seq"]
+            for r in pruned["replies"]:
+                self._remember(r["peer"], r["batch_id"], {"accepted": r["accepted"], "seq": r["seq"]})
+        except FileNotFoundError:
+            pass
+        except (OSError, BadRequest) as e:
+            _log(f"skipping unreadable pruned.json ({getattr(e, 'message', e)!s:.200})")
+        for name in sorted(os.listdir(self.folder)):  # 12-digit names: in seq order
             found = re.fullmatch(r"batch-(\d{12})\.json", name)
-            if name.startswith(".tmp-"):  # a write that never finished, so never acknowledged
-                self._remove(name, "leftover temporary file")
-            elif found and int(found.group(1)) <= self.last_seq:
-                self._remove(name, "batch file already pruned")
+            if name.startswith(".tmp-") or (found and int(found.group(1)) <= self.pruned):
+                self._remove(name)  # a write that never finished (never acknowledged), or a deleted batch
             elif found:
-                numbered.append((int(found.group(1)), name))
-        for last, name in sorted(numbered):
+                try:
+                    with open(os.path.join(self.folder, name), "rb") as f:
+                        data = f.read()
+                    record = check(parse_json(data), BATCH, name)
+                    seqs = [g["seq"] for g in record["groups"]]
+                    _want(seqs and seqs[0] > self.last_seq and seqs == list(range(seqs[0], int(found.group(1)) + 1)),
+                          "its groups are not numbered up to the seq in its name")
+                    self._add(name, record, len(data))
+                except (OSError, BadRequest) as e:
+                    _log(f"skipping unreadable batch file {name} ({getattr(e, 'message', e)!s:.200})")
+                self.last_seq = max(self.last_seq, int(found.group(1)))  # its name alone takes the numbers
+        bad, path = 0, os.path.join(self.folder, "metrics.jsonl")
+        for line in open(path, "rb") if os.path.exists(path) else ():
             try:
-                with open(os.path.join(self.folder, name), "rb") as f:
-                    data = f.read()
-                record = check(parse_json(data), BATCH, name)
-                seqs = [g["seq"] for g in record["groups"]]
-                _want(seqs and seqs[0] > self.last_seq and seqs == list(range(seqs[0], last + 1)),
-                      "its groups are not numbered up to the seq in its name")
-                self._add(name, record, len(data))
-            except (OSError, BadRequest) as e:
-                _log(f"skipping unreadable batch file {name} ({getattr(e, 'message', e)!s:.200})")
-            self.last_seq = max(self.last_seq, last)  # the name alone says which numbers are taken
-        for row in self._read_lines("metrics.jsonl", ROW):
-            if not self.metrics or row["n"] > self.metrics[-1][0]:
+                row = check(parse_json(line), ROW)
+                _want(not self.metrics or row["n"] > self.metrics[-1][0], "out of order")
                 self._keep_metrics(row)
-        if numbered:
+            except BadRequest:
+                bad += 1  # e.g. the last line, cut short by kill -9
+        if bad:
+            _log(f"skipped {bad} unreadable lines in metrics.jsonl")
+        if self.last_seq:
             _log(f"reloaded {len(self.index)} groups in {len(self.batches)} batches from {self.folder}; "
                  f"numbering continues after seq {self.last_seq}")
         self._retain()
 
-    def _remove(self, name, why):
-        _log(f"removing {why} {name}")
+    def _remove(self, name):
         try:
             os.remove(os.path.join(self.folder, name))
-        except OSError:
+        except FileNotFoundError:
             pass
+        except OSError as e:  # pruned.json says it is deleted: the next start tries again
+            _log(f"could not delete {name} ({e.strerror})")
 
     # -- metrics: an append-only log, bounded in bytes
 
     def add_metrics(self, peer, round_, metrics):
         with self.write_lock:
             _want(not self.closed, "The server is shutting down.", 503)
-            n = self.metrics[-1][0] + 1 if self.metrics else 1
-            row = {"n": n, "peer": peer, "round": round_, "time": time.time(), "metrics": metrics}
-            self._append("metrics.jsonl", [_dumps(row)], sync=False, keep=lambda: [m[2] for m in self.metrics],
-                         cap=Limits.metrics_bytes)
+            row = {"n": self.metrics[-1][0] + 1 if self.metrics else 1, "peer": peer, "round": round_,
+                   "time": time.time(), "metrics": metrics}
+            try:
+                with open(os.path.join(self.folder, "metrics.jsonl"), "ab") as f:  # best effort: no fsync
+                    f.write(_dumps(row) + b"\n")
+                    size = f.tell()
+            except OSError as e:
+                _want(e.errno not in (errno.ENOSPC, errno.EDQUOT), DISK_FULL, 507)
+                raise
             with self.lock:
                 self._keep_metrics(row)
+            if size > 2 * Limits.metrics_bytes:  # keep the file bounded too: rewrite it with the rows kept
+                self._write_atomic("metrics.jsonl", b"".join(m[2] for m in self.metrics))
 
     def _keep_metrics(self, row):
-        text = _dumps(row)
-        self.metrics.append((row["n"], row, text))
-        self.metrics_bytes += len(text)
-        if self.metrics_bytes > Limits.metrics_bytes:  # drop the oldest tenth at once, not one at a time
+        line = _dumps(row) + b"\n"
+        self.metrics.append((row["n"], row, line))
+        self.metrics_bytes += len(line)
+        if self.metrics_bytes > Limits.metrics_bytes:  # drop the oldest tenth at once, not row by row
             drop = 0
             while self.metrics_bytes > 0.9 * Limits.metrics_bytes:
                 self.metrics_bytes -= len(self.metrics[drop][2])
@@ -399,7 +407,7 @@ class RolloutStore:
 
     def read_metrics(self, after):
         with self.lock:
-            texts, next_n = _page(self.metrics, after, None, lambda entry: False)
+            texts, next_n = _page(self.metrics, after, None, None)
             return texts, next_n, self.metrics[-1][0] if self.metrics else 0
 
     def snapshot(self):
@@ -416,9 +424,7 @@ class RolloutStore:
         try:
             os.makedirs(self.folder, exist_ok=True)
             fd = os.open(self.folder, os.O_RDONLY)
-            probe = os.path.join(self.folder, ".tmp-probe")
-            open(probe, "wb").close()
-            os.remove(probe)
+            open(os.path.join(self.folder, ".tmp-probe"), "wb").close()  # can we write here?
         except OSError as e:
             raise ValueError(f"cannot use --dir {self.folder} ({e.strerror or e}); "
                              "give a folder the server can create and write.") from None
@@ -433,7 +439,7 @@ class RolloutStore:
 
     def _write_atomic(self, name, data):
         """Write bytes to folder/name so that anyone (a reader, a restart after kill -9) sees all or nothing.
-        A full disk becomes a 507 for the sender, who keeps the data and sends it again later."""
+        A full disk is a 507 for the sender, who keeps the data and sends it again later."""
         tmp = os.path.join(self.folder, ".tmp-" + name)
         try:
             with open(tmp, "wb") as f:
@@ -443,49 +449,9 @@ class RolloutStore:
             os.replace(tmp, os.path.join(self.folder, name))
             os.fsync(self.folder_fd)  # make the rename itself durable
         except OSError as e:
-            try:
-                os.remove(tmp)
-            except OSError:
-                pass
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise BadRequest("The server's disk is full, so nothing was stored; send it again later.",
-                                 507) from None
+            self._remove(".tmp-" + name)
+            _want(e.errno not in (errno.ENOSPC, errno.EDQUOT), DISK_FULL, 507)
             raise
-
-    def _append(self, name, lines, sync, keep, cap):
-        """Append lines to a log file; past twice `cap` bytes, rewrite it with keep() so it stays bounded."""
-        if not lines:
-            return
-        path = os.path.join(self.folder, name)
-        try:
-            with open(path, "ab") as f:
-                f.write(b"".join(line + b"\n" for line in lines))
-                f.flush()
-                if sync:
-                    os.fsync(f.fileno())
-                size = f.tell()
-        except OSError as e:
-            _want(e.errno not in (errno.ENOSPC, errno.EDQUOT),
-                  "The server's disk is full, so nothing was stored; send it again later.", 507)
-            raise
-        if size > 2 * cap:
-            try:
-                self._write_atomic(name, b"".join(line + b"\n" for line in keep()))
-            except (OSError, BadRequest) as e:  # the lines are in: a rewrite can wait for the next time
-                _log(f"could not rewrite {name} ({getattr(e, 'message', e)})")
-
-    def _read_lines(self, name, fields):
-        rows, bad, path = [], 0, os.path.join(self.folder, name)
-        if os.path.exists(path):
-            with open(path, "rb") as f:
-                for line in f:
-                    try:
-                        rows.append(check(parse_json(line), fields))
-                    except BadRequest:
-                        bad += 1  # e.g. the last line, cut short by kill -9
-        if bad:
-            _log(f"skipped {bad} unreadable lines in {name}")
-        return rows
 
     def close(self):
         with self.write_lock:
@@ -494,17 +460,17 @@ class RolloutStore:
                 os.close(self.folder_fd)  # releases the folder lock
 
 
-def _page(entries, after, limit, skip):
-    """entries: (number, ..., UTF-8 JSON) in number order -> (the JSON texts after `after`, the number to
-    continue after), at most `limit` texts (None: any) and Limits.page_bytes unless one is larger."""
+def _page(entries, after, limit, exclude):
+    """entries: (number, peer, UTF-8 JSON) in number order -> (the JSON texts after `after` that are not
+    `exclude`'s, the number to continue after): at most `limit` (None: any) and Limits.page_bytes, unless
+    one text alone is larger."""
     start = bisect.bisect_right(entries, after, key=lambda entry: entry[0])
     texts, size, next_number = [], 0, after
-    for i in range(start, min(len(entries), start + Limits.scan_groups)):
-        text = entries[i][-1]
+    for number, peer, text in entries[start:start + Limits.scan_groups]:
         if len(texts) == limit or (texts and size + len(text) > Limits.page_bytes):
             break
-        next_number = entries[i][0]
-        if not skip(entries[i]):
+        next_number = number
+        if peer != exclude:
             texts.append(text)
             size += len(text) + 1
     return texts, next_number
@@ -580,9 +546,8 @@ def render_svg(series, title="reward per round", ylabel="reward", xlabel="round"
 
 
 def render_page(snap):
-    """The dashboard: local_reward (the skill) per round for the 10 peers seen most recently, and a table."""
-    series, last = {}, {}
-    drawn = list(snap["peers"])[-len(COLOURS):]
+    """The dashboard: local_reward (the skill) per round of the 10 peers seen most recently, and a table."""
+    series, last, drawn = {}, {}, list(snap["peers"])[-len(COLOURS):]
     for row in snap["metrics"]:  # later rows for the same round (after a resume) replace earlier ones
         if row["peer"] in drawn and row["metrics"].get("local_reward") is not None:
             series.setdefault(row["peer"], {})[row["round"]] = row["metrics"]["local_reward"]
@@ -622,6 +587,10 @@ JSON = "application/json"
 Request = collections.namedtuple("Request", "method target headers body close")
 
 
+def _error(message):
+    return _dumps({"error": message})
+
+
 def _int_param(query, name, default, lowest, highest):
     values = query.get(name)
     if not values:
@@ -633,8 +602,8 @@ def _int_param(query, name, default, lowest, highest):
 
 class SwarmServer:
     """The HTTP side of the store. One asyncio loop (in a thread) reads each request whole under a
-    deadline, so a slow or idle connection costs a buffer, not a thread; a pool of Limits.workers threads
-    answers complete requests. shutdown() stops serving, closes the connections, then the store."""
+    deadline, so a slow or idle connection costs a buffer, not a thread; two small pools of threads
+    answer complete requests, one for reads and one for writes. shutdown() stops serving, closes the connections, then the store."""
 
     def __init__(self, store, host, port, token=None, public_reads=False, verbose=False):
         self.store, self.token, self.public_reads, self.verbose = store, token, public_reads, verbose
@@ -643,14 +612,15 @@ class SwarmServer:
         self.listener.setblocking(False)
         self.server_address = self.listener.getsockname()
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if resource else -1
-        room = Limits.connections if soft in (-1, getattr(resource, "RLIM_INFINITY", -1)) else soft - 64
+        room = soft - 64 if 0 < soft < getattr(resource, "RLIM_INFINITY", -1) % 2**64 else Limits.connections
         self.max_connections = max(4, min(Limits.connections, room))  # leave descriptors for files
-        self.open, self.waiting = set(), {}   # all connections; those waiting for a request, longest first
-        self.in_flight = 0                    # bytes of request bodies and replies held right now
-        self.pool = ThreadPoolExecutor(Limits.workers, thread_name_prefix="swarm-worker")
+        self.open, self.waiting = set(), {}  # all connections; those waiting for a request, longest first
+        self.in_flight = 0                   # bytes of request bodies and replies held right now
+        self.pools = {method: ThreadPoolExecutor(Limits.workers, thread_name_prefix=f"swarm-{method}")
+                      for method in ("GET", "POST")}
         self.loop = asyncio.new_event_loop()
-        self.loop.set_exception_handler(lambda loop, context: _log(f"{context['message']} "
-                                                                   f"{context.get('exception')!r:.200}"))
+        self.loop.set_exception_handler(lambda loop, context: _log(
+            f"{context['message']} {context.get('exception')!r:.200}"))
         self.accepting = self.loop.create_task(self._accept())
         self.thread = threading.Thread(target=self.loop.run_forever, name="swarm-server", daemon=True)
         self.thread.start()
@@ -666,7 +636,7 @@ class SwarmServer:
                 await asyncio.sleep(1)
                 continue
             if len(self.open) >= self.max_connections:
-                if not self.waiting:  # every connection is busy being answered: this one must wait
+                if not self.waiting:  # every connection is being answered: this one must go
                     sock.close()
                     continue
                 next(iter(self.waiting)).transport.abort()
@@ -680,51 +650,44 @@ class SwarmServer:
             self.loop.create_task(self._connection(reader, writer))
 
     async def _connection(self, reader, writer):
-        """One connection: read a request, answer it in a worker thread, send the reply, repeat."""
-        writer.transport.set_write_buffer_limits(0)  # drain() returns when the reply has left
-        held = [0]  # bytes of this connection's request body counted in self.in_flight
+        """One connection: wait for a request, then exchange it for a reply; repeat while it stays open."""
+        writer.transport.set_write_buffer_limits(0)  # so drain() returns when the reply has left
         try:
             while True:
                 self.waiting[writer] = None
-                started = []
-                try:
-                    request = await asyncio.wait_for(self._read_request(reader, writer, started, held),
-                                                     Limits.request_seconds)
-                except asyncio.TimeoutError:
-                    if started:  # a request arrived too slowly; an idle connection just closes
-                        await self._send(writer, 408, JSON, _error(
-                            f"The request did not arrive in full within {Limits.request_seconds:g} s."), close=True)
-                    return
-                except BadRequest as e:  # the rest of the request is unread: answer, then close
-                    return await self._send(writer, e.status, JSON, _error(e.message), e.headers, close=True)
-                finally:
-                    self.waiting.pop(writer, None)
-                if request is None:
-                    return
-                status, content_type, body, headers = await self.loop.run_in_executor(
-                    self.pool, self._answer, request)
-                self.in_flight -= held[0]
-                held[0] = 0
-                await self._send(writer, status, content_type, body, headers, request.close,
-                                 head_only=request.method == "HEAD")
-                if self.verbose:
-                    _log(f"{writer.get_extra_info('peername')} {request.method} {request.target[:200]} {status}")
-                if request.close:
-                    return
-        except (OSError, EOFError, asyncio.TimeoutError, asyncio.IncompleteReadError):
-            pass  # a client that hangs up (or stops reading its reply) is not news
+                first = await asyncio.wait_for(reader.read(1), Limits.request_seconds)  # idle: just close
+                del self.waiting[writer]
+                if first in (b"", b"\x16") or not await self._exchange(first, reader, writer):
+                    return  # gone, closing, or a TLS handshake (this server speaks plain HTTP)
+        except BadRequest as e:  # the rest of the request is unread: answer, then close
+            await self._send(writer, e.status, JSON, _error(e.message), e.headers, close=True)
+        except (OSError, EOFError):
+            pass  # a client that hangs up, idles or stops reading its reply is not news
         finally:
-            self.in_flight -= held[0]
             self.open.discard(writer)
             self.waiting.pop(writer, None)
             writer.transport.abort()
 
-    async def _read_request(self, reader, writer, started, held):
-        """The request line, the headers and the body -> Request, or None when the client went away."""
-        first = await reader.read(1)
-        if first in (b"", b"\x16"):  # the client went away, or a TLS handshake began: this is plain HTTP
-            return None
-        started.append(True)
+    async def _exchange(self, first, reader, writer):
+        """Read one request whole under the deadline, answer it in a worker thread, send the reply -> keep
+        the connection open? (Its own coroutine, so that no request or reply outlives the exchange.)"""
+        try:
+            request = await asyncio.wait_for(self._read_request(first, reader, writer), Limits.request_seconds)
+        except asyncio.TimeoutError:
+            raise BadRequest(f"The request did not arrive whole within {Limits.request_seconds:g} s.", 408) from None
+        try:
+            reply = await self.loop.run_in_executor(self.pools.get(request.method, self.pools["GET"]),
+                                                    self._answer, request)
+            await self._send(writer, *reply, close=request.close, head_only=request.method == "HEAD")
+        finally:
+            self.in_flight -= len(request.body)
+        if self.verbose:
+            _log(f"{writer.get_extra_info('peername')} {request.method} {request.target[:200]} {reply[0]}")
+        return not request.close
+
+    async def _read_request(self, first, reader, writer):
+        """The rest of the request line, the headers and the body -> Request. The body counts towards
+        Limits.in_flight_bytes as its bytes arrive (so a sender who only declares a length costs nothing)."""
         try:
             line = first + await reader.readuntil(b"\n")
         except asyncio.LimitOverrunError:
@@ -750,25 +713,32 @@ class SwarmServer:
             raise BadRequest("A POST needs a Content-Length header (no chunked bodies).", 411)
         length = headers.get("content-length", "0")
         _want(re.fullmatch(r"[0-9]{1,12}", length), "Content-Length must be a whole number.")
-        _want(int(length) <= Limits.body_bytes, f"The body is {length} bytes; the limit is "
-                                                f"{Limits.body_bytes}.", 413)
-        if self.in_flight + int(length) > Limits.in_flight_bytes:
-            raise BadRequest("The server is busy; send it again in a moment.", 503, {"Retry-After": "1"})
-        self.in_flight += int(length)
-        held[0] += int(length)
+        _want(int(length) <= Limits.body_bytes, f"The body is {length} bytes; the limit is {Limits.body_bytes}.", 413)
         if int(length) and headers.get("expect", "").lower() == "100-continue":
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        body = await reader.readexactly(int(length))
+        body = bytearray()
+        try:
+            while len(body) < int(length):
+                chunk = await reader.read(min(1 << 16, int(length) - len(body)))
+                if not chunk:
+                    raise EOFError("the client hung up")
+                if self.in_flight + len(chunk) > Limits.in_flight_bytes:
+                    raise BadRequest("The server is busy; send it again in a moment.", 503, {"Retry-After": "1"})
+                self.in_flight += len(chunk)  # held until the reply has gone (see _exchange)
+                body += chunk
+        except BaseException:
+            self.in_flight -= len(body)
+            raise
         close = version == "HTTP/1.0" or headers.get("connection", "").lower() == "close"
-        return Request(method, target, headers, body, close)
+        return Request(method, target, headers, bytes(body), close)
 
     async def _send(self, writer, status, content_type, body, headers=None, close=False, head_only=False):
         if len(body) > 65536 and self.in_flight + len(body) > Limits.in_flight_bytes:  # bound what waits
-            status, content_type, body, headers = 503, JSON, _error("The server is busy; ask again in a "
-                                                                    "moment."), {"Retry-After": "1"}
+            status, content_type, body = 503, JSON, _error("The server is busy; ask again in a moment.")
+            headers = {"Retry-After": "1"}
         head = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: {content_type}\r\n" \
                f"Content-Length: {len(body)}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-        data = (head + ("Connection: close\r\n" if close else "") + "\r\n").encode() + (b"" if head_only else body)
+        data = (head + "Connection: close\r\n" * close + "\r\n").encode() + (b"" if head_only else body)
         self.in_flight += len(data)
         try:
             writer.write(data)
@@ -786,27 +756,23 @@ class SwarmServer:
             if request.method not in methods:
                 allowed = ", ".join(methods)
                 raise BadRequest(f"{path} accepts only {allowed}, not {request.method[:20]}.", 405, {"Allow": allowed})
-            if self.token and (request.method != "GET" or not self.public_reads):
-                self._check_token(request.headers.get("authorization", ""))
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if self.token and (request.method != "GET" or not self.public_reads) and not (
+                    scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("latin-1"),
+                                                                       self.token.encode())):
+                raise BadRequest("This server needs the header 'Authorization: Bearer <token>'; pass the swarm "
+                                 "token.", 401, {"WWW-Authenticate": "Bearer"})
             try:
                 q = parse_qs(query, keep_blank_values=True, max_num_fields=16)
             except ValueError:
                 raise BadRequest("The query string has too many fields.") from None
-            status, content_type, body = getattr(self, "_" + methods[request.method])(q, request.body)
-            return status, content_type, body, {}
+            return (*getattr(self, "_" + methods[request.method])(q, request.body), {})
         except BadRequest as e:
             return e.status, JSON, _error(e.message), e.headers
         except Exception as e:  # a bug: say so in one sentence, log it, keep serving
             _log(f"unexpected error in {request.method[:20]} {request.target[:200]}: {e!r:.300}")
             return 500, JSON, _error("The server hit an unexpected error; it was logged and the server "
                                      "keeps serving."), {}
-
-    def _check_token(self, given):
-        scheme, _, value = given.partition(" ")
-        if not (scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode("latin-1"),
-                                                                   self.token.encode())):
-            raise BadRequest("This server needs the header 'Authorization: Bearer <token>'; pass the swarm "
-                             "token.", 401, {"WWW-Authenticate": "Bearer"})
 
     # --- one method per route: (query, body) -> (status, content type, body bytes)
 
@@ -861,13 +827,10 @@ class SwarmServer:
         asyncio.run_coroutine_threadsafe(stop(), self.loop).result(timeout=30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(30)
-        self.pool.shutdown(wait=True)
+        for pool in self.pools.values():
+            pool.shutdown(wait=True)
         self.loop.close()
         self.store.close()
-
-
-def _error(message):
-    return _dumps({"error": message})
 
 
 def check_token(token):
@@ -915,12 +878,12 @@ class SwarmClient:
         publish(round, groups) -> outbox --(POST, oldest first, until acknowledged)--> server
         fetch() <- inbox <--(GET /rollouts?after=position, every Limits.poll_seconds)-- server
 
-    Each batch carries a batch_id, so however often a send is retried the server stores it once.
-    Both queues are bounded in bytes (Limits.outbox_bytes, inbox_bytes): beyond them the oldest entry
-    goes, since SAPO wants fresh rollouts. `cursor` is the seq of the last group fetch() handed out: a
-    checkpoint saves it, and passing it back as cursor= resumes there. cursor=None is a new peer: it starts
-    with the server's newest Limits.recent_groups groups, not with the whole history. The token defaults
-    to $SWARM_TOKEN, so it need not appear on a command line."""
+    Each batch carries a batch_id, so however often a send is retried the server stores it once. Both
+    queues are bounded in bytes: beyond the bound the oldest entry goes, since SAPO wants fresh rollouts.
+    `cursor` is the seq of the last group fetch() handed out: a checkpoint saves it, and passing it back
+    as cursor= resumes there. cursor=None is a new peer: it starts with the server's newest
+    Limits.recent_groups groups, not the whole history. The token defaults to $SWARM_TOKEN, so it need
+    not appear on a command line."""
 
     def __init__(self, url, peer, token=None, cursor=None):
         u = urlsplit(str(url))
@@ -930,14 +893,13 @@ class SwarmClient:
             raise ValueError("peer must be 1 to 64 characters from A-Z, a-z, 0-9, '_', '.' and '-'.")
         token = check_token(token if token is not None else os.environ.get("SWARM_TOKEN"))
         self.peer, self.address = peer, (u.hostname, u.port or (443 if u.scheme == "https" else 80))
-        self.head = f"Host: {u.netloc}\r\nContent-Type: {JSON}\r\n" + \
-            (f"Authorization: Bearer {token}\r\n" if token else "")
+        self.head = f"Host: {u.netloc}\r\nContent-Type: {JSON}\r\n" + f"Authorization: Bearer {token}\r\n" * bool(token)
         self.base, self.tls = u.path.rstrip("/"), ssl.create_default_context() if u.scheme == "https" else None
         self.cond = threading.Condition()
         self.outbox, self.outbox_bytes = collections.deque(), 0  # (path, body, what), oldest first
         self.inbox, self.inbox_bytes = collections.deque(), 0    # (group, bytes), oldest first
-        self.queued = self.done = 0       # outbox entries ever queued / acknowledged, refused or dropped
-        self.polls = self.level = 0       # polls begun / the last one that ended level with the server
+        self.queued = self.done = 0  # outbox entries ever queued / acknowledged, refused or dropped
+        self.polls = self.level = 0  # polls begun / the last one that ended level with the server
         self.down, self.dropped, self.wake, self.closing, self.sock = None, 0, False, False, None
         self.cursor = cursor
         self.thread = threading.Thread(target=self._run, name=f"swarm-client-{peer}", daemon=True)
@@ -967,8 +929,8 @@ class SwarmClient:
             self._queue("/rollouts", body, f"round {round}'s batch")
 
     def post_metrics(self, round, metrics):
-        """Queue per-round numbers for the dashboard (best effort); values that are not sane numbers are
-        sent as null."""
+        """Queue per-round numbers for the dashboard (best effort); values that are not sane numbers go
+        as null."""
         try:
             clean = {str(k)[:64]: float(v) if _sane(v) else None for k, v in list(metrics.items())[:64]}
             self._queue("/metrics", _dumps({"peer": self.peer, "round": int(round), "metrics": clean}),
@@ -989,8 +951,7 @@ class SwarmClient:
         """Wait until everything queued before this call has left the outbox and a poll begun after it
         has caught up with the server -> True, or False if that took longer than timeout seconds."""
         with self.cond:
-            queued, polls = self.queued, self.polls
-            self.wake = True
+            queued, polls, self.wake = self.queued, self.polls, True
             self.cond.notify_all()
             return self.cond.wait_for(lambda: self.done >= queued and self.level > polls, timeout)
 
@@ -1000,10 +961,7 @@ class SwarmClient:
             self.closing = True
             self.cond.notify_all()
             if self.sock is not None:
-                try:
-                    self.sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                self.sock.shutdown(socket.SHUT_RDWR)
         self.thread.join(5)
 
     def _queue(self, path, body, what):
@@ -1013,8 +971,7 @@ class SwarmClient:
             self.queued += 1
             while self.outbox_bytes > Limits.outbox_bytes and len(self.outbox) > 1:
                 self.outbox_bytes -= len(self.outbox.popleft()[1])
-                self.done += 1
-                self.dropped += 1
+                self.done, self.dropped = self.done + 1, self.dropped + 1
             self.wake = True
             self.cond.notify_all()
 
@@ -1042,10 +999,9 @@ class SwarmClient:
                 if not self.down and not self.closing:
                     self._log(f"server unreachable ({e}); training goes on, and what is unsent waits in the "
                               f"outbox (up to {Limits.outbox_bytes >> 20} MB) until it is back")
-                self.down = str(e)
-                backoff = min(5.0, max(0.25, 2 * backoff))
+                self.down, backoff = str(e), min(5.0, max(0.25, 2 * backoff))
                 self._sleep(backoff)
-            except Exception as e:  # a bug must not kill the thread: log it and go on after a pause
+            except Exception as e:  # a bug must not end the thread: log it, pause, go on
                 self._log(f"unexpected error {e!r:.200}")
                 self._sleep(1.0)
 
@@ -1055,20 +1011,19 @@ class SwarmClient:
             self.wake = False
 
     def _send(self, entry):
-        path, body, what = entry
         try:
-            self._request("POST", path, body)
+            self._request("POST", entry[0], entry[1])
         except _Refused as e:
-            self._log(f"the server refused {what}, so it is dropped: {e}")
+            self._log(f"the server refused {entry[2]}, so it is dropped: {e}")
         with self.cond:
             if self.outbox and self.outbox[0] is entry:  # (a full outbox may have dropped it meanwhile)
                 self.outbox.popleft()
-                self.outbox_bytes -= len(body)
+                self.outbox_bytes -= len(entry[1])
                 self.done += 1
                 self.cond.notify_all()
 
     def _poll(self):
-        """Read pages after our position into the inbox -> True once level with the server."""
+        """Read one page after our position into the inbox -> True once level with the server."""
         with self.cond:
             self.polls += 1
             poll, start = self.polls, self._next
@@ -1082,8 +1037,7 @@ class SwarmClient:
                 g = check(g, STORED, "a received group")
                 _want(seq < g["seq"] <= page["next"], "its seq is out of order")
                 seq = g["seq"]
-                if g["peer"] != self.peer:
-                    groups.append((g, len(_dumps(g))))
+                groups += [(g, len(_dumps(g)))] if g["peer"] != self.peer else []
             except BadRequest as e:
                 bad.append(e.message)
         if bad:
@@ -1101,11 +1055,10 @@ class SwarmClient:
             while self.inbox_bytes > Limits.inbox_bytes:
                 self.inbox_bytes -= self.inbox.popleft()[1]
             self._next = max(position, page["next"])
-            level = page["next"] >= page["last"] or page["next"] <= position
-            if level:
+            if page["next"] >= page["last"] or page["next"] <= position:
                 self.level = poll
                 self.cond.notify_all()
-            return level
+            return self.level == poll
 
     def _get(self, path, fields):
         try:
@@ -1116,16 +1069,13 @@ class SwarmClient:
     def _request(self, method, path, body=b""):
         """The one way this client talks: an HTTP/1.0 exchange on a fresh connection, with a deadline on
         all of it (connect, send, every byte of the reply) -> the reply's JSON object."""
-        deadline = time.monotonic() + Limits.request_seconds
+        deadline, reply = time.monotonic() + Limits.request_seconds, bytearray()
         head = f"{method} {self.base}{path} HTTP/1.0\r\n{self.head}Content-Length: {len(body)}\r\n\r\n"
-        reply = bytearray()
         try:
-            sock = socket.create_connection(self.address, timeout=Limits.request_seconds)
-            with self.cond:
-                self.sock = sock
-            try:
-                if self.tls:
-                    sock = self.tls.wrap_socket(sock, server_hostname=self.address[0])
+            with socket.create_connection(self.address, timeout=Limits.request_seconds) as raw:
+                with self.cond:
+                    self.sock = raw  # so that close() can end this exchange at once
+                sock = self.tls.wrap_socket(raw, server_hostname=self.address[0]) if self.tls else raw
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
                 sock.sendall(head.encode() + body)
                 while len(reply) <= Limits.reply_bytes:
@@ -1136,12 +1086,11 @@ class SwarmClient:
                     reply += chunk
                     if time.monotonic() > deadline:
                         raise TimeoutError("no whole reply in time")
-            finally:
-                with self.cond:
-                    self.sock = None
-                sock.close()
         except OSError as e:
             raise _Unreachable(str(e) or type(e).__name__) from None
+        finally:
+            with self.cond:
+                self.sock = None
         head, _, payload = bytes(reply).partition(b"\r\n\r\n")
         status = re.match(rb"HTTP/1\.[01] (\d{3})\b", head)
         length = re.search(rb"\r\ncontent-length: *(\d+)", head, re.IGNORECASE)

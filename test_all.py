@@ -1604,6 +1604,12 @@ def test_swarm_retention_is_bounded_in_bytes(tmp_path):
         assert _sw_post(url, "bob", 0, [_sw_group(1)]).json()["seq"] == 31
     finally:
         server.shutdown()
+    server, url = swarm.start_server(folder, keep_bytes=1)  # each batch alone is over the limit
+    try:
+        assert _sw_post(url, "carol", 0, [_sw_group(1)]).json()["seq"] == 32
+        assert [g["seq"] for g in _sw_read_all(url)] == [32] and len(_sw_files(folder)) == 1
+    finally:
+        server.shutdown()
 
 
 def test_swarm_utf8_on_disk_and_pages_bounded_in_bytes(_sw_server, monkeypatch):
@@ -1713,7 +1719,7 @@ def test_swarm_hangups_are_not_logged(_sw_server, capsys):
     import socket
     import struct
     server, url, folder = _sw_server
-    for r in range(8):
+    for r in range(60):  # 7 MB: more than a socket buffer holds
         _sw_post(url, "alice", r, [_sw_group(r, completions=["x" * 30_000] * 4, stopped=[True] * 4)])
     u = urlsplit(url)
     for request in (b"GET /rollouts?limit=1024 HTTP/1.1\r\nHost: x\r\n\r\n", b"POST /rollouts HTTP/1.1\r\nContent-Le"):
@@ -1741,6 +1747,9 @@ def test_swarm_slow_connections_get_a_deadline_and_honest_ones_get_through(_sw_s
         slow.append(s)
     liar = socket.create_connection((u.hostname, u.port), timeout=5)  # says 100 bytes, sends 1
     liar.sendall(b"POST /rollouts HTTP/1.1\r\nContent-Length: 100\r\n\r\n{")
+    monkeypatch.setattr(swarm.Limits, "in_flight_bytes", 100_000)  # a declared length alone holds nothing
+    slow.append(socket.create_connection((u.hostname, u.port), timeout=5))
+    slow[-1].sendall(b"POST /rollouts HTTP/1.1\r\nContent-Length: 99999\r\n\r\n{")
     t0 = time.time()
     for k in range(5):
         for s in slow:
@@ -1760,7 +1769,7 @@ def test_swarm_slow_connections_get_a_deadline_and_honest_ones_get_through(_sw_s
         except OSError:
             pass
         s.close()
-    assert closed == 61  # each got a JSON 408 once its deadline passed, not a 60 s wait per read
+    assert closed == 62  # each got a JSON 408 once its deadline passed, not a 60 s wait per read
 
 
 def test_swarm_connection_cap_under_a_low_descriptor_limit(tmp_path):

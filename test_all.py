@@ -1749,7 +1749,9 @@ def test_swarm_slow_connections_get_a_deadline_and_honest_ones_get_through(_sw_s
     liar.sendall(b"POST /rollouts HTTP/1.1\r\nContent-Length: 100\r\n\r\n{")
     monkeypatch.setattr(swarm.Limits, "in_flight_bytes", 100_000)  # a declared length alone holds nothing
     slow.append(socket.create_connection((u.hostname, u.port), timeout=5))
-    slow[-1].sendall(b"POST /rollouts HTTP/1.1\r\nContent-Length: 99999\r\n\r\n{")
+    slow[-1].sendall(b"POST /rollouts HTTP/1.1\r\nContent-Length: 99850\r\n\r\n{")
+    time.sleep(0.2)
+    assert _sw_post(url, "honest", 99, [_sw_group(99)]).status_code == 200
     t0 = time.time()
     for k in range(5):
         for s in slow:

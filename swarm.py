@@ -200,18 +200,15 @@ def check_group(group, where="group"):
     return check(group, GROUP, where)
 
 
+def _not_finite(text):
+    raise ValueError(f"{text[:20]} is not a finite number")
+
+
 def parse_json(raw):
     """Strict JSON: no NaN or Infinity (they would not survive being served back as JSON)."""
-    def finite(text):
-        if not math.isfinite(float(text)):
-            raise ValueError(f"the number {text[:20]} is too large")
-        return float(text)
-
-    def constant(name):
-        raise ValueError(f"{name} is not allowed in JSON")
-
     try:
-        return json.loads(raw, parse_float=finite, parse_constant=constant)
+        return json.loads(raw, parse_float=lambda t: float(t) if math.isfinite(float(t)) else _not_finite(t),
+                          parse_constant=_not_finite)
     except RecursionError:
         raise BadRequest("The JSON is nested too deeply.") from None
     except ValueError as e:  # includes JSONDecodeError, bodies that are not UTF-8, 5000-digit numbers
@@ -510,7 +507,7 @@ def render_svg(series, title="reward per round", ylabel="reward", xlabel="round"
     pad = (y1 - y0) * 0.05 or 0.5
     y0, y1 = y0 - pad, y1 + pad
 
-    def px(x):
+    def px(x):  # data to pixels
         return left + (x - x0) / (x1 - x0) * plot_w
 
     def py(y):
@@ -554,16 +551,13 @@ def render_page(snap):
         last.setdefault(row["peer"], {}).update(row["metrics"])
     chart = render_svg({p: sorted(s.items()) for p, s in series.items()}, title="local_reward per round")
 
-    def cell(value):
-        return "" if value is None else f"{value:.3f}"
-
     rows = []
     for peer, info in sorted(snap["peers"].items()):
         m = last.get(peer, {})
+        cells = ["" if m.get(k) is None else f"{m[k]:.3f}" for k in ("local_reward", "batch_reward")]
         seen = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(info["last_seen"]))
         rows.append(f"<tr><td>{_esc(peer)}</td><td>{info['last_round']}</td><td>{info['groups']}</td>"
-                    f"<td>{cell(m.get('local_reward'))}</td><td>{cell(m.get('batch_reward'))}</td>"
-                    f"<td>{seen}</td></tr>")
+                    f"<td>{cells[0]}</td><td>{cells[1]}</td><td>{seen}</td></tr>")
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><meta http-equiv="refresh" content="5"><title>nanoSAPO swarm</title>
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
@@ -857,7 +851,7 @@ def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.ke
         store.close()
         raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}); "
                          "choose another --host or --port.") from None
-    return server, f"http://{host}:{server.server_address[1]}"
+    return server, f"http://{f'[{host}]' if ':' in host else host}:{server.server_address[1]}"
 
 
 # -----------------------------------------------------------------------------

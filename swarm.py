@@ -654,8 +654,11 @@ class SwarmServer:
                 if first in (b"", b"\x16") or not await self._exchange(first, reader, writer):
                     return  # gone, closing, or a TLS handshake (this server speaks plain HTTP)
         except BadRequest as e:  # the rest of the request is unread: answer, then close
-            await self._send(writer, e.status, JSON, _error(e.message), e.headers, close=True)
-        except (OSError, EOFError):
+            try:
+                await self._send(writer, e.status, JSON, _error(e.message), e.headers, close=True)
+            except (OSError, asyncio.TimeoutError):
+                pass
+        except (OSError, EOFError, asyncio.TimeoutError):
             pass  # a client that hangs up, idles or stops reading its reply is not news
         finally:
             self.open.discard(writer)

@@ -1722,7 +1722,8 @@ def test_swarm_hangups_are_not_logged(_sw_server, capsys):
     for r in range(60):  # 7 MB: more than a socket buffer holds
         _sw_post(url, "alice", r, [_sw_group(r, completions=["x" * 30_000] * 4, stopped=[True] * 4)])
     u = urlsplit(url)
-    for request in (b"GET /rollouts?limit=1024 HTTP/1.1\r\nHost: x\r\n\r\n", b"POST /rollouts HTTP/1.1\r\nContent-Le"):
+    for request in (b"GET /rollouts?limit=1024 HTTP/1.1\r\nHost: x\r\n\r\n", b"POST /rollouts HTTP/1.1\r\nContent-Le",
+                    b"GET /health HTTP/1.1\r\n" + b"X: y\r\n" * 100 + b"\r\n"):  # ... and one refused with a 431
         s = socket.socket()
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         s.connect((u.hostname, u.port))

@@ -43,6 +43,7 @@ import time
 
 import torch
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 # config.json of the two shapes bench.py knows, with random weights (no download needed)
 SHAPES = {
     "smollm2-135m": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152,
@@ -222,40 +223,78 @@ def train_side(args):
     print(json.dumps(dict(tok_per_s=batch * (T - 1) / min(times), peak_bytes=peak)))
 
 
-def bench_swarm(peers=32, rounds=20, groups_per_post=4, completions=8, completion_chars=600):
-    """-> {"posts_per_s", "fetch_p50_ms", "fetch_p99_ms", "groups_posted", "groups_lost"}.
-    posts_per_s counts acknowledged posts over the wall time of the whole run (fetches included);
-    groups_lost counts acknowledged groups missing from a final full read (must be 0)."""
+def _server(folder=None, *flags, preexec_fn=None):
+    """python swarm.py --port 0 in a subprocess -> (process, url, folder)."""
+    folder = folder or tempfile.mkdtemp(prefix="swarm-bench-")
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "swarm.py"), "--dir", folder, "--port", "0", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, preexec_fn=preexec_fn)
+    m = re.fullmatch(r"swarm server: (http://\S+)", proc.stdout.readline().strip())
+    if not m:
+        proc.kill()
+        raise RuntimeError("the swarm server did not start")
+    return proc, m.group(1), folder
+
+
+def _groups(tag, n=4, completions=8, chars=600):
+    filler = "Let me think step by step. " * (chars // 27 + 1)
+    return [{"task": "basic_arithmetic", "question": f"{tag} question {i}", "answer": str(i), "metadata": {"i": i},
+             "completions": [(f"{j} " + filler)[:chars - 20] + f"<answer>{j}</answer>" for j in range(completions)],
+             "stopped": [True] * completions, "model": "bench"} for i in range(n)]
+
+
+def _read_all(url):
+    import requests
+    stored, after = [], 0
+    while True:
+        data = requests.get(url + "/rollouts", params={"after": after, "limit": 1024}, timeout=30).json()
+        stored += data["groups"]
+        if data["next"] == after:
+            return stored
+        after = data["next"]
+
+
+def _pct(values, q):
+    values = sorted(values)
+    return round(values[min(len(values) - 1, int(len(values) * q))], 2) if values else None
+
+
+def bench_swarm(peers=32, rounds=20, groups_per_post=4):
+    """-> posts/s, publish()+fetch() time, sync time, page GET latency, groups lost and missed.
+    Each simulated peer (a thread with its own SwarmClient) does per round: publish() and fetch() (timed:
+    they only touch queues), flush() (timed as "sync": until its batch is acknowledged and its inbox has
+    caught up with the server), and one GET /rollouts of the page of groups that arrived since its last
+    round (timed as "fetch": the HTTP work the client's thread does per poll). posts_per_s counts
+    acknowledged posts over the whole run; groups_lost counts acknowledged groups missing from a final
+    full read, groups_missed those a peer did not receive (both must be 0)."""
     import requests
     import swarm
-    folder = tempfile.mkdtemp(prefix="swarm-bench-")
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "swarm.py")
-    proc = subprocess.Popen([sys.executable, script, "--dir", folder, "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc, url, folder = _server()
     try:
-        m = re.fullmatch(r"swarm server: (http://\S+)", proc.stdout.readline().strip())
-        if not m:
-            raise RuntimeError("the swarm server did not start")
-        url = m.group(1)
-        acked = [[] for _ in range(peers)]       # (peer, round, question) of each acknowledged group
-        fetch_ms = [[] for _ in range(peers)]
-        start = threading.Barrier(peers + 1)
-        filler = "Let me think step by step. " * (completion_chars // 27 + 1)
+        acked, got = [[] for _ in range(peers)], [set() for _ in range(peers)]
+        call_ms, sync_ms, fetch_ms = [], [], []
+        start, end = threading.Barrier(peers + 1), threading.Barrier(peers)
 
         def peer(k):
-            client = swarm.SwarmClient(url, f"peer{k:03d}", timeout=30)
+            client, session = swarm.SwarmClient(url, f"peer{k:03d}", cursor=0), requests.Session()
             start.wait()
             for r in range(rounds):
-                groups = [{"task": "basic_arithmetic", "question": f"peer {k} round {r} question {i}",
-                           "answer": str(i), "metadata": {"i": i},
-                           "completions": [(f"{j} " + filler)[:completion_chars - 20] + f"<answer>{j}</answer>"
-                                           for j in range(completions)],
-                           "stopped": [True] * completions, "model": "bench"} for i in range(groups_per_post)]
-                if client.publish(r, groups):
-                    acked[k] += [(client.peer, r, g["question"]) for g in groups]
+                groups = _groups(f"peer {k} round {r}", groups_per_post)
                 t = time.perf_counter()
-                client.fetch()
-                fetch_ms[k].append(1000 * (time.perf_counter() - t))
+                client.publish(r, groups)
+                got[k].update(g["question"] for g in client.fetch())
+                call_ms.append(1000 * (time.perf_counter() - t))
+                before = client.cursor or 0
+                t = time.perf_counter()
+                if client.flush(120):
+                    acked[k] += [(client.peer, r, g["question"]) for g in groups]
+                sync_ms.append(1000 * (time.perf_counter() - t))
+                t = time.perf_counter()
+                session.get(url + "/rollouts", params={"after": before, "exclude": client.peer}, timeout=30).json()
+                fetch_ms.append(1000 * (time.perf_counter() - t))
+            end.wait()  # everyone has published: now each must receive all the others' groups
+            client.flush(120)
+            got[k].update(g["question"] for g in client.fetch())
+            client.close()
 
         threads = [threading.Thread(target=peer, args=(k,)) for k in range(peers)]
         for t in threads:
@@ -265,26 +304,355 @@ def bench_swarm(peers=32, rounds=20, groups_per_post=4, completions=8, completio
         for t in threads:
             t.join()
         wall = time.perf_counter() - t0
-
-        stored, after = set(), 0
-        while True:  # the final full read
-            data = requests.get(url + "/rollouts", params={"after": after, "limit": swarm.MAX_LIMIT}, timeout=30).json()
-            stored.update((g["peer"], g["round"], g["question"]) for g in data["groups"])
-            if data["next"] == after:
-                break
-            after = data["next"]
+        stored = {(g["peer"], g["round"], g["question"]) for g in _read_all(url)}
         posted = [key for keys in acked for key in keys]
-        times = sorted(ms for per_peer in fetch_ms for ms in per_peer)
+        others = [{q for _, _, q in stored} - {q for _, _, q in acked[k]} for k in range(peers)]
         return {"posts_per_s": round(len(posted) / groups_per_post / wall, 1),
-                "fetch_p50_ms": round(times[len(times) // 2], 2),
-                "fetch_p99_ms": round(times[min(len(times) - 1, int(len(times) * 0.99))], 2),
-                "groups_posted": len(posted),
-                "groups_lost": sum(key not in stored for key in posted)}
+                "calls_max_ms": round(max(call_ms), 3), "sync_p50_ms": _pct(sync_ms, 0.5),
+                "sync_p99_ms": _pct(sync_ms, 0.99), "fetch_p50_ms": _pct(fetch_ms, 0.5),
+                "fetch_p99_ms": _pct(fetch_ms, 0.99), "groups_posted": len(posted),
+                "groups_lost": sum(key not in stored for key in posted),
+                "groups_missed": sum(len(others[k] - got[k]) for k in range(peers))}
     finally:
         proc.kill()
         proc.wait()
         shutil.rmtree(folder, ignore_errors=True)
 
+
+# -----------------------------------------------------------------------------
+# --attack: what the server and the client survive (the README's reliability figures)
+
+def _cpu_seconds(pid):
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_mb(pid, field="VmRSS"):
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+
+
+def attack_flood(slow=500, seconds=20):
+    """`slow` connections held open (a third idle, a third sending headers a byte every 2 s, a third
+    declaring a body they never send; each reconnects when the server closes it) while an honest client
+    alternates GET /health and POST /rollouts on fresh connections."""
+    import socket
+    import requests
+    proc, url, folder = _server()
+    host, port = url[7:].rsplit(":", 1)
+    stop, opened, lat, errors = threading.Event(), [0], {"GET /health": [], "POST /rollouts": []}, [0]
+
+    def connect(k):
+        s = socket.create_connection((host, int(port)), timeout=5)
+        s.setblocking(False)
+        s.send([b"", b"GET /health HTTP/1.1\r\nHost: x\r\n", b"POST /rollouts HTTP/1.1\r\nContent-Length: 99\r\n\r\n{"][k % 3])
+        opened[0] += 1
+        return s
+
+    def flood():
+        conns = [connect(k) for k in range(slow)]
+        while not stop.wait(2.0):
+            for k, s in enumerate(conns):
+                try:
+                    if s.recv(65536, socket.MSG_PEEK) == b"":
+                        raise OSError("closed")
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    s.close()
+                    conns[k] = s = connect(k)
+                if k % 3 == 1:
+                    try:
+                        s.send(b"X")
+                    except OSError:
+                        pass
+        for s in conns:
+            s.close()
+
+    flooder = threading.Thread(target=flood)
+    flooder.start()
+    try:
+        time.sleep(3)  # let the flood build up
+        cpu0, t0, r = _cpu_seconds(proc.pid), time.time(), 0
+        while time.time() < t0 + seconds:
+            for what in lat:
+                t = time.perf_counter()
+                try:
+                    if what.startswith("GET"):
+                        ok = requests.get(url + "/health", timeout=10).status_code == 200
+                    else:
+                        ok = requests.post(url + "/rollouts", timeout=10, json={
+                            "peer": "honest", "round": r, "batch_id": f"h{r}", "groups": _groups(r, 1)}).status_code == 200
+                except requests.RequestException:
+                    ok = False
+                lat[what].append(1000 * (time.perf_counter() - t))
+                errors[0] += not ok
+            r += 1
+            time.sleep(0.1)
+        cpu = (_cpu_seconds(proc.pid) - cpu0) / (time.time() - t0)
+        rss = _rss_mb(proc.pid, "VmHWM")
+    finally:
+        stop.set()
+        flooder.join()
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+    return {"slow_connections": slow, "slow_connects_made": opened[0], "honest_requests": sum(map(len, lat.values())),
+            "honest_errors": errors[0], **{f"{w} p50_ms": _pct(v, 0.5) for w, v in lat.items()},
+            **{f"{w} p99_ms": _pct(v, 0.99) for w, v in lat.items()}, "server_cpu_cores": round(cpu, 3),
+            "server_peak_rss_mb": round(rss, 1)}
+
+
+def _hostile_requests():
+    """(class, raw bytes) of crafted requests; every one must get a 4xx or a clean close, never a 5xx."""
+    def post(path, body, extra=b""):
+        body = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n%s" % (path.encode(), len(body), extra, body)
+
+    g = {"task": "t", "question": "q", "answer": "a", "completions": ["c"], "stopped": [True]}
+    ok = {"peer": "p", "round": 1, "batch_id": "b", "groups": [g]}
+    bad_values = [None, True, -1, 1.5, 10 ** 400, "", "x" * 40_000, "caf\u00e9 <b>", [], [1], {}, {"a": [None]}]
+    bad_groups = [dict(g, **{field: v}) for field in g for v in bad_values if not (field == "question" and
+                  v in ("", "caf\u00e9 <b>")) and not (field == "answer" and v in ("", "caf\u00e9 <b>"))]
+    bad_groups += [{k: v for k, v in g.items() if k != field} for field in g] + [
+        "x", None, 5, dict(g, metadata={"a": {"b": {"c": {"d": {"e": {"f": {"g": {"h": {"i": {}}}}}}}}}}),
+        dict(g, completions=["c"] * 65, stopped=[True] * 65), dict(g, metadata={"k": "v" * 17_000})]
+    bad_tops = [dict(ok, **{field: v}) for field in ok for v in bad_values if not (field == "groups" and v == [])]
+    bad_tops += [{k: v for k, v in ok.items() if k != field} for field in ok] + [
+        dict(ok, peer="../x"), dict(ok, batch_id="a/b"), dict(ok, groups=[g] * 300), [ok], "ok"]
+    bad_bodies = [b"{", b"[" * 100_000, b"\xff\xfe", b"NaN", b'{"peer": 1e999}', b"1" * 5000, b"null", b"[]",
+                  b'{"peer": "p", "round": Infinity}', b"\x00" * 100, b'{"a": "\\ud800"}']
+    metrics = [{"peer": "p", "round": 1, "metrics": m} for m in (
+        {"a": 10 ** 400}, {"a": 1e300}, {"a": -1e16}, {"a": "x"}, {"a": [1]}, {"a": True}, {"": 1}, {"x" * 65: 1},
+        {str(k): 1 for k in range(65)}, [1], None)] + [{"peer": "<b>", "round": 1, "metrics": {}},
+                                                       {"peer": "p", "round": -1, "metrics": {}}]
+    get = [b"GET /rollouts?after=-1 HTTP/1.1\r\n\r\n", b"GET /rollouts?limit=0 HTTP/1.1\r\n\r\n",
+           b"GET /rollouts?limit=99999 HTTP/1.1\r\n\r\n", b"GET /rollouts?exclude=%3Cb%3E HTTP/1.1\r\n\r\n",
+           b"GET /rollouts?" + b"&".join(b"a=%d" % k for k in range(40)) + b" HTTP/1.1\r\n\r\n",
+           b"GET /metrics?after=x HTTP/1.1\r\n\r\n", b"GET /nope HTTP/1.1\r\n\r\n", b"GET /../etc/passwd HTTP/1.1\r\n\r\n"]
+    methods = [b"%s %s HTTP/1.1\r\nConnection: close\r\n\r\n" % (m, p) for m in (b"HEAD", b"OPTIONS", b"PUT", b"DELETE",
+               b"PATCH", b"TRACE", b"CONNECT", b"BREW", b"get") for p in (b"/", b"/health", b"/rollouts", b"/metrics")]
+    protocol = [b"OPTIONS * HTTP/1.1\r\n\r\n",
+                b"GET http://[::1/x HTTP/1.1\r\n\r\n", b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\n\r\n",
+                b"GET /health HTTP/1.1\r\nX: " + b"a" * 20_000 + b"\r\n\r\n",
+                b"GET /health HTTP/1.1\r\n" + b"X: a\r\n" * 100 + b"\r\n", b"GET /health HTTP/2.0\r\n\r\n",
+                b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", b"\x16\x03\x01\x00\xc8\x01\x00\x00\xc4\x03\x03" + bytes(190),
+                b"\x00\x01\x02\r\n\r\n", b"GET /health\r\n\r\n", b"GET /health HTTP/1.1\r\nno colon\r\n\r\n",
+                b"POST /rollouts HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+                b"POST /rollouts HTTP/1.1\r\n\r\n", b"POST /rollouts HTTP/1.1\r\nContent-Length: -1\r\n\r\n",
+                b"POST /rollouts HTTP/1.1\r\nContent-Length: 99999999999\r\n\r\n",
+                b"POST /rollouts HTTP/1.1\r\nContent-Length: 100\r\n\r\n{",  # a lying length: waits for the deadline
+                b"POST /metrics HTTP/1.1\r\nContent-Length: 10\r\nContent-Length: 99\r\n\r\n0123456789"]
+    return ([("bad JSON body", post(p, b)) for b in bad_bodies for p in ("/rollouts", "/metrics")]
+            + [("bad batch", post("/rollouts", x)) for x in bad_tops]
+            + [("bad group", post("/rollouts", dict(ok, batch_id=f"g{i}", groups=[x]))) for i, x in enumerate(bad_groups)]
+            + [("unknown method", r) for r in methods]
+            + [("bad metrics", post("/metrics", m)) for m in metrics]
+            + [("bad query or path", r) for r in get] + [("protocol abuse", r) for r in protocol])
+
+
+def _raw(url, data):
+    """Send raw bytes -> the reply's status (0: closed without a reply)."""
+    import socket
+    host, port = url[7:].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        try:
+            s.sendall(data)
+            reply = s.recv(65536)
+        except OSError:
+            reply = b""
+    m = re.match(rb"HTTP/1\.1 (\d{3}) ", reply)
+    return int(m.group(1)) if m else 0
+
+
+def attack_hostile():
+    """Every crafted request once, 16 at a time -> replies counted by class and status."""
+    from concurrent.futures import ThreadPoolExecutor
+    import requests
+    proc, url, folder = _server()
+    try:
+        cases = _hostile_requests()
+        with ThreadPoolExecutor(16) as pool:
+            statuses = list(pool.map(lambda case: _raw(url, case[1]), cases))
+        counts = {}
+        for (cls, _), status in zip(cases, statuses):
+            c = counts.setdefault(cls, {"requests": 0, "2xx": 0, "4xx": 0, "5xx": 0, "closed": 0})
+            c["requests"] += 1
+            c[f"{status // 100}xx" if status else "closed"] += 1
+        alive = requests.get(url + "/health", timeout=5).json()
+        return {"classes": counts, "stored_groups_after": alive["groups"], "server_alive": alive["ok"]}
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def attack_kill9(cycles=10, writers=16):
+    """kill -9 in the middle of `writers` concurrent writers, `cycles` times: every acknowledged batch
+    must be there after each restart, once, under the seq it was acknowledged with."""
+    import random
+    import requests
+    folder, acked, lost, duplicated = tempfile.mkdtemp(prefix="swarm-bench-"), {}, 0, 0
+    try:
+        for cycle in range(cycles):
+            proc, url, _ = _server(folder)
+            stop = threading.Event()
+
+            def writer(w):
+                session, i = requests.Session(), 0
+                while not stop.is_set():
+                    key = f"{cycle}-{w}-{i}"
+                    try:
+                        r = session.post(url + "/rollouts", timeout=10, json={
+                            "peer": f"w{w}", "round": i, "batch_id": key, "groups": _groups(key, 2, 2, 100)})
+                        if r.status_code == 200:
+                            acked[key] = r.json()["seq"]
+                    except requests.RequestException:
+                        return
+                    i += 1
+
+            threads = [threading.Thread(target=writer, args=(w,)) for w in range(writers)]
+            for t in threads:
+                t.start()
+            time.sleep(random.uniform(0.3, 1.0))
+            proc.kill()
+            proc.wait()
+            stop.set()
+            for t in threads:
+                t.join()
+        proc, url, _ = _server(folder)
+        seen = {}
+        for g in _read_all(url):
+            key = g["question"].rsplit(" question ", 1)[0]
+            seen.setdefault(key, []).append(g["seq"])
+        proc.kill()
+        proc.wait()
+        for key, seq in acked.items():
+            lost += key not in seen or seen[key][-1] != seq
+        duplicated = sum(len(s) != 2 for s in seen.values())
+        return {"cycles": cycles, "writers": writers, "batches_acknowledged": len(acked),
+                "acknowledged_lost": lost, "batches_stored_twice": duplicated}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def attack_client(calls=50):
+    """A SwarmClient against a black hole (accepts, never answers), a trickle (a byte every 2 s), a server
+    answering 500s and garbage, and a port nobody listens on: the slowest publish()/fetch()/post_metrics()
+    call; then a real server comes up on the same port and everything queued must arrive once."""
+    import socket
+    import swarm
+    results, servers = {}, []
+
+    def hostile(kind, sock):
+        conns = []
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                break
+            conns.append(conn)
+
+            def answer(conn=conn):
+                try:
+                    conn.recv(65536)
+                    if kind == "500 or garbage":
+                        conn.sendall(b"HTTP/1.1 500 Oops\r\nContent-Length: 2\r\n\r\nno" if len(conns) % 2 else b"\x00{[")
+                    else:
+                        for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\n\r\n":
+                            conn.send(bytes([byte]))
+                            time.sleep(2)
+                except OSError:
+                    pass
+            threading.Thread(target=answer, daemon=True).start()
+        for conn in conns:
+            conn.close()
+
+    kinds = ["black hole", "trickle", "500 or garbage", "down"]
+    socks = {}
+    for kind in kinds:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", 0))
+        if kind != "down":
+            s.listen(64)
+        if kind in ("trickle", "500 or garbage"):
+            threading.Thread(target=hostile, args=(kind, s), daemon=True).start()
+        socks[kind] = s
+    clients = {kind: swarm.SwarmClient(f"http://127.0.0.1:{s.getsockname()[1]}", f"p{k}") for k, (kind, s) in
+               enumerate(socks.items())}
+    try:
+        slowest = {kind: 0.0 for kind in kinds}
+        for r in range(calls):
+            for kind, c in clients.items():
+                for call in (lambda: c.publish(r, _groups(r, 1)), c.fetch, lambda: c.post_metrics(r, {"x": 1.0})):
+                    t = time.perf_counter()
+                    call()
+                    slowest[kind] = max(slowest[kind], time.perf_counter() - t)
+            time.sleep(0.1)
+        for kind, s in socks.items():
+            port = s.getsockname()[1]
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+            servers.append(swarm.start_server(tempfile.mkdtemp(prefix="swarm-bench-"), port=port))
+        for (server, url), (kind, c) in zip(servers, clients.items()):
+            flushed = c.flush(60)
+            rounds = [int(g["question"].split()[0]) for g in _read_all(url)]
+            results[kind] = {"slowest_call_ms": round(1000 * slowest[kind], 2), "delivered_after": flushed,
+                             "batches_delivered_once": sorted(rounds) == list(range(calls))}
+        return results
+    finally:
+        for c in clients.values():
+            c.close()
+        for server, _ in servers:
+            shutil.rmtree(server.store.folder, ignore_errors=True)
+            server.shutdown()
+
+
+def attack_memory(keep_mb=64, post_mb=256, writers=4):
+    """Fill a server with --keep-bytes keep_mb far past it: its disk use and resident memory."""
+    import requests
+    proc, url, folder = _server(None, "--keep-bytes", f"{keep_mb}M")
+    try:
+        empty_rss, peak_disk = _rss_mb(proc.pid), 0
+        body = lambda w, i: {"peer": f"w{w}", "round": i, "batch_id": f"{w}-{i}",
+                             "groups": _groups(f"{w}-{i}", 32, 8, 1000)}  # ~260 KB a post
+        posts = post_mb * 1024 // 260 // writers
+
+        def writer(w):
+            session = requests.Session()
+            for i in range(posts):
+                session.post(url + "/rollouts", json=body(w, i), timeout=60)
+
+        threads = [threading.Thread(target=writer, args=(w,)) for w in range(writers)]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            peak_disk = max(peak_disk, sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)
+                                           if os.path.exists(os.path.join(folder, n))))
+            time.sleep(0.2)
+        disk = sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder))
+        return {"keep_mb": keep_mb, "posted_mb": round(posts * writers * 260 / 1024), "disk_mb": round(disk / 2**20, 1),
+                "peak_disk_mb": round(peak_disk / 2**20, 1), "empty_rss_mb": round(empty_rss, 1),
+                "final_rss_mb": round(_rss_mb(proc.pid), 1), "peak_rss_mb": round(_rss_mb(proc.pid, "VmHWM"), 1)}
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def bench_attack(args):
+    for name, fn in (("slow-connection flood", lambda: attack_flood(args.slow)), ("hostile requests", attack_hostile),
+                     ("kill -9 cycles", lambda: attack_kill9(args.cycles)), ("client vs bad servers", attack_client),
+                     ("memory and disk", attack_memory)):
+        t0 = time.time()
+        r = fn()
+        print(json.dumps({"what": name, **r, "seconds": round(time.time() - t0, 1)}) if args.json else
+              f"{name} ({time.time() - t0:.0f} s): {json.dumps(r)}", flush=True)
 
 
 def report(r, args):
@@ -314,11 +682,16 @@ def main():
     p.add_argument("--swarm", action="store_true", help="measure the rollout server under simulated peers")
     p.add_argument("--peers", type=int, default=32, help="--swarm: simulated peers")
     p.add_argument("--rounds", type=int, default=20, help="--swarm: rounds each peer posts and polls")
+    p.add_argument("--attack", action="store_true", help="what the server and client survive (README's reliability)")
+    p.add_argument("--slow", type=int, default=500, help="--attack: slow connections held open")
+    p.add_argument("--cycles", type=int, default=10, help="--attack: kill -9 cycles")
     p.add_argument("--json", action="store_true", help="one JSON object per measurement")
     p.add_argument("--train-side", choices=["ours", "hf"], help=argparse.SUPPRESS)  # one side of --train
     args = p.parse_args()
     if args.train_side:
         return train_side(args)
+    if args.attack:
+        return bench_attack(args)
     if args.swarm:
         r = dict(what="swarm", **bench_swarm(peers=args.peers, rounds=args.rounds))
         print(json.dumps(r) if args.json else "swarm: " + ", ".join(f"{k} {v:,.1f}" if isinstance(v, float)

@@ -1,6 +1,6 @@
 """
 The swarm: one small HTTP server that stores the rollouts peers publish, and the client a peer uses
-to publish its own rollouts and poll for everyone else's.
+to publish its own rollouts and receive everyone else's.
 
 SAPO ("Sharing is Caring", arXiv 2509.08721, Sec. 3 and Algorithm 1) trains a swarm of peers, each
 with its own small language model. Every round a peer generates G completions for each of its I local
@@ -9,36 +9,45 @@ token ids, log-probs or weights) with the swarm, and trains on its I local group
 from what the other peers shared. Peers never wait for each other: a peer takes whatever has arrived.
 
 How this file does it:
-- Server (standard library only): `python swarm.py --dir swarm_data --port 8000`. Each accepted
-  POST /rollouts becomes one JSON file `batch-NNNNNNNN.json` in --dir, written atomically and fsynced
-  before the reply, so an acknowledged batch survives kill -9 and nothing half-written is ever served.
-  The server numbers stored groups 1, 2, 3, ... (`seq`) in publication order; a restart reloads the
-  folder and continues the numbering. Readers poll GET /rollouts?after=SEQ&exclude=ME.
-- Client (`requests`): `SwarmClient(url, peer)`. publish() retries briefly and then keeps the batch
-  in a small outbox for later; fetch() returns the new external groups and remembers its cursor.
-  Neither ever raises into the training loop: with the server down a peer simply trains in silo
-  (the paper's baseline) and catches up when it comes back.
-- Dashboard: peers POST /metrics once a round; GET / draws every peer's reward per round.
+- The core is two operations on one folder (RolloutStore): POST /rollouts appends a batch file and
+  numbers its groups 1, 2, 3, ... (`seq`); GET /rollouts?after=SEQ reads the groups after a sequence
+  number. A batch file is written atomically and fsynced before the reply, so an acknowledged batch
+  survives kill -9 and nothing half-written is ever served. Its name is the seq of its last group, so
+  a restart continues the numbering whatever happened to the files' contents.
+- Server: `python swarm.py --dir swarm_data --port 8000`, standard library only. One asyncio loop reads
+  requests under a whole-request deadline (a slow or idle connection costs a buffer, not a thread) and
+  a few worker threads answer complete ones. Everything a request can make it hold is bounded by a
+  figure in `Limits`: connections, bytes in flight, reply pages, kept batches (--keep-bytes, on disk and
+  in memory alike), metrics, peers, idempotency records.
+- Client: `SwarmClient(url, peer)`. publish(), fetch() and post_metrics() only touch two in-memory
+  queues and return at once; a daemon thread does all the HTTP, each exchange under a wall-clock
+  deadline. Training never waits for the network: with the server down a peer trains in silo (the
+  paper's baseline) and catches up when it returns. The client checks every group it receives with the
+  same table (`check`) that the server applies to what it is sent.
+- Dashboard: peers POST /metrics once a round; GET / draws every peer's local reward per round.
 
 Deviations from the paper, and why:
 - The paper's swarm ran on Gensyn's RL Swarm, where peers exchange rollouts over a peer-to-peer DHT.
   Here one HTTP server holds them: a few hundred readable lines instead of a networking stack, and
   enough for the paper's experiments (a handful of peers on one machine or one LAN). The price is a
   single point of failure, softened by the outbox and by peers training on regardless.
-- Delivery is by polling, so an external rollout reaches other peers one round late at worst. SAPO
-  tolerates this by design: peers never wait and use whatever has arrived.
+- Delivery is by polling (every Limits.poll_seconds), so an external rollout reaches other peers a
+  round late at worst. SAPO tolerates this by design: peers never wait and use whatever has arrived.
 - A peer receives every group published since its last poll; dropping zero-advantage groups and
-  sampling J of the rest is the receiving peer's job (train.py), as in the paper.
-- Storage is bounded (--keep-groups): the oldest batches are deleted; the paper does not discuss it.
-- The server does not judge content: an optional shared bearer token guards writes, and beyond
-  that it only checks shapes and sizes. Receivers do the judging: they reward external completions
-  with their own verifier and drop groups whose answer does not follow from their question
-  (reward.verify_item, in train.py), so nobody can inject fake rewards or fake ground truth.
+  sampling J of the rest is the receiving peer's job (train.py), as in the paper. A peer that joins
+  with no saved cursor starts from the newest Limits.recent_groups groups, not the whole history.
+- Storage is bounded in bytes (--keep-bytes): the oldest batches are deleted; the paper does not say.
+- The server does not judge content: an optional shared bearer token guards it, and beyond that it
+  only checks shapes and sizes. Receivers do the judging: they reward external completions with their
+  own verifier and drop groups whose answer does not follow from their question (reward.verify_item,
+  in train.py), so nobody can inject fake rewards or fake ground truth.
 """
 
 import argparse
+import asyncio
 import bisect
 import collections
+import errno
 import hmac
 import html
 import json
@@ -47,53 +56,71 @@ import os
 import re
 import signal
 import socket
+import ssl
 import sys
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from concurrent.futures import ThreadPoolExecutor
+from http import HTTPStatus
 from urllib.parse import parse_qs, urlsplit
 
 try:
-    import fcntl  # POSIX: lets the server lock its folder so two servers never share one
+    import fcntl     # POSIX: the server locks its folder so two servers never share one
+    import resource  # POSIX: the descriptor limit sets how many connections the server may hold
 except ImportError:
-    fcntl = None
-try:
-    import requests  # the client needs it; the server runs on the standard library alone
-except ImportError:
-    requests = None
-
-# -----------------------------------------------------------------------------
-# Limits. Everything a request can make the server hold is bounded by one of these.
-MAX_BODY_BYTES = 8 * 1024 * 1024      # request body size cap (413 beyond it)
-MAX_GROUPS_PER_POST = 256             # groups in one POST /rollouts
-MAX_COMPLETIONS = 64                  # completions in one group (G)
-MAX_COMPLETION_CHARS = 32_000         # characters in one completion
-MAX_QUESTION_CHARS = 16_000           # characters in one question
-MAX_ANSWER_CHARS = 4_000              # characters in one ground-truth answer
-MAX_NAME_CHARS = 256                  # characters in a task or model name
-MAX_METADATA_CHARS = 16_000           # size of a group's metadata, as compact JSON
-MAX_METADATA_DEPTH = 8                # nesting of dicts/lists inside metadata
-MAX_METRICS_KEYS = 64                 # numbers in one POST /metrics
-MAX_METRICS_ROWS = 20_000             # metrics rows kept, in memory and in metrics.jsonl
-DEFAULT_LIMIT, MAX_LIMIT = 256, 1024  # groups per GET /rollouts page
-MAX_SCAN = 16 * MAX_LIMIT             # groups one GET may look at (skipping the excluded peer's)
-DEFAULT_KEEP_GROUPS = 200_000         # retention; memory is about this many times a group's size
-PEER_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-BATCH_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
-BATCH_FILE_RE = re.compile(r"batch-(\d{8,})\.json")  # the only files the server ever reads back
-TMP_PREFIX = ".tmp-"                  # files being written; never acknowledged, removed on start
-METRICS_FILE = "metrics.jsonl"
-LOCK_FILE = "swarm.lock"
-JSON = "application/json"
+    fcntl = resource = None
 
 
-def _log(message):
-    print(f"swarm server: {message}", file=sys.stderr, flush=True)
+class Limits:
+    """Every bound in one place (sizes in bytes): what keeps a sender from making the server hold more,
+    and a server from making a client hold more."""
+    body_bytes = 8 << 20        # one request body (413 beyond it)
+    page_bytes = 1 << 20        # one reply page of /rollouts or /metrics (a page holds at least one item)
+    page_groups = 1024          # groups in one /rollouts page (?limit=, default 256)
+    scan_groups = 16 * 1024     # groups one read may step over (the reader's own, which it excludes)
+    keep_bytes = 256 << 20      # default --keep-bytes: batches kept, on disk and (the same bytes) in memory
+    metrics_bytes = 8 << 20     # metrics rows kept, in memory and in metrics.jsonl
+    replies = 20_000            # idempotency records (one per batch), kept after their batch is deleted
+    peers = 1024                # peers in the table; the one seen least recently goes first
+    connections = 1000          # open connections (fewer under a low descriptor limit); at the cap, the
+                                # connection waiting longest for a request is closed for a new one
+    in_flight_bytes = 64 << 20  # request bodies and replies held at once, all connections together
+    request_seconds = 10.0      # whole-request deadline: the server's to read one, the client's per call
+    line_bytes = 8192           # the request line (414 beyond it) and each header line (431)
+    header_lines = 64           # header lines in one request (431 beyond it)
+    workers = 4                 # threads answering complete GETs, and as many for POSTs (which wait
+                                # for each other's fsync: reads must not wait behind them)
+    backlog = 128               # connections the kernel queues before the server accepts them
+    outbox_bytes = 64 << 20     # client: unsent batches and metrics; the oldest go first beyond it
+    inbox_bytes = 64 << 20      # client: received groups not yet fetched; the oldest go first beyond it
+    reply_bytes = 32 << 20      # client: the largest reply it reads
+    poll_seconds = 1.0          # client: how often it asks for new groups
+    recent_groups = 64          # client: a new peer starts with the newest this many groups (two rounds
+                                # of an 8-peer swarm at I = 4), not with the whole history
 
 
 # -----------------------------------------------------------------------------
-# Checking what a request sends. Every problem becomes one sentence for the sender.
+# What may arrive from outside (requests, files read back, a server's replies): one table, one check.
+
+NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # peer names: safe in URLs, logs and HTML
+BATCH_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+SEQ, ROUND, TIME = ("int", 10**15), ("int", 10**12), ("float", 1e11)
+GROUP = {  # field -> (kind, limit): a rollout group on the wire (DESIGN.md)
+    "task": ("label", 256), "question": ("text", 16_000), "answer": ("text", 4_000),
+    "metadata": ("object", 16_000), "completions": ("texts", (64, 32_000)),
+    "stopped": ("flags", "completions"), "model": ("text", 256)}
+OPTIONAL = {"metadata": {}, "model": ""}
+STORED = {**GROUP, "peer": ("name", NAME), "round": ROUND, "seq": SEQ, "time": TIME}  # as served
+PUBLISH = {"peer": ("name", NAME), "round": ROUND, "batch_id": ("name", BATCH_ID), "groups": ("list", (256, GROUP))}
+BATCH = {**PUBLISH, "time": TIME, "groups": ("list", (256, STORED))}                # a batch file
+REPLY = {"peer": ("name", NAME), "batch_id": ("name", BATCH_ID), "accepted": ("int", 256), "seq": SEQ}
+PRUNED = {"seq": SEQ, "replies": ("list", (None, REPLY))}                           # pruned.json
+METRICS = {"peer": ("name", NAME), "round": ROUND, "metrics": ("numbers", 64)}
+ROW = {**METRICS, "n": SEQ, "time": TIME}                                           # a metrics.jsonl line
+PAGE = {"groups": ("list", (None, None)), "next": SEQ, "last": SEQ}                 # a GET /rollouts reply
+HEALTH = {"last_seq": SEQ}
+
 
 class BadRequest(Exception):
     def __init__(self, message, status=400, headers=None):
@@ -101,330 +128,349 @@ class BadRequest(Exception):
         self.message, self.status, self.headers = message, status, headers or {}
 
 
-def _want(ok, message):
+def _want(ok, message, status=400):
     if not ok:
-        raise BadRequest(message)
+        raise BadRequest(message, status)
 
 
 def _is_int(x):
     return isinstance(x, int) and not isinstance(x, bool)  # JSON true is not a round number
 
 
-def _finite_float(text):
-    x = float(text)
-    if not math.isfinite(x):
-        raise ValueError(f"the number {text[:20]} is too large")
-    return x
+def _sane(x):  # a metric: finite, and of a size any chart can draw (a 400-digit integer is not)
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and abs(x) <= 1e15
 
 
-def _no_constant(name):
-    raise ValueError(f"{name} is not allowed in JSON")
+def _too_deep(x, levels):
+    children = x.values() if isinstance(x, dict) else x if isinstance(x, list) else ()
+    return levels < 0 or any(_too_deep(child, levels - 1) for child in children)
+
+
+def _dumps(x):
+    return json.dumps(x, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def check(obj, fields, where=""):
+    """Check a JSON object against a table of fields -> a clean copy holding only those fields, or
+    BadRequest with one sentence naming the first problem."""
+    _want(isinstance(obj, dict), f"{where or 'The body'} must be a JSON object.")
+    clean = {}
+    for field, (kind, limit) in fields.items():
+        path = f"{where}.{field}" if where else field
+        if field not in obj:
+            _want(field in OPTIONAL, f"{where or 'The body'} is missing the field '{field}'.")
+            clean[field] = OPTIONAL[field]
+            continue
+        v = obj[field]
+        if kind in ("text", "label"):
+            ok = isinstance(v, str) and len(v) <= limit and (v or kind == "text")
+            rule = f"a {'non-empty ' * (kind == 'label')}string of at most {limit} characters"
+        elif kind == "name":
+            ok, rule = isinstance(v, str) and limit.fullmatch(v), f"a string matching {limit.pattern}"
+        elif kind == "int":
+            ok, rule = _is_int(v) and 0 <= v <= limit, f"a whole number from 0 to {limit}"
+        elif kind == "float":
+            ok, rule = _sane(v) and 0 <= v <= limit, f"a number from 0 to {limit:g}"
+        elif kind == "object":
+            ok = isinstance(v, dict) and not _too_deep(v, 8) and len(_dumps(v)) <= limit
+            rule = f"a JSON object nested at most 8 deep and at most {limit} bytes as JSON"
+        elif kind == "texts":
+            ok = isinstance(v, list) and 0 < len(v) <= limit[0] and all(
+                isinstance(t, str) and len(t) <= limit[1] for t in v)
+            rule = f"a list of 1 to {limit[0]} strings of at most {limit[1]} characters each"
+        elif kind == "flags":
+            n = len(clean[limit])
+            ok = isinstance(v, list) and len(v) == n and all(isinstance(s, bool) for s in v)
+            rule = f"a list of {n} booleans, one per completion"
+        elif kind == "numbers":
+            ok = isinstance(v, dict) and len(v) <= limit and all(
+                0 < len(k) <= 64 and (x is None or _sane(x)) for k, x in v.items())
+            rule = f"an object of at most {limit} names (1 to 64 characters) to numbers within ±1e15 or null"
+            v = {k: None if x is None else float(x) for k, x in v.items()} if ok else v
+        elif kind == "list":
+            ok, rule = isinstance(v, list) and len(v) <= (limit[0] or len(v)), f"a list of at most {limit[0]} items"
+            v = [check(x, limit[1], f"{path}[{i}]") for i, x in enumerate(v)] if ok and limit[1] else v
+        _want(ok, f"{path} must be {rule}.")
+        clean[field] = v
+    return clean
+
+
+def check_group(group, where="group"):
+    """One group of the wire format (see DESIGN.md) -> a clean copy holding only the known fields."""
+    return check(group, GROUP, where)
+
+
+def _not_finite(text):
+    raise ValueError(f"{text[:20]} is not a finite number")
 
 
 def parse_json(raw):
     """Strict JSON: no NaN or Infinity (they would not survive being served back as JSON)."""
     try:
-        return json.loads(raw, parse_float=_finite_float, parse_constant=_no_constant)
+        return json.loads(raw, parse_float=lambda t: float(t) if math.isfinite(float(t)) else _not_finite(t),
+                          parse_constant=_not_finite)
     except RecursionError:
-        raise BadRequest("The JSON body is nested too deeply.") from None
-    except ValueError as e:  # includes JSONDecodeError and bodies that are not UTF-8
+        raise BadRequest("The JSON is nested too deeply.") from None
+    except ValueError as e:  # includes JSONDecodeError, bodies that are not UTF-8, 5000-digit numbers
         raise BadRequest(f"The body is not valid JSON: {str(e)[:120]}.") from None
 
 
-def _too_deep(x, levels_left):
-    if levels_left < 0:
-        return True
-    children = x.values() if isinstance(x, dict) else x if isinstance(x, list) else ()
-    return any(_too_deep(child, levels_left - 1) for child in children)
-
-
-def _check_peer(name, field="peer"):
-    _want(isinstance(name, str) and PEER_RE.fullmatch(name),
-          f"{field} must be 1 to 64 characters from A-Z, a-z, 0-9, '_', '.' and '-'.")
-
-
-def _check_round(value):
-    _want(_is_int(value) and 0 <= value < 10**12, "round must be a whole number of at least 0.")
-
-
-def _check_text(value, field, max_chars, allow_empty=True):
-    _want(isinstance(value, str), f"{field} must be a string.")
-    _want(allow_empty or value, f"{field} must not be empty.")
-    _want(len(value) <= max_chars, f"{field} has {len(value)} characters; the limit is {max_chars}.")
-
-
-def check_group(g, where):
-    """One group of the wire format (see DESIGN.md) -> a clean copy holding only the known fields."""
-    _want(isinstance(g, dict), f"{where} must be a JSON object.")
-    for key in ("task", "question", "answer", "completions", "stopped"):
-        _want(key in g, f"{where} is missing the field '{key}'.")
-    _check_text(g["task"], f"{where}.task", MAX_NAME_CHARS, allow_empty=False)
-    _check_text(g["question"], f"{where}.question", MAX_QUESTION_CHARS)
-    _check_text(g["answer"], f"{where}.answer", MAX_ANSWER_CHARS)
-    metadata = g.get("metadata", {})
-    _want(isinstance(metadata, dict), f"{where}.metadata must be a JSON object.")
-    _want(not _too_deep(metadata, MAX_METADATA_DEPTH),
-          f"{where}.metadata is nested more than {MAX_METADATA_DEPTH} levels deep.")
-    _want(len(json.dumps(metadata, separators=(",", ":"))) <= MAX_METADATA_CHARS,
-          f"{where}.metadata is larger than {MAX_METADATA_CHARS} characters of JSON.")
-    completions, stopped = g["completions"], g["stopped"]
-    _want(isinstance(completions, list) and completions,
-          f"{where}.completions must be a non-empty list of strings.")
-    _want(len(completions) <= MAX_COMPLETIONS,
-          f"{where} has {len(completions)} completions; the limit is {MAX_COMPLETIONS}.")
-    for k, text in enumerate(completions):
-        _check_text(text, f"{where}.completions[{k}]", MAX_COMPLETION_CHARS)
-    _want(isinstance(stopped, list) and len(stopped) == len(completions)
-          and all(isinstance(s, bool) for s in stopped),
-          f"{where}.stopped must be a list of {len(completions)} booleans, one per completion.")
-    model = g.get("model", "")
-    _check_text(model, f"{where}.model", MAX_NAME_CHARS)
-    return {"task": g["task"], "question": g["question"], "answer": g["answer"],
-            "metadata": metadata, "completions": completions, "stopped": stopped, "model": model}
-
-
-def check_publish(body):
-    """POST /rollouts body -> (peer, round, batch_id, clean groups)."""
-    _want(isinstance(body, dict), "The body must be a JSON object.")
-    for key in ("peer", "round", "batch_id", "groups"):
-        _want(key in body, f"The body is missing the field '{key}'.")
-    _check_peer(body["peer"])
-    _check_round(body["round"])
-    _want(isinstance(body["batch_id"], str) and BATCH_ID_RE.fullmatch(body["batch_id"]),
-          "batch_id must be 1 to 128 characters from A-Z, a-z, 0-9, '_', '.', ':' and '-'.")
-    groups = body["groups"]
-    _want(isinstance(groups, list), "groups must be a list of groups.")
-    _want(len(groups) <= MAX_GROUPS_PER_POST,
-          f"The body has {len(groups)} groups; the limit per post is {MAX_GROUPS_PER_POST}.")
-    clean = [check_group(g, f"groups[{i}]") for i, g in enumerate(groups)]
-    return body["peer"], body["round"], body["batch_id"], clean
-
-
-def check_metrics(body):
-    """POST /metrics body -> (peer, round, {name: number or null})."""
-    _want(isinstance(body, dict), "The body must be a JSON object.")
-    for key in ("peer", "round", "metrics"):
-        _want(key in body, f"The body is missing the field '{key}'.")
-    _check_peer(body["peer"])
-    _check_round(body["round"])
-    metrics = body["metrics"]
-    _want(isinstance(metrics, dict), "metrics must be a JSON object of names to numbers.")
-    _want(len(metrics) <= MAX_METRICS_KEYS, f"metrics has more than {MAX_METRICS_KEYS} entries.")
-    for name, value in metrics.items():
-        _want(0 < len(name) <= 64, "Each metric name must be 1 to 64 characters.")
-        _want(value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)),
-              f"The metric '{name[:64]}' must be a number or null.")
-    return body["peer"], body["round"], metrics
+def _log(message):
+    print(f"swarm server: {message}", file=sys.stderr, flush=True)
 
 
 # -----------------------------------------------------------------------------
 # Storage: one file per accepted batch, plus an in-memory index of everything kept.
 
-def _write_atomic(folder, name, data):
-    """Write bytes to folder/name so that anyone (a reader, a restart after kill -9) sees all or nothing."""
-    tmp = os.path.join(folder, TMP_PREFIX + name)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(folder, name))
-    fd = os.open(folder, os.O_RDONLY)  # make the rename itself durable
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+DISK_FULL = "The server's disk is full, so nothing was stored; send it again later."
 
 
 class RolloutStore:
-    """The folder of batch files and the in-memory index. Two locks: `write_lock` lets one writer at a time
-    touch the folder (which gives one global order; a post costs one fsync), and `lock` guards the
-    in-memory state for the moment it takes to update or read it, so readers never wait for a disk."""
+    """The folder of batch files and its in-memory index: the heart of the server.
 
-    def __init__(self, folder, keep_groups=DEFAULT_KEEP_GROUPS):
-        self.folder = os.path.abspath(folder)
-        self.keep_groups = keep_groups
-        self.write_lock = threading.Lock()
-        self.lock = threading.Lock()
-        self.index = []                       # (seq, peer, group as JSON text) for each kept group, seq order
-        self.batches = collections.deque()    # (batch number, peer, batch_id, groups) per kept file, oldest first
-        self.replies = {}                     # (peer, batch_id) -> the reply that batch got
-        self.peers = {}                       # peer -> {"last_seen", "last_round", "groups"}
-        self.metrics = collections.deque(maxlen=MAX_METRICS_ROWS)
-        self.metrics_lines = 0                # lines in metrics.jsonl; rewritten when it doubles
-        self.last_seq = 0                     # seq of the newest group ever stored
-        self.last_batch = 0                   # number of the newest batch file
+    publish(): number the groups after the newest seq, write them as one batch file named after its last
+    seq (atomically and fsynced: only then may an acknowledgement go out), then index them.
+    read(): the groups after a seq, from memory. Two locks: `write_lock` lets one writer at a time touch
+    the folder (one global order; a post costs one fsync), and `lock` guards the in-memory state for the
+    moment it takes to update or read it, so readers never wait for a disk."""
+
+    def __init__(self, folder, keep_bytes=Limits.keep_bytes):
+        self.folder, self.keep_bytes = os.path.abspath(folder), keep_bytes
+        self.write_lock, self.lock = threading.Lock(), threading.Lock()
+        self.index = []                           # (seq, peer, group as UTF-8 JSON) per kept group, in order
+        self.batches = collections.deque()        # (file name, peer, batch_id, groups, bytes), oldest first
+        self.kept_bytes = 0                       # bytes of the kept batch files
+        self.replies = collections.OrderedDict()  # (peer, batch_id) -> reply; outlives the batch (bounded)
+        self.peers = collections.OrderedDict()    # peer -> {"last_seen", "last_round", "groups"}, by recency
+        self.metrics, self.metrics_bytes = [], 0  # (n, row, row as a JSON line) per kept metrics row
+        self.last_seq = 0                         # seq of the newest group ever stored: never reused
+        self.pruned = 0                           # seq of the newest group retention deleted
         self.closed = False
-        self.lock_file = self._open_folder()
+        self.folder_fd = self._lock_folder()
         try:
-            self._load_batches()
-            self._load_metrics()
-            self._delete(self._retain())
+            self._load()
         except BaseException:
             self.close()
             raise
 
-    def _open_folder(self):
-        try:
-            os.makedirs(self.folder, exist_ok=True)
-            probe = os.path.join(self.folder, TMP_PREFIX + "probe")
-            with open(probe, "wb"):
-                pass
-            os.remove(probe)
-            lock_file = open(os.path.join(self.folder, LOCK_FILE), "a")
-        except OSError as e:
-            raise ValueError(f"cannot use --dir {self.folder} ({e.strerror or e}); "
-                             "give a folder the server can create and write.") from None
-        if fcntl is not None:
-            try:
-                fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                lock_file.close()
-                raise ValueError(f"another swarm server is already using --dir {self.folder}; "
-                                 "stop it or choose another folder.") from None
-        return lock_file
-
-    def _load_batches(self):
-        numbered = []
-        for name in os.listdir(self.folder):
-            if name.startswith(TMP_PREFIX):  # a write that never finished, so never acknowledged
-                _log(f"removing leftover temporary file {name}")
-                try:
-                    os.remove(os.path.join(self.folder, name))
-                except OSError:
-                    pass
-            elif BATCH_FILE_RE.fullmatch(name):
-                numbered.append((int(BATCH_FILE_RE.fullmatch(name).group(1)), name))
-        for batch_no, name in sorted(numbered):
-            self.last_batch = max(self.last_batch, batch_no)  # never reuse a number, even a bad file's
-            try:
-                with open(os.path.join(self.folder, name), "rb") as f:
-                    self._index_batch(batch_no, json.loads(f.read()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                _log(f"skipping unreadable batch file {name} ({e!r:.200})")
-        if numbered:
-            _log(f"reloaded {len(self.index)} groups in {len(self.batches)} batches from {self.folder}; "
-                 f"numbering continues after seq {self.last_seq}")
-
-    def _index_batch(self, batch_no, record):
-        peer, batch_id, round_, groups = record["peer"], record["batch_id"], record["round"], record["groups"]
-        seqs = [g["seq"] for g in groups]
-        when = float(record.get("time", 0.0))
-        if not (isinstance(peer, str) and isinstance(batch_id, str) and _is_int(round_) and seqs
-                and all(_is_int(s) for s in seqs) and seqs[0] > self.last_seq
-                and seqs == list(range(seqs[0], seqs[0] + len(seqs)))):
-            raise ValueError("batch record is malformed or out of sequence")
-        self.index.extend((g["seq"], peer, json.dumps(g, separators=(",", ":"))) for g in groups)
-        self.last_seq = seqs[-1]
-        self.batches.append((batch_no, peer, batch_id, len(groups)))
-        self.replies[(peer, batch_id)] = {"accepted": len(groups), "seq": seqs[-1]}
-        self._seen(peer, round_, when, published=len(groups))
-
-    def _seen(self, peer, round_, when, published=0):
-        p = self.peers.setdefault(peer, {"last_seen": 0.0, "last_round": 0, "groups": 0})
-        p["last_seen"] = max(p["last_seen"], float(when))
-        p["last_round"] = max(p["last_round"], round_)
-        p["groups"] += published
-
-    def _retain(self):
-        """Forget whole oldest batches while over the limit (always keeping the newest) -> their files."""
-        doomed = []
-        while len(self.index) > self.keep_groups and len(self.batches) > 1:
-            batch_no, peer, batch_id, n = self.batches.popleft()
-            del self.index[:n]
-            self.replies.pop((peer, batch_id), None)
-            doomed.append(os.path.join(self.folder, f"batch-{batch_no:08d}.json"))
-        return doomed
-
-    def _delete(self, paths):
-        for path in paths:
-            try:
-                os.remove(path)
-            except FileNotFoundError:
-                pass
-            except OSError as e:  # it will be deleted again after a restart
-                _log(f"could not delete old batch file {os.path.basename(path)} ({e.strerror})")
-
     def publish(self, peer, round_, batch_id, groups):
+        """Store one batch (or recognise a retry of one) -> {"accepted": groups, "seq": its last seq}."""
         with self.write_lock:
-            if self.closed:
-                raise RuntimeError("the store is closed")
+            _want(not self.closed, "The server is shutting down.", 503)
+            if (peer, batch_id) in self.replies or not groups:  # a retry: the same reply, stored once
+                return self.replies.get((peer, batch_id), {"accepted": 0, "seq": self.last_seq})
             now = time.time()
+            record = {"peer": peer, "round": round_, "batch_id": batch_id, "time": now, "groups": [
+                {**g, "peer": peer, "round": round_, "seq": self.last_seq + 1 + k, "time": now}
+                for k, g in enumerate(groups)]}
+            name, data = f"batch-{self.last_seq + len(groups):012d}.json", _dumps(record)
+            self._write_atomic(name, data)  # durable now: only from here on may anyone see it
             with self.lock:
-                reply = self.replies.get((peer, batch_id))
-                if reply is not None or not groups:  # a retry of a stored batch: same reply, stored once
-                    self._seen(peer, round_, now)
-                    return reply or {"accepted": 0, "seq": self.last_seq}
-            stamped = [{"peer": peer, "round": round_, "seq": self.last_seq + 1 + k, **g}
-                       for k, g in enumerate(groups)]
-            record = {"batch_id": batch_id, "peer": peer, "round": round_, "time": now, "groups": stamped}
-            batch_no = self.last_batch + 1
-            _write_atomic(self.folder, f"batch-{batch_no:08d}.json", json.dumps(record).encode())
-            self.last_batch = batch_no  # durable now: only from here on may anyone see it
-            with self.lock:
-                self._index_batch(batch_no, record)
-                doomed = self._retain()
-            self._delete(doomed)
-            return self.replies.get((peer, batch_id)) or {"accepted": len(groups), "seq": stamped[-1]["seq"]}
+                self._add(name, record, len(data))
+            self._retain()
+            return self.replies[(peer, batch_id)]
 
     def read(self, after, exclude, limit):
-        """Groups with seq > after not from `exclude`, at most `limit` -> (JSON texts, next cursor, last seq)."""
+        """Groups with seq > after not from `exclude`: at most `limit`, and Limits.page_bytes unless one
+        group is larger -> (JSON texts, next cursor, last seq)."""
         with self.lock:
-            start = bisect.bisect_right(self.index, after, key=lambda entry: entry[0])
-            texts, next_seq = [], after
-            for i in range(start, min(len(self.index), start + MAX_SCAN)):
-                if len(texts) == limit:
-                    break
-                seq, peer, text = self.index[i]
-                next_seq = seq
-                if peer != exclude:
-                    texts.append(text)
+            texts, next_seq = _page(self.index, after, limit, exclude)
             return texts, next_seq, self.last_seq
 
-    def _load_metrics(self):
-        path, bad = os.path.join(self.folder, METRICS_FILE), 0
-        if not os.path.exists(path):
+    def _add(self, name, record, size):
+        peer, groups = record["peer"], record["groups"]
+        self.index.extend((g["seq"], peer, _dumps(g)) for g in groups)
+        self.batches.append((name, peer, record["batch_id"], len(groups), size))
+        self.kept_bytes += size
+        self.last_seq = groups[-1]["seq"]
+        self._remember(peer, record["batch_id"], {"accepted": len(groups), "seq": self.last_seq})
+        self._seen(peer, record["round"], record["time"], len(groups))
+
+    def _remember(self, peer, batch_id, reply):
+        self.replies[(peer, batch_id)] = reply
+        while len(self.replies) > Limits.replies:
+            self.replies.popitem(last=False)
+
+    def _seen(self, peer, round_, when, published=0):
+        p = self.peers.pop(peer, None) or {"last_seen": 0.0, "last_round": 0, "groups": 0}
+        p.update(last_seen=max(p["last_seen"], when), last_round=max(p["last_round"], round_),
+                 groups=p["groups"] + published)
+        self.peers[peer] = p
+        while len(self.peers) > Limits.peers:
+            self.peers.popitem(last=False)
+
+    def _retain(self):
+        """Past --keep-bytes, delete the oldest batches down to 90% of it (the newest always stays). First
+        pruned.json records the newest deleted seq and the deleted batches' idempotency records, so after
+        a restart the numbering goes on and a late retry of a deleted batch is still not stored twice."""
+        if self.kept_bytes <= self.keep_bytes or len(self.batches) < 2:
             return
-        with open(path, "rb") as f:
-            for line in f:
+        with self.lock:
+            doomed = []
+            while self.kept_bytes > 0.9 * self.keep_bytes and len(self.batches) > 1:
+                name, _, _, n, size = self.batches.popleft()
+                del self.index[:n]
+                self.kept_bytes -= size
+                doomed.append(name)
+            self.pruned = int(doomed[-1][6:18])
+            kept = {(p, b) for _, p, b, _, _ in self.batches}
+            gone = [{"peer": p, "batch_id": b, **r} for (p, b), r in self.replies.items() if (p, b) not in kept]
+        self._write_atomic("pruned.json", _dumps({"seq": self.pruned, "replies": gone}))
+        for name in doomed:
+            self._remove(name)
+
+    def _load(self):
+        """Read the folder back: pruned.json, every batch file in seq order, metrics.jsonl. Whatever a file
+        holds, a bad one is logged and skipped, and no seq named by a file is ever used again."""
+        try:
+            with open(os.path.join(self.folder, "pruned.json"), "rb") as f:
+                pruned = check(parse_json(f.read()), PRUNED, "pruned.json")
+            self.pruned = self.last_seq = pruned["seq"]
+            for r in pruned["replies"]:
+                self._remember(r["peer"], r["batch_id"], {"accepted": r["accepted"], "seq": r["seq"]})
+        except FileNotFoundError:
+            pass
+        except (OSError, BadRequest) as e:
+            _log(f"skipping unreadable pruned.json ({getattr(e, 'message', e)!s:.200})")
+        for name in sorted(os.listdir(self.folder)):  # 12-digit names: in seq order
+            found = re.fullmatch(r"batch-(\d{12})\.json", name)
+            if name.startswith(".tmp-") or (found and int(found.group(1)) <= self.pruned):
+                self._remove(name)  # a write that never finished (never acknowledged), or a deleted batch
+            elif found:
                 try:
-                    row = json.loads(line)
-                    if not (isinstance(row, dict) and isinstance(row.get("peer"), str)
-                            and _is_int(row.get("round")) and isinstance(row.get("metrics"), dict)):
-                        raise ValueError("not a metrics row")
-                    self._seen(row["peer"], row["round"], row["time"])
-                    self.metrics.append(row)
-                    self.metrics_lines += 1
-                except (ValueError, KeyError, TypeError):
-                    bad += 1  # e.g. the last line, cut short by kill -9
+                    with open(os.path.join(self.folder, name), "rb") as f:
+                        data = f.read()
+                    record = check(parse_json(data), BATCH, name)
+                    seqs = [g["seq"] for g in record["groups"]]
+                    _want(seqs and seqs[0] > self.last_seq and seqs == list(range(seqs[0], int(found.group(1)) + 1)),
+                          "its groups are not numbered up to the seq in its name")
+                    self._add(name, record, len(data))
+                except (OSError, BadRequest) as e:
+                    _log(f"skipping unreadable batch file {name} ({getattr(e, 'message', e)!s:.200})")
+                self.last_seq = max(self.last_seq, int(found.group(1)))  # its name alone takes the numbers
+        bad, path = 0, os.path.join(self.folder, "metrics.jsonl")
+        for line in open(path, "rb") if os.path.exists(path) else ():
+            try:
+                row = check(parse_json(line), ROW)
+                _want(not self.metrics or row["n"] > self.metrics[-1][0], "out of order")
+                self._keep_metrics(row)
+            except BadRequest:
+                bad += 1  # e.g. the last line, cut short by kill -9
         if bad:
-            _log(f"skipped {bad} unreadable lines in {METRICS_FILE}")
+            _log(f"skipped {bad} unreadable lines in metrics.jsonl")
+        if self.last_seq:
+            _log(f"reloaded {len(self.index)} groups in {len(self.batches)} batches from {self.folder}; "
+                 f"numbering continues after seq {self.last_seq}")
+        self._retain()
+
+    def _remove(self, name):
+        try:
+            os.remove(os.path.join(self.folder, name))
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # pruned.json says it is deleted: the next start tries again
+            _log(f"could not delete {name} ({e.strerror})")
+
+    # -- metrics: an append-only log, bounded in bytes
 
     def add_metrics(self, peer, round_, metrics):
         with self.write_lock:
-            if self.closed:
-                raise RuntimeError("the store is closed")
-            row = {"peer": peer, "round": round_, "time": time.time(), "metrics": metrics}
-            with open(os.path.join(self.folder, METRICS_FILE), "a") as f:  # best-effort: no fsync
-                f.write(json.dumps(row) + "\n")
-            self.metrics_lines += 1
+            _want(not self.closed, "The server is shutting down.", 503)
+            row = {"n": self.metrics[-1][0] + 1 if self.metrics else 1, "peer": peer, "round": round_,
+                   "time": time.time(), "metrics": metrics}
+            try:
+                with open(os.path.join(self.folder, "metrics.jsonl"), "ab") as f:  # best effort: no fsync
+                    f.write(_dumps(row) + b"\n")
+                    size = f.tell()
+            except OSError as e:
+                _want(e.errno not in (errno.ENOSPC, errno.EDQUOT), DISK_FULL, 507)
+                raise
             with self.lock:
-                self.metrics.append(row)
-                self._seen(peer, round_, row["time"])
-                rows = list(self.metrics) if self.metrics_lines > 2 * MAX_METRICS_ROWS else None
-            if rows is not None:  # keep the file bounded too: rewrite it with the rows kept
-                _write_atomic(self.folder, METRICS_FILE, "".join(json.dumps(r) + "\n" for r in rows).encode())
-                self.metrics_lines = len(rows)
+                self._keep_metrics(row)
+            if size > 2 * Limits.metrics_bytes:  # keep the file bounded too: rewrite it with the rows kept
+                self._write_atomic("metrics.jsonl", b"".join(m[2] for m in self.metrics))
 
-    def snapshot(self, metrics=False):
+    def _keep_metrics(self, row):
+        line = _dumps(row) + b"\n"
+        self.metrics.append((row["n"], row, line))
+        self.metrics_bytes += len(line)
+        if self.metrics_bytes > Limits.metrics_bytes:  # drop the oldest tenth at once, not row by row
+            drop = 0
+            while self.metrics_bytes > 0.9 * Limits.metrics_bytes:
+                self.metrics_bytes -= len(self.metrics[drop][2])
+                drop += 1
+            del self.metrics[:drop]
+        self._seen(row["peer"], row["round"], row["time"])
+
+    def read_metrics(self, after):
+        with self.lock:
+            texts, next_n = _page(self.metrics, after, None, None)
+            return texts, next_n, self.metrics[-1][0] if self.metrics else 0
+
+    def snapshot(self):
         with self.lock:
             return {"groups": len(self.index), "first_seq": self.index[0][0] if self.index else 0,
                     "last_seq": self.last_seq, "peers": {p: dict(v) for p, v in self.peers.items()},
-                    "metrics": list(self.metrics) if metrics else []}
+                    "metrics": [m[1] for m in self.metrics]}
+
+    # -- the folder itself
+
+    def _lock_folder(self):
+        """-> an open descriptor of the folder, flock-ed: a second server on it is refused, and no stray
+        `rm` of a lock file can change that."""
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            fd = os.open(self.folder, os.O_RDONLY)
+            open(os.path.join(self.folder, ".tmp-probe"), "wb").close()  # can we write here?
+        except OSError as e:
+            raise ValueError(f"cannot use --dir {self.folder} ({e.strerror or e}); "
+                             "give a folder the server can create and write.") from None
+        try:
+            if fcntl is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise ValueError(f"another swarm server is already using --dir {self.folder}; "
+                             "stop it or choose another folder.") from None
+        return fd
+
+    def _write_atomic(self, name, data):
+        """Write bytes to folder/name so that anyone (a reader, a restart after kill -9) sees all or nothing.
+        A full disk is a 507 for the sender, who keeps the data and sends it again later."""
+        tmp = os.path.join(self.folder, ".tmp-" + name)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, os.path.join(self.folder, name))
+            os.fsync(self.folder_fd)  # make the rename itself durable
+        except OSError as e:
+            self._remove(".tmp-" + name)
+            _want(e.errno not in (errno.ENOSPC, errno.EDQUOT), DISK_FULL, 507)
+            raise
 
     def close(self):
         with self.write_lock:
-            self.closed = True
-            self.lock_file.close()  # releases the folder lock
+            if not self.closed:
+                self.closed = True
+                os.close(self.folder_fd)  # releases the folder lock
+
+
+def _page(entries, after, limit, exclude):
+    """entries: (number, peer, UTF-8 JSON) in number order -> (the JSON texts after `after` that are not
+    `exclude`'s, the number to continue after): at most `limit` (None: any) and Limits.page_bytes, unless
+    one text alone is larger."""
+    start = bisect.bisect_right(entries, after, key=lambda entry: entry[0])
+    texts, size, next_number = [], 0, after
+    for number, peer, text in entries[start:start + Limits.scan_groups]:
+        if len(texts) == limit or (texts and size + len(text) > Limits.page_bytes):
+            break
+        next_number = number
+        if peer != exclude:
+            texts.append(text)
+            size += len(text) + 1
+    return texts, next_number
 
 
 # -----------------------------------------------------------------------------
@@ -442,10 +488,7 @@ def render_svg(series, title="reward per round", ylabel="reward", xlabel="round"
     """{name: [(round, value), ...]} -> a standalone SVG document (a string) with one line per name."""
     left, right, top, bottom = 60, 170, 34, 46
     plot_w, plot_h = width - left - right, height - top - bottom
-    lines = {name: sorted((x, y) for x, y in points
-                          if isinstance(y, (int, float)) and math.isfinite(y)
-                          and isinstance(x, (int, float)) and math.isfinite(x))
-             for name, points in series.items()}
+    lines = {name: sorted((x, y) for x, y in points if _sane(x) and _sane(y)) for name, points in series.items()}
     lines = {name: pts for name, pts in lines.items() if pts}
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">',
@@ -464,7 +507,7 @@ def render_svg(series, title="reward per round", ylabel="reward", xlabel="round"
     pad = (y1 - y0) * 0.05 or 0.5
     y0, y1 = y0 - pad, y1 + pad
 
-    def px(x):
+    def px(x):  # data to pixels
         return left + (x - x0) / (x1 - x0) * plot_w
 
     def py(y):
@@ -499,34 +542,22 @@ def render_svg(series, title="reward per round", ylabel="reward", xlabel="round"
     return "\n".join(out)
 
 
-def _reward(metrics):
-    for key in ("batch_reward", "local_reward"):
-        value = metrics.get(key)
-        if isinstance(value, (int, float)):
-            return value
-    return None
-
-
 def render_page(snap):
-    series, last = {}, {}
+    """The dashboard: local_reward (the skill) per round of the 10 peers seen most recently, and a table."""
+    series, last, drawn = {}, {}, list(snap["peers"])[-len(COLOURS):]
     for row in snap["metrics"]:  # later rows for the same round (after a resume) replace earlier ones
-        value = _reward(row["metrics"])
-        if value is not None:
-            series.setdefault(row["peer"], {})[row["round"]] = value
+        if row["peer"] in drawn and row["metrics"].get("local_reward") is not None:
+            series.setdefault(row["peer"], {})[row["round"]] = row["metrics"]["local_reward"]
         last.setdefault(row["peer"], {}).update(row["metrics"])
-    chart = render_svg({p: sorted(s.items()) for p, s in series.items()},
-                       title="batch_reward per round (local_reward where missing)")
-
-    def cell(value):
-        return "" if value is None else f"{value:.3f}" if isinstance(value, float) else _esc(value)
+    chart = render_svg({p: sorted(s.items()) for p, s in series.items()}, title="local_reward per round")
 
     rows = []
     for peer, info in sorted(snap["peers"].items()):
         m = last.get(peer, {})
+        cells = ["" if m.get(k) is None else f"{m[k]:.3f}" for k in ("local_reward", "batch_reward")]
         seen = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(info["last_seen"]))
         rows.append(f"<tr><td>{_esc(peer)}</td><td>{info['last_round']}</td><td>{info['groups']}</td>"
-                    f"<td>{cell(m.get('local_reward'))}</td><td>{cell(m.get('batch_reward'))}</td>"
-                    f"<td>{seen}</td></tr>")
+                    f"<td>{cells[0]}</td><td>{cells[1]}</td><td>{seen}</td></tr>")
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><meta http-equiv="refresh" content="5"><title>nanoSAPO swarm</title>
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
@@ -535,390 +566,560 @@ td,th{{border:1px solid #ccc;padding:4px 10px;text-align:right}} td:first-child{
 <p>{snap['groups']} groups kept (seq {snap['first_seq']} to {snap['last_seq']}), {len(snap['peers'])} peers.</p>
 {chart}
 <table><tr><th>peer</th><th>last round</th><th>groups published</th><th>last local_reward</th>
-<th>last batch_reward</th><th>last seen</th></tr>
+<th>last batch_reward (the paper's training-batch figure)</th><th>last seen</th></tr>
 {"".join(rows)}
 </table></body></html>"""
 
 
 # -----------------------------------------------------------------------------
-# HTTP: routes, one handler per route, errors as one JSON sentence.
+# HTTP server: an asyncio loop reads requests; worker threads answer them; errors are one JSON sentence.
 
 ROUTES = {"/": {"GET": "page"}, "/health": {"GET": "health"}, "/peers": {"GET": "peers"},
           "/rollouts": {"GET": "get_rollouts", "POST": "post_rollouts"},
           "/metrics": {"GET": "get_metrics", "POST": "post_metrics"}}
+JSON = "application/json"
+Request = collections.namedtuple("Request", "method target headers body close")
+
+
+def _error(message):
+    return _dumps({"error": message})
 
 
 def _int_param(query, name, default, lowest, highest):
     values = query.get(name)
     if not values:
         return default
-    text = values[-1]
-    _want(re.fullmatch(r"\d{1,15}", text) is not None, f"{name} must be a whole number of at least {lowest}.")
-    value = int(text)
-    _want(lowest <= value <= (highest if highest is not None else value),
-          f"{name} must be between {lowest} and {highest}.")
-    return value
+    _want(re.fullmatch(r"[0-9]{1,15}", values[-1]) is not None and lowest <= int(values[-1]) <= highest,
+          f"{name} must be a whole number from {lowest} to {highest}.")
+    return int(values[-1])
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive, so a polling peer reuses one connection
-    server_version = "nanoSAPO-swarm"
-    timeout = 60                   # seconds an idle or slow connection may hold its thread
-    disable_nagle_algorithm = True # headers and body go out at once (else a 40 ms delayed-ACK stall)
+class SwarmServer:
+    """The HTTP side of the store. One asyncio loop (in a thread) reads each request whole under a
+    deadline, so a slow or idle connection costs a buffer, not a thread; two small pools of threads
+    answer complete requests, one for reads and one for writes. shutdown() stops serving, closes the connections, then the store."""
 
-    def do_GET(self):
-        self._dispatch("GET")
+    def __init__(self, store, host, port, token=None, public_reads=False, verbose=False):
+        self.store, self.token, self.public_reads, self.verbose = store, token, public_reads, verbose
+        self.listener = socket.create_server((host, port), backlog=Limits.backlog,
+                                             family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.listener.setblocking(False)
+        self.server_address = self.listener.getsockname()
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if resource else -1
+        room = soft - 64 if 0 < soft < getattr(resource, "RLIM_INFINITY", -1) % 2**64 else Limits.connections
+        self.max_connections = max(4, min(Limits.connections, room))  # leave descriptors for files
+        self.open, self.waiting = set(), {}  # all connections; those waiting for a request, longest first
+        self.in_flight = 0                   # bytes of request bodies and replies held right now
+        self.pools = {method: ThreadPoolExecutor(Limits.workers, thread_name_prefix=f"swarm-{method}")
+                      for method in ("GET", "POST")}
+        self.loop = asyncio.new_event_loop()
+        self.loop.set_exception_handler(lambda loop, context: _log(
+            f"{context['message']} {context.get('exception')!r:.200}"))
+        self.accepting = self.loop.create_task(self._accept())
+        self.thread = threading.Thread(target=self.loop.run_forever, name="swarm-server", daemon=True)
+        self.thread.start()
 
-    def do_POST(self):
-        self._dispatch("POST")
+    async def _accept(self):
+        """Accept one connection at a time, so the cap holds before the next: at the cap, the connection
+        that has waited longest for a request is closed. Out of descriptors: pause, never spin."""
+        while True:
+            try:
+                sock, _ = await self.loop.sock_accept(self.listener)
+            except OSError as e:
+                _log(f"cannot accept connections for now ({e.strerror}); trying again in 1 s")
+                await asyncio.sleep(1)
+                continue
+            if len(self.open) >= self.max_connections:
+                if not self.waiting:  # every connection is being answered: this one must go
+                    sock.close()
+                    continue
+                next(iter(self.waiting)).transport.abort()
+                await asyncio.sleep(0)  # let it close, giving its descriptor back
+            try:
+                reader, writer = await asyncio.open_connection(sock=sock, limit=Limits.line_bytes)
+            except OSError:
+                sock.close()
+                continue
+            self.open.add(writer)
+            self.loop.create_task(self._connection(reader, writer))
 
-    def do_PUT(self):
-        self._dispatch("PUT")
-
-    def do_DELETE(self):
-        self._dispatch("DELETE")
-
-    def do_PATCH(self):
-        self._dispatch("PATCH")
-
-    def log_message(self, format, *args):  # quiet unless --verbose
-        if self.server.verbose:
-            _log(f"{self.address_string()} {format % args}")
-
-    def _dispatch(self, method):
-        self.body_read = False
+    async def _connection(self, reader, writer):
+        """One connection: wait for a request, then exchange it for a reply; repeat while it stays open."""
+        writer.transport.set_write_buffer_limits(0)  # so drain() returns when the reply has left
         try:
-            url = urlsplit(self.path)
-            methods = ROUTES.get(url.path)
-            if methods is None:
-                raise BadRequest(f"There is no {url.path[:80]} here; the paths are "
-                                 f"{', '.join(ROUTES)}.", 404)
-            if method not in methods:
+            while True:
+                self.waiting[writer] = None
+                first = await asyncio.wait_for(reader.read(1), Limits.request_seconds)  # idle: just close
+                del self.waiting[writer]
+                if first in (b"", b"\x16") or not await self._exchange(first, reader, writer):
+                    return  # gone, closing, or a TLS handshake (this server speaks plain HTTP)
+        except BadRequest as e:  # the rest of the request is unread: answer, then close
+            try:
+                await self._send(writer, e.status, JSON, _error(e.message), e.headers, close=True)
+            except (OSError, asyncio.TimeoutError):
+                pass
+        except (OSError, EOFError, asyncio.TimeoutError):
+            pass  # a client that hangs up, idles or stops reading its reply is not news
+        finally:
+            self.open.discard(writer)
+            self.waiting.pop(writer, None)
+            writer.transport.abort()
+
+    async def _exchange(self, first, reader, writer):
+        """Read one request whole under the deadline, answer it in a worker thread, send the reply -> keep
+        the connection open? (Its own coroutine, so that no request or reply outlives the exchange.)"""
+        try:
+            request = await asyncio.wait_for(self._read_request(first, reader, writer), Limits.request_seconds)
+        except asyncio.TimeoutError:
+            raise BadRequest(f"The request did not arrive whole within {Limits.request_seconds:g} s.", 408) from None
+        try:
+            reply = await self.loop.run_in_executor(self.pools.get(request.method, self.pools["GET"]),
+                                                    self._answer, request)
+            await self._send(writer, *reply, close=request.close, head_only=request.method == "HEAD")
+        finally:
+            self.in_flight -= len(request.body)
+        if self.verbose:
+            _log(f"{writer.get_extra_info('peername')} {request.method} {request.target[:200]} {reply[0]}")
+        return not request.close
+
+    async def _read_request(self, first, reader, writer):
+        """The rest of the request line, the headers and the body -> Request. The body counts towards
+        Limits.in_flight_bytes as its bytes arrive (so a sender who only declares a length costs nothing)."""
+        try:
+            line = first + await reader.readuntil(b"\n")
+        except asyncio.LimitOverrunError:
+            raise BadRequest(f"The request line is longer than {Limits.line_bytes} bytes.", 414) from None
+        parts = line.decode("latin-1").split()
+        _want(len(parts) == 3 and parts[2] in ("HTTP/1.0", "HTTP/1.1"),
+              "This server speaks plain HTTP/1.1 and did not understand the request line.")
+        method, target, version = parts
+        headers = {}
+        for _ in range(Limits.header_lines + 1):
+            try:
+                line = await reader.readuntil(b"\n")
+            except asyncio.LimitOverrunError:
+                raise BadRequest(f"A header line is longer than {Limits.line_bytes} bytes.", 431) from None
+            if not line.strip():
+                break
+            name, colon, value = line.decode("latin-1").partition(":")
+            _want(colon and name.strip(), "Each header line must be 'Name: value'.")
+            headers[name.strip().lower()] = value.strip()
+        else:
+            raise BadRequest(f"The request has more than {Limits.header_lines} header lines.", 431)
+        if "transfer-encoding" in headers or (method == "POST" and "content-length" not in headers):
+            raise BadRequest("A POST needs a Content-Length header (no chunked bodies).", 411)
+        length = headers.get("content-length", "0")
+        _want(re.fullmatch(r"[0-9]{1,12}", length), "Content-Length must be a whole number.")
+        _want(int(length) <= Limits.body_bytes, f"The body is {length} bytes; the limit is {Limits.body_bytes}.", 413)
+        if int(length) and headers.get("expect", "").lower() == "100-continue":
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        body = bytearray()
+        try:
+            while len(body) < int(length):
+                chunk = await reader.read(min(1 << 16, int(length) - len(body)))
+                if not chunk:
+                    raise EOFError("the client hung up")
+                if self.in_flight + len(chunk) > Limits.in_flight_bytes:
+                    raise BadRequest("The server is busy; send it again in a moment.", 503, {"Retry-After": "1"})
+                self.in_flight += len(chunk)  # held until the reply has gone (see _exchange)
+                body += chunk
+        except BaseException:
+            self.in_flight -= len(body)
+            raise
+        close = version == "HTTP/1.0" or headers.get("connection", "").lower() == "close"
+        return Request(method, target, headers, bytes(body), close)
+
+    async def _send(self, writer, status, content_type, body, headers=None, close=False, head_only=False):
+        if len(body) > 65536 and self.in_flight + len(body) > Limits.in_flight_bytes:  # bound what waits
+            status, content_type, body = 503, JSON, _error("The server is busy; ask again in a moment.")
+            headers = {"Retry-After": "1"}
+        head = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: {content_type}\r\n" \
+               f"Content-Length: {len(body)}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        data = (head + "Connection: close\r\n" * close + "\r\n").encode() + (b"" if head_only else body)
+        self.in_flight += len(data)
+        try:
+            writer.write(data)
+            await asyncio.wait_for(writer.drain(), Limits.request_seconds)  # a reader too slow is cut off
+        finally:
+            self.in_flight -= len(data)
+
+    def _answer(self, request):
+        """A complete request -> (status, content type, body, headers). Runs in a worker thread."""
+        try:
+            path, _, query = request.target.partition("?")
+            _want(path.startswith("/"), "The request target must be a path such as /rollouts.")
+            methods = ROUTES.get(path)
+            _want(methods is not None, f"There is no {path[:80]} here; the paths are {', '.join(ROUTES)}.", 404)
+            if request.method not in methods:
                 allowed = ", ".join(methods)
-                raise BadRequest(f"{url.path} accepts only {allowed}, not {method}.", 405, {"Allow": allowed})
-            if method == "POST":
-                self._check_token()
-            status, content_type, body = getattr(self, "_" + methods[method])(url.query)
-            self._reply(status, body, content_type)
+                raise BadRequest(f"{path} accepts only {allowed}, not {request.method[:20]}.", 405, {"Allow": allowed})
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if self.token and (request.method != "GET" or not self.public_reads) and not (
+                    scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("latin-1"),
+                                                                       self.token.encode())):
+                raise BadRequest("This server needs the header 'Authorization: Bearer <token>'; pass the swarm "
+                                 "token.", 401, {"WWW-Authenticate": "Bearer"})
+            try:
+                q = parse_qs(query, keep_blank_values=True, max_num_fields=16)
+            except ValueError:
+                raise BadRequest("The query string has too many fields.") from None
+            return (*getattr(self, "_" + methods[request.method])(q, request.body), {})
         except BadRequest as e:
-            self._reply(e.status, {"error": e.message}, JSON, e.headers)
+            return e.status, JSON, _error(e.message), e.headers
         except Exception as e:  # a bug: say so in one sentence, log it, keep serving
-            _log(f"unexpected error in {method} {self.path[:200]}: {e!r:.300}")
-            self._reply(500, {"error": "The server hit an unexpected error; it was logged and the "
-                                       "server keeps serving."}, JSON)
+            _log(f"unexpected error in {request.method[:20]} {request.target[:200]}: {e!r:.300}")
+            return 500, JSON, _error("The server hit an unexpected error; it was logged and the server "
+                                     "keeps serving."), {}
 
-    def _check_token(self):
-        token = self.server.token
-        if token is None:
-            return
-        given = self.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        wanted = f"Bearer {token}".encode("utf-8", "surrogateescape")
-        if not hmac.compare_digest(given, wanted):
-            raise BadRequest("This server needs the header 'Authorization: Bearer <token>' for writes; "
-                             "pass the swarm token.", 401, {"WWW-Authenticate": "Bearer"})
+    # --- one method per route: (query, body) -> (status, content type, body bytes)
 
-    def _read_json(self):
-        length = self.headers.get("Content-Length")
-        if length is None or "Transfer-Encoding" in self.headers:
-            raise BadRequest("A Content-Length header is required (no chunked bodies).", 411)
-        _want(re.fullmatch(r"\d{1,12}", length.strip()) is not None, "Content-Length must be a whole number.")
-        if int(length) > MAX_BODY_BYTES:
-            raise BadRequest(f"The body is {int(length)} bytes; the limit is {MAX_BODY_BYTES}.", 413)
-        raw = self.rfile.read(int(length))
-        self.body_read = True
-        _want(len(raw) == int(length), "The body ended before Content-Length bytes arrived.")
-        return parse_json(raw)
+    def _post_rollouts(self, q, body):
+        b = check(parse_json(body), PUBLISH)
+        return 200, JSON, _dumps(self.store.publish(b["peer"], b["round"], b["batch_id"], b["groups"]))
 
-    def _reply(self, status, body, content_type, headers=None):
-        if not isinstance(body, bytes):
-            body = json.dumps(body).encode() if content_type == JSON else body.encode()
-        declared = self.headers.get("Content-Length", "0").strip() not in ("", "0") \
-            or "Transfer-Encoding" in self.headers
-        if declared and not self.body_read:  # the unread body would be taken for the next request
-            self.close_connection = True
-        self.send_response(status)
-        self.send_header("Content-Type", content_type + ("; charset=utf-8" if content_type != JSON else ""))
-        self.send_header("Content-Length", str(len(body)))
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _query(self, query):
-        try:
-            return parse_qs(query, keep_blank_values=True, max_num_fields=16)
-        except ValueError:
-            raise BadRequest("The query string has too many fields.") from None
-
-    # --- one method per route: (query string) -> (status, content type, body)
-
-    def _post_rollouts(self, query):
-        peer, round_, batch_id, groups = check_publish(self._read_json())
-        return 200, JSON, self.server.store.publish(peer, round_, batch_id, groups)
-
-    def _get_rollouts(self, query):
-        q = self._query(query)
-        after = _int_param(q, "after", 0, 0, None)
-        limit = _int_param(q, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
+    def _get_rollouts(self, q, body):
+        after = _int_param(q, "after", 0, 0, 10**15)
+        limit = _int_param(q, "limit", 256, 1, Limits.page_groups)
         exclude = q.get("exclude", [""])[-1]
         if exclude:
-            _check_peer(exclude, "exclude")
-        texts, next_seq, last_seq = self.server.store.read(after, exclude, limit)
+            check({"exclude": exclude}, {"exclude": ("name", NAME)})
+        texts, next_seq, last_seq = self.store.read(after, exclude, limit)
         # groups are kept as JSON text, so a page is joined, not re-encoded
-        body = '{"groups":[' + ",".join(texts) + f'],"next":{next_seq},"last":{last_seq}}}'
-        return 200, JSON, body.encode()
+        return 200, JSON, b'{"groups":[' + b",".join(texts) + b'],"next":%d,"last":%d}' % (next_seq, last_seq)
 
-    def _post_metrics(self, query):
-        peer, round_, metrics = check_metrics(self._read_json())
-        self.server.store.add_metrics(peer, round_, metrics)
-        return 200, JSON, {"ok": True}
+    def _post_metrics(self, q, body):
+        b = check(parse_json(body), METRICS)
+        self.store.add_metrics(b["peer"], b["round"], b["metrics"])
+        return 200, JSON, b'{"ok":true}'
 
-    def _get_metrics(self, query):
-        return 200, JSON, {"metrics": self.server.store.snapshot(metrics=True)["metrics"]}
+    def _get_metrics(self, q, body):
+        texts, next_n, last_n = self.store.read_metrics(_int_param(q, "after", 0, 0, 10**15))
+        return 200, JSON, b'{"metrics":[' + b",".join(texts) + b'],"next":%d,"last":%d}' % (next_n, last_n)
 
-    def _health(self, query):
-        snap = self.server.store.snapshot()
-        return 200, JSON, {"ok": True, "groups": snap["groups"], "peers": len(snap["peers"]),
-                           "last_seq": snap["last_seq"]}
+    def _health(self, q, body):
+        snap = self.store.snapshot()
+        return 200, JSON, _dumps({"ok": True, "groups": snap["groups"], "peers": len(snap["peers"]),
+                                  "last_seq": snap["last_seq"]})
 
-    def _peers(self, query):
-        return 200, JSON, {"peers": self.server.store.snapshot()["peers"]}
+    def _peers(self, q, body):
+        return 200, JSON, _dumps({"peers": self.store.snapshot()["peers"]})
 
-    def _page(self, query):
-        return 200, "text/html", render_page(self.server.store.snapshot(metrics=True))
-
-
-class SwarmServer(ThreadingHTTPServer):
-    """A thread per connection. shutdown() stops serving, closes open connections and the store."""
-    daemon_threads = True
-
-    def __init__(self, address, store, token=None, verbose=False):
-        self.store, self.token, self.verbose = store, token, verbose
-        self.open_connections, self.connections_lock = set(), threading.Lock()
-        super().__init__(address, _Handler)
-
-    def process_request(self, request, client_address):
-        with self.connections_lock:
-            self.open_connections.add(request)
-        super().process_request(request, client_address)
-
-    def shutdown_request(self, request):
-        with self.connections_lock:
-            self.open_connections.discard(request)
-        super().shutdown_request(request)
-
-    def handle_error(self, request, client_address):  # a client hanging up is not news
-        error = sys.exc_info()[1]
-        if not isinstance(error, (ConnectionError, TimeoutError)):
-            _log(f"connection from {client_address[0]} failed: {error!r:.200}")
+    def _page(self, q, body):
+        return 200, "text/html; charset=utf-8", render_page(self.store.snapshot()).encode()
 
     def shutdown(self):
-        super().shutdown()
-        self.server_close()
-        with self.connections_lock:
-            for connection in list(self.open_connections):
-                try:
-                    connection.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+        """Stop serving: close the listener and every connection, let running answers finish, close the store."""
+        if self.loop.is_closed():
+            return
+
+        async def stop():
+            self.accepting.cancel()
+            self.listener.close()
+            for writer in list(self.open):
+                writer.transport.abort()
+            tasks = asyncio.all_tasks() - {asyncio.current_task()}
+            if tasks:  # each ends on its own once its connection is gone (or its answer is done)
+                await asyncio.wait(tasks, timeout=Limits.request_seconds)
+
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+        for pool in self.pools.values():
+            pool.shutdown(wait=True)
+        self.loop.close()
         self.store.close()
 
 
-def start_server(dir, host="127.0.0.1", port=0, token=None, keep_groups=DEFAULT_KEEP_GROUPS, verbose=False):
+def check_token(token):
+    """None, or a token of 1 to 256 visible ASCII characters (it travels in an HTTP header)."""
+    if token and not re.fullmatch(r"[!-~]{1,256}", token):
+        raise ValueError("the swarm token must be 1 to 256 printable ASCII characters without spaces.")
+    return token or None
+
+
+def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.keep_bytes,
+                 public_reads=False, verbose=False):
     """Start a server in a daemon thread -> (server, "http://host:port"). Stop it with server.shutdown().
-    Raises ValueError with one sentence when the folder, port or settings cannot be used."""
-    if not _is_int(keep_groups) or keep_groups < 1:
-        raise ValueError("--keep-groups must be a whole number of at least 1.")
+    With a token every request needs it, except GETs when public_reads is true. Raises ValueError with
+    one sentence when the folder, port or settings cannot be used."""
+    token = check_token(token)
+    if not _is_int(keep_bytes) or keep_bytes < 1:
+        raise ValueError("--keep-bytes must be a size of at least 1 byte.")
     if not _is_int(port) or not 0 <= port <= 65535:
         raise ValueError("--port must be a whole number from 0 to 65535.")
-    store = RolloutStore(dir, keep_groups)
+    store = RolloutStore(dir, keep_bytes)
     try:
-        server = SwarmServer((host, port), store, token or None, verbose)
+        server = SwarmServer(store, host, port, token, public_reads, verbose)
     except OSError as e:
         store.close()
         raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}); "
                          "choose another --host or --port.") from None
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},  # how soon shutdown() acts
-                     name="swarm-server", daemon=True).start()
-    return server, f"http://{host}:{server.server_address[1]}"
+    return server, f"http://{f'[{host}]' if ':' in host else host}:{server.server_address[1]}"
 
 
 # -----------------------------------------------------------------------------
-# Client: what a peer's training loop uses. It never raises once constructed.
+# Client: what a peer's training loop uses. It never raises and never waits for the network.
 
 class _Unreachable(Exception):
-    """No usable answer (connection refused, timeout, 5xx, garbage): worth retrying later."""
+    """No usable answer (no connection, deadline passed, 5xx, garbage): try again later."""
 
 
 class _Refused(Exception):
-    """The server said the request itself is wrong (4xx): retrying the same bytes will not help."""
+    """The server said the request itself is wrong (4xx): sending the same bytes again will not help."""
 
 
 class SwarmClient:
-    """One peer's view of the swarm. Not thread-safe: one client per peer loop."""
+    """One peer's view of the swarm. The training loop's calls only touch two queues; a daemon thread
+    does all the HTTP, one exchange at a time, each under a deadline of Limits.request_seconds:
 
-    def __init__(self, url, peer, token=None, timeout=5.0, retries=3, outbox_size=64, max_pages=4):
-        if requests is None:
-            raise RuntimeError("SwarmClient needs the requests package: pip install requests.")
-        if not isinstance(peer, str) or not PEER_RE.fullmatch(peer):
+        publish(round, groups) -> outbox --(POST, oldest first, until acknowledged)--> server
+        fetch() <- inbox <--(GET /rollouts?after=position, every Limits.poll_seconds)-- server
+
+    Each batch carries a batch_id, so however often a send is retried the server stores it once. Both
+    queues are bounded in bytes: beyond the bound the oldest entry goes, since SAPO wants fresh rollouts.
+    `cursor` is the seq of the last group fetch() handed out: a checkpoint saves it, and passing it back
+    as cursor= resumes there. cursor=None is a new peer: it starts with the server's newest
+    Limits.recent_groups groups, not the whole history. The token defaults to $SWARM_TOKEN, so it need
+    not appear on a command line."""
+
+    def __init__(self, url, peer, token=None, cursor=None):
+        u = urlsplit(str(url))
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ValueError(f"the swarm URL must look like http://HOST:PORT, not {str(url)[:80]!r}.")
+        if not isinstance(peer, str) or not NAME.fullmatch(peer):
             raise ValueError("peer must be 1 to 64 characters from A-Z, a-z, 0-9, '_', '.' and '-'.")
-        self.url, self.peer = url.rstrip("/"), peer
-        self.timeout, self.retries, self.max_pages = timeout, retries, max_pages
-        self.session = requests.Session()
-        if token:
-            self.session.headers["Authorization"] = f"Bearer {token}"
-        self.cursor = 0                                        # seq of the last group seen; fetch resumes after it
-        self.outbox = collections.deque(maxlen=outbox_size)    # (round, JSON body) not yet acknowledged, oldest first
-        self.dropped = 0                                       # batches pushed out of a full outbox
-        self.down = False                                      # inside an outage (logged once)
+        token = check_token(token if token is not None else os.environ.get("SWARM_TOKEN"))
+        self.peer, self.address = peer, (u.hostname, u.port or (443 if u.scheme == "https" else 80))
+        self.head = f"Host: {u.netloc}\r\nContent-Type: {JSON}\r\n" + f"Authorization: Bearer {token}\r\n" * bool(token)
+        self.base, self.tls = u.path.rstrip("/"), ssl.create_default_context() if u.scheme == "https" else None
+        self.cond = threading.Condition()
+        self.outbox, self.outbox_bytes = collections.deque(), 0  # (path, body, what), oldest first
+        self.inbox, self.inbox_bytes = collections.deque(), 0    # (group, bytes), oldest first
+        self.queued = self.done = 0  # outbox entries ever queued / acknowledged, refused or dropped
+        self.polls = self.level = 0  # polls begun / the last one that ended level with the server
+        self.down, self.dropped, self.wake, self.closing, self.sock = None, 0, False, False, None
+        self.cursor = cursor
+        self.thread = threading.Thread(target=self._run, name=f"swarm-client-{peer}", daemon=True)
+        self.thread.start()
+
+    @property
+    def cursor(self):
+        return self._handed
+
+    @cursor.setter
+    def cursor(self, seq):  # setting it moves the reader (and forgets what it had received)
+        with self.cond:
+            self._handed = self._next = None if seq is None else int(seq)
+            self.inbox.clear()
+            self.inbox_bytes = 0
+
+    # --- the training loop's side: queues only
+
+    def publish(self, round, groups):
+        """Queue this round's groups for the swarm; returns at once."""
+        try:
+            body = _dumps({"peer": self.peer, "round": int(round), "groups": list(groups),
+                           "batch_id": f"{self.peer}-{int(round)}-{uuid.uuid4().hex[:12]}"})
+        except (TypeError, ValueError, OverflowError) as e:
+            return self._log(f"round {round}'s groups cannot be sent as JSON ({e})")
+        if groups:
+            self._queue("/rollouts", body, f"round {round}'s batch")
+
+    def post_metrics(self, round, metrics):
+        """Queue per-round numbers for the dashboard (best effort); values that are not sane numbers go
+        as null."""
+        try:
+            clean = {str(k)[:64]: float(v) if _sane(v) else None for k, v in list(metrics.items())[:64]}
+            self._queue("/metrics", _dumps({"peer": self.peer, "round": int(round), "metrics": clean}),
+                        f"round {round}'s metrics")
+        except (TypeError, ValueError, AttributeError) as e:
+            self._log(f"round {round}'s metrics cannot be sent ({e})")
+
+    def fetch(self):
+        """The checked groups of other peers received since the previous call, oldest first."""
+        with self.cond:
+            groups = [g for g, _ in self.inbox]
+            self.inbox.clear()
+            self.inbox_bytes = 0
+            self._handed = self._next
+            return groups
+
+    def flush(self, timeout=10.0):
+        """Wait until everything queued before this call has left the outbox and a poll begun after it
+        has caught up with the server -> True, or False if that took longer than timeout seconds."""
+        with self.cond:
+            queued, polls, self.wake = self.queued, self.polls, True
+            self.cond.notify_all()
+            return self.cond.wait_for(lambda: self.done >= queued and self.level > polls, timeout)
+
+    def close(self):
+        """Stop the thread: it ends its current exchange at once and sends nothing more."""
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+            if self.sock is not None:
+                self.sock.shutdown(socket.SHUT_RDWR)
+        self.thread.join(5)
+
+    def _queue(self, path, body, what):
+        with self.cond:
+            self.outbox.append((path, body, what))
+            self.outbox_bytes += len(body)
+            self.queued += 1
+            while self.outbox_bytes > Limits.outbox_bytes and len(self.outbox) > 1:
+                self.outbox_bytes -= len(self.outbox.popleft()[1])
+                self.done, self.dropped = self.done + 1, self.dropped + 1
+            self.wake = True
+            self.cond.notify_all()
 
     def _log(self, message):
         print(f"swarm client {self.peer}: {message}", file=sys.stderr, flush=True)
 
-    def _went_down(self, reason):
-        if not self.down:
-            self.down = True
-            self._log(f"server {self.url} unreachable ({reason}); training goes on, unsent batches wait "
-                      f"in the outbox (up to {self.outbox.maxlen}) and fetches catch up when it is back")
+    # --- the thread's side: all the network
 
-    def _call(self, method, path, **kwargs):
-        for attempt in range(2):
+    def _run(self):
+        backoff = 0.0
+        while not self.closing:
+            with self.cond:
+                entry = self.outbox[0] if self.outbox else None
             try:
-                r = self.session.request(method, self.url + path, timeout=self.timeout, **kwargs)
-                break
-            except requests.ConnectionError as e:  # also a kept-alive connection the server just closed:
-                if attempt or isinstance(e, requests.Timeout):  # so one immediate retry (replays are safe)
-                    raise _Unreachable(type(e).__name__) from None
-            except Exception as e:  # any other requests/socket failure
-                raise _Unreachable(type(e).__name__) from None
-        if 400 <= r.status_code < 500 and r.status_code not in (408, 429):
-            try:
-                message = r.json()["error"]
-            except Exception:
-                message = f"HTTP {r.status_code}"
-            raise _Refused(f"HTTP {r.status_code}: {message}")
-        if r.status_code != 200:
-            raise _Unreachable(f"HTTP {r.status_code}")
-        try:
-            data = r.json()
-        except ValueError:
-            raise _Unreachable("the reply is not JSON") from None
-        if not isinstance(data, dict):
-            raise _Unreachable("the reply is not a JSON object")
-        if self.down:
-            self.down = False
-            lost = f", {self.dropped} older ones were dropped" if self.dropped else ""
-            self._log(f"server reachable again; re-sending {len(self.outbox)} held batches{lost}")
-            self.dropped = 0
-        return data
-
-    def _post_batch(self, body):
-        return self._call("POST", "/rollouts", data=body, headers={"Content-Type": JSON})
-
-    def _flush_outbox(self):
-        while self.outbox:
-            round_, body = self.outbox[0]
-            try:
-                self._post_batch(body)
-            except _Refused as e:
-                self._log(f"dropping held batch of round {round_}: {e}")
+                if entry is not None:
+                    self._send(entry)
+                elif self._poll():  # level with the server: wait for the next poll or a publish
+                    self._sleep(Limits.poll_seconds)
+                if self.down:
+                    lost = f"; {self.dropped} older entries did not fit the outbox" if self.dropped else ""
+                    self._log(f"server reachable again, sending what waited{lost}")
+                    self.down, self.dropped = None, 0
+                backoff = 0.0
             except _Unreachable as e:
-                self._went_down(str(e))
-                return  # still down: keep it for next time
-            self.outbox.popleft()
+                if not self.down and not self.closing:
+                    self._log(f"server unreachable ({e}); training goes on, and what is unsent waits in the "
+                              f"outbox (up to {Limits.outbox_bytes >> 20} MB) until it is back")
+                self.down, backoff = str(e), min(5.0, max(0.25, 2 * backoff))
+                self._sleep(backoff)
+            except Exception as e:  # a bug must not end the thread: log it, pause, go on
+                self._log(f"unexpected error {e!r:.200}")
+                self._sleep(1.0)
 
-    def publish(self, round, groups):
-        """Share this round's groups. True if acknowledged now; otherwise the batch waits in the outbox
-        (same batch_id, so the server stores it once however often it arrives)."""
+    def _sleep(self, seconds):
+        with self.cond:
+            self.cond.wait_for(lambda: self.wake or self.closing, seconds)
+            self.wake = False
+
+    def _send(self, entry):
         try:
-            batch = {"peer": self.peer, "round": int(round),
-                     "batch_id": f"{self.peer}-{int(round)}-{uuid.uuid4().hex[:12]}", "groups": list(groups)}
-            body = json.dumps(batch, allow_nan=False)
-        except (TypeError, ValueError) as e:
-            self._log(f"round {round}'s groups cannot be sent as JSON ({e})")
-            return False
-        self._flush_outbox()
-        tries = 1 if self.down else 1 + self.retries  # during an outage, do not stall the loop
-        reason = "no answer"
-        for attempt in range(tries):
-            if attempt:
-                time.sleep(0.2 * 2 ** (attempt - 1))  # 0.2, 0.4, 0.8 s
+            self._request("POST", entry[0], entry[1])
+        except _Refused as e:
+            self._log(f"the server refused {entry[2]}, so it is dropped: {e}")
+        with self.cond:
+            if self.outbox and self.outbox[0] is entry:  # (a full outbox may have dropped it meanwhile)
+                self.outbox.popleft()
+                self.outbox_bytes -= len(entry[1])
+                self.done += 1
+                self.cond.notify_all()
+
+    def _poll(self):
+        """Read one page after our position into the inbox -> True once level with the server."""
+        with self.cond:
+            self.polls += 1
+            poll, start = self.polls, self._next
+        position = start
+        if position is None:  # a new peer: start from the newest groups, not from the whole history
+            position = max(0, self._get("/health", HEALTH)["last_seq"] - Limits.recent_groups)
+        page = self._get(f"/rollouts?after={position}&exclude={self.peer}", PAGE)
+        groups, bad, seq = [], [], position
+        for g in page["groups"]:
             try:
-                self._post_batch(body)
-                return True
-            except _Refused as e:
-                self._log(f"the server refused round {round}'s batch: {e}")
+                g = check(g, STORED, "a received group")
+                _want(seq < g["seq"] <= page["next"], "its seq is out of order")
+                seq = g["seq"]
+                groups += [(g, len(_dumps(g)))] if g["peer"] != self.peer else []
+            except BadRequest as e:
+                bad.append(e.message)
+        if bad:
+            self._log(f"dropped {len(bad)} malformed groups from the server (the first: {bad[0][:200]})")
+        with self.cond:
+            if self._next != start:  # the cursor was moved meanwhile: this page is for the old place
                 return False
-            except _Unreachable as e:
-                reason = str(e)
-        self._went_down(reason)
-        if len(self.outbox) == self.outbox.maxlen:
-            self.dropped += 1
-        self.outbox.append((int(round), body))
-        return False
+            if page["last"] < position:  # the server lost groups we saw (a new folder?): start afresh
+                self._log(f"the server's newest seq {page['last']} is below ours ({position}); starting afresh")
+                self._next = None
+                return False
+            for g, size in groups:
+                self.inbox.append((g, size))
+                self.inbox_bytes += size
+            while self.inbox_bytes > Limits.inbox_bytes:
+                self.inbox_bytes -= self.inbox.popleft()[1]
+            self._next = max(position, page["next"])
+            if page["next"] >= page["last"] or page["next"] <= position:
+                self.level = poll
+                self.cond.notify_all()
+            return self.level == poll
 
-    def fetch(self, limit=DEFAULT_LIMIT):
-        """The groups other peers published since the previous call (up to max_pages pages of `limit`)."""
-        self._flush_outbox()
-        got = []
-        for _ in range(self.max_pages):
-            try:
-                data = self._call("GET", "/rollouts",
-                                  params={"after": self.cursor, "exclude": self.peer, "limit": limit})
-            except _Unreachable as e:
-                self._went_down(str(e))
-                break
-            except _Refused as e:
-                self._log(f"the server refused a fetch: {e}")
-                break
-            groups, next_seq, last_seq = data.get("groups"), data.get("next"), data.get("last")
-            if not isinstance(groups, list) or not _is_int(next_seq):
-                self._went_down("a malformed reply")
-                break
-            if _is_int(last_seq) and last_seq < self.cursor:
-                self._log(f"the server holds fewer groups than seen (seq {last_seq} < {self.cursor}); "
-                          "it was probably given a new folder, so reading from the start")
-                self.cursor = 0
-                continue
-            got.extend(g for g in groups if isinstance(g, dict) and g.get("peer") != self.peer)
-            if next_seq <= self.cursor:
-                break
-            self.cursor = next_seq
-            if not _is_int(last_seq) or next_seq >= last_seq:
-                break
-        return got
-
-    def post_metrics(self, round, metrics):
-        """Best effort, one try: per-round numbers for the dashboard. Non-finite values are sent as null."""
+    def _get(self, path, fields):
         try:
-            clean = {str(k)[:64]: (float(v) if math.isfinite(v) else None) for k, v in metrics.items()
-                     if isinstance(v, (int, float)) and not isinstance(v, bool)}
-            body = json.dumps({"peer": self.peer, "round": int(round), "metrics": clean})
-            self._call("POST", "/metrics", data=body, headers={"Content-Type": JSON})
-            return True
-        except _Unreachable as e:
-            self._went_down(str(e))
-        except Exception as e:
-            self._log(f"metrics of round {round} not recorded: {e}")
-        return False
+            return check(self._request("GET", path), fields)
+        except (BadRequest, _Refused) as e:
+            raise _Unreachable(f"an unusable reply: {getattr(e, 'message', e)!s:.200}") from None
 
-    def health(self):
-        """The server's /health reply, or None when it cannot be reached."""
+    def _request(self, method, path, body=b""):
+        """The one way this client talks: an HTTP/1.0 exchange on a fresh connection, with a deadline on
+        all of it (connect, send, every byte of the reply) -> the reply's JSON object."""
+        deadline, reply = time.monotonic() + Limits.request_seconds, bytearray()
+        head = f"{method} {self.base}{path} HTTP/1.0\r\n{self.head}Content-Length: {len(body)}\r\n\r\n"
         try:
-            return self._call("GET", "/health")
-        except Exception:
-            return None
+            with socket.create_connection(self.address, timeout=Limits.request_seconds) as raw:
+                with self.cond:
+                    self.sock = raw  # so that close() can end this exchange at once
+                sock = self.tls.wrap_socket(raw, server_hostname=self.address[0]) if self.tls else raw
+                sock.settimeout(max(0.001, deadline - time.monotonic()))
+                sock.sendall(head.encode() + body)
+                while len(reply) <= Limits.reply_bytes:
+                    sock.settimeout(max(0.001, deadline - time.monotonic()))  # a trickle cannot outlast it
+                    chunk = sock.recv(1 << 16)
+                    if not chunk:
+                        break
+                    reply += chunk
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("no whole reply in time")
+        except OSError as e:
+            raise _Unreachable(str(e) or type(e).__name__) from None
+        finally:
+            with self.cond:
+                self.sock = None
+        head, _, payload = bytes(reply).partition(b"\r\n\r\n")
+        status = re.match(rb"HTTP/1\.[01] (\d{3})\b", head)
+        length = re.search(rb"\r\ncontent-length: *(\d+)", head, re.IGNORECASE)
+        if not status or (length and int(length.group(1)) != len(payload)):
+            raise _Unreachable("a reply that is not HTTP, or cut short")
+        status = int(status.group(1))
+        try:
+            data = parse_json(payload)
+        except BadRequest:
+            data = None
+        if 400 <= status < 500 and status not in (408, 429):
+            raise _Refused(f"HTTP {status}: {data.get('error') if isinstance(data, dict) else '(no message)'}")
+        if status != 200 or not isinstance(data, dict):
+            raise _Unreachable(f"HTTP {status}" if status != 200 else "a reply that is not a JSON object")
+        return data
 
 
 # -----------------------------------------------------------------------------
-# Command line: python swarm.py --dir swarm_data --host 127.0.0.1 --port 8000 [--token SECRET]
+# Command line: python swarm.py --dir swarm_data --host 127.0.0.1 --port 8000 [--token-file FILE]
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one sentence instead of usage + error
         print(f"swarm.py: {message}; see python swarm.py --help.", file=sys.stderr)
         sys.exit(2)
+
+
+def _size(text):
+    """'256M' -> 268435456: a byte count with an optional K, M or G."""
+    found = re.fullmatch(r"([0-9]{1,15})([KMG]?)B?", text.strip().upper())
+    if not found:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 256M")
+    return int(found.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[found.group(2)]
 
 
 def main(argv=None):
@@ -927,13 +1128,24 @@ def main(argv=None):
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for a LAN)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one")
     parser.add_argument("--token", default=os.environ.get("SWARM_TOKEN"),
-                        help="require 'Authorization: Bearer TOKEN' for writes (default: $SWARM_TOKEN)")
-    parser.add_argument("--keep-groups", type=int, default=DEFAULT_KEEP_GROUPS,
-                        help="groups kept; beyond it the oldest batch files are deleted")
+                        help="require 'Authorization: Bearer TOKEN' on every request (default: $SWARM_TOKEN, "
+                             "which, unlike this flag, does not show in ps)")
+    parser.add_argument("--token-file", help="read the token from this file instead")
+    parser.add_argument("--public-reads", action="store_true",
+                        help="with a token: let anyone GET (dashboard, rollouts, metrics); writes still need it")
+    parser.add_argument("--keep-bytes", type=_size, default=Limits.keep_bytes,
+                        help="batch bytes kept on disk and in memory, e.g. 256M (default); the oldest go first")
     parser.add_argument("--verbose", action="store_true", help="log every request on stderr")
     args = parser.parse_args(argv)
     try:
-        server, url = start_server(args.dir, args.host, args.port, args.token, args.keep_groups, args.verbose)
+        if args.token_file:
+            try:
+                with open(args.token_file) as f:
+                    args.token = f.read().strip()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"cannot read --token-file {args.token_file} ({e})") from None
+        server, url = start_server(args.dir, args.host, args.port, args.token, args.keep_bytes,
+                                   args.public_reads, args.verbose)
     except ValueError as e:
         print(f"swarm.py: {e}", file=sys.stderr)
         sys.exit(2)

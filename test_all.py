@@ -1305,6 +1305,34 @@ def _sw_raw(url, method, path, body=None, headers=None, content_length=True):
         conn.close()
 
 
+def _sw_bytes(url, data, timeout=5.0):
+    """Send raw bytes -> (status or None, JSON body or None, seconds until the reply was whole or the
+    server closed). Reads one reply (by its Content-Length) or until the server closes."""
+    import socket
+    u, t0 = urlsplit(url), time.time()
+    with socket.create_connection((u.hostname, u.port), timeout=timeout) as s:
+        try:
+            s.sendall(data)
+        except OSError:
+            pass
+        reply = b""
+        while True:
+            head, _, body = reply.partition(b"\r\n\r\n")
+            length = re.search(rb"Content-Length: (\d+)", head)
+            if _ and length and len(body) >= int(length.group(1)):
+                break
+            try:
+                chunk = s.recv(65536)
+            except OSError:  # a reset after the reply is a close too
+                break
+            if not chunk:
+                break
+            reply += chunk
+    status = re.match(rb"HTTP/1\.1 (\d{3}) ", reply)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return (int(status.group(1)) if status else None), (json.loads(body) if body else None), time.time() - t0
+
+
 def _sw_files(folder):
     return sorted(n for n in os.listdir(folder) if n.startswith("batch-"))
 
@@ -1318,10 +1346,24 @@ def _sw_server(tmp_path):
         server.shutdown()
 
 
-def _sw_spawn(folder, log_path, *flags):
+@pytest.fixture
+def _sw_clients():
+    """Make clients with _sw_clients(url, name, ...); every one is closed at the end of the test."""
+    made = []
+
+    def make(*args, **kwargs):
+        made.append(swarm.SwarmClient(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for client in made:
+        client.close()
+
+
+def _sw_spawn(folder, log_path, *flags, preexec_fn=None):
     """python swarm.py --port 0 as a subprocess -> (process, url read from its first stdout line)."""
     proc = subprocess.Popen([sys.executable, _SW_SCRIPT, "--dir", folder, "--port", "0", *flags],
-                            stdout=subprocess.PIPE, stderr=open(log_path, "a"), text=True)
+                            stdout=subprocess.PIPE, stderr=open(log_path, "a"), text=True, preexec_fn=preexec_fn)
     line = proc.stdout.readline().strip()
     m = re.fullmatch(r"swarm server: (http://127\.0\.0\.1:\d+)", line)
     if not m:
@@ -1339,28 +1381,31 @@ def _sw_stop(proc):
 
 # -----------------------------------------------------------------------------
 
-def test_swarm_round_trip(_sw_server):
+def test_swarm_round_trip(_sw_server, _sw_clients):
     server, url, folder = _sw_server
-    alice, bob = swarm.SwarmClient(url, "alice"), swarm.SwarmClient(url, "bob")
+    alice, bob = _sw_clients(url, "alice"), _sw_clients(url, "bob")
     sent = [_sw_group(1), _sw_group(2, n=3)]
-    assert alice.publish(0, sent)
+    t0 = time.time()
+    alice.publish(0, sent)
+    assert alice.flush(10) and bob.flush(10)
     got = bob.fetch()
-    assert [g["seq"] for g in got] == [1, 2]
+    assert [g["seq"] for g in got] == [1, 2] and bob.cursor == 2
     for g, s in zip(got, sent):
-        assert g["peer"] == "alice" and g["round"] == 0
+        assert g["peer"] == "alice" and g["round"] == 0 and t0 - 1 < g["time"] < time.time() + 1
         assert {k: g[k] for k in s} == s
-    assert bob.fetch() == [] and alice.fetch() == []
-    assert alice.health() == {"ok": True, "groups": 2, "peers": 1, "last_seq": 2}
+    assert alice.flush(10) and bob.fetch() == [] and alice.fetch() == []  # nobody gets their own
+    assert requests.get(url + "/health", timeout=5).json() == {"ok": True, "groups": 2, "peers": 1, "last_seq": 2}
     peers = requests.get(url + "/peers", timeout=5).json()["peers"]
     assert peers["alice"]["groups"] == 2 and peers["alice"]["last_round"] == 0
     assert len(_sw_files(folder)) == 1
-    # the server sets peer and round from the top level, whatever a group claims
-    assert _sw_post(url, "carol", 5, [_sw_group(3, peer="mallory", round=99, seq=7)]).status_code == 200
+    # the server sets peer, round, seq and time, whatever a group claims
+    assert _sw_post(url, "carol", 5, [_sw_group(3, peer="mallory", round=99, seq=7, time=1.0)]).status_code == 200
+    assert bob.flush(10)
     g = bob.fetch()[0]
-    assert (g["peer"], g["round"], g["seq"]) == ("carol", 5, 3)
+    assert (g["peer"], g["round"], g["seq"]) == ("carol", 5, 3) and g["time"] > 1.0
 
 
-def test_swarm_exclude_pagination_and_cursor(_sw_server):
+def test_swarm_exclude_pagination_and_cursor(_sw_server, _sw_clients):
     server, url, _ = _sw_server
     for r in range(5):  # seqs: alice 1-2, bob 3, alice 4-5, bob 6, ...
         assert _sw_post(url, "alice", r, [_sw_group(10 * r), _sw_group(10 * r + 1)]).status_code == 200
@@ -1376,18 +1421,15 @@ def test_swarm_exclude_pagination_and_cursor(_sw_server):
     d = page(after=0, limit=4, exclude="alice")
     assert [g["seq"] for g in d["groups"]] == [3, 6, 9, 12] and d["next"] == 12
     d = page(after=14, exclude="bob")  # only bob's after 14: next is the last seq
-    assert d["groups"] == [] and d["next"] == 15
+    assert d["groups"] == [] and d["next"] == 15 and d["last"] == 15
     d = page(after=15)  # nothing new: next stays
     assert d["groups"] == [] and d["next"] == 15
     assert [g["seq"] for g in page(after=0)["groups"]] == list(range(1, 16))
-    # the client follows pages, a few per call, and resumes where it stopped
-    carol = swarm.SwarmClient(url, "carol", max_pages=2)
-    first = carol.fetch(limit=3)
-    assert [g["seq"] for g in first] == list(range(1, 7))
-    rest = carol.fetch(limit=3) + carol.fetch(limit=3)
-    assert [g["seq"] for g in rest] == list(range(7, 16))
-    bob = swarm.SwarmClient(url, "bob")
-    assert all(g["peer"] == "alice" for g in bob.fetch(limit=1024)) and bob.cursor == 15
+    # a client given a cursor reads everything after it; one of the posters never gets its own groups
+    carol, bob = _sw_clients(url, "carol", cursor=0), _sw_clients(url, "bob", cursor=0)
+    assert carol.flush(10) and bob.flush(10)
+    assert [g["seq"] for g in carol.fetch()] == list(range(1, 16)) and carol.cursor == 15
+    assert all(g["peer"] == "alice" for g in bob.fetch()) and bob.cursor == 15
 
 
 def test_swarm_idempotent_retry_survives_restart(tmp_path):
@@ -1413,30 +1455,31 @@ def test_swarm_idempotent_retry_survives_restart(tmp_path):
         server.shutdown()
 
 
-def test_swarm_concurrent_clients_one_order(_sw_server):
+def test_swarm_concurrent_clients_one_order(_sw_server, _sw_clients):
     server, url, _ = _sw_server
     n_peers, n_posts = 8, 50
-    errors, results = [], {}
+    writers = [_sw_clients(url, f"peer{k}") for k in range(n_peers)]
+    readers = {name: _sw_clients(url, name, cursor=0) for name in ("readerA", "readerB")}
+    results = {}
 
-    def writer(k):
-        client = swarm.SwarmClient(url, f"peer{k}")
+    def write(k):
         for i in range(n_posts):
-            if not client.publish(i, [_sw_group(1000 * k + i)]):
-                errors.append((k, i))
+            writers[k].publish(i, [_sw_group(1000 * k + i)])
+        assert writers[k].flush(60)
 
-    def reader(name):
-        client, seen, deadline = swarm.SwarmClient(url, name), [], time.time() + 30
+    def read(name):
+        seen, deadline = [], time.time() + 60
         while len(seen) < n_peers * n_posts and time.time() < deadline:
-            seen += [(g["seq"], g["peer"], g["question"]) for g in client.fetch(limit=7)]
+            seen += [(g["seq"], g["peer"], g["question"]) for g in readers[name].fetch()]
+            time.sleep(0.05)
         results[name] = seen
 
-    threads = [threading.Thread(target=writer, args=(k,)) for k in range(n_peers)]
-    threads += [threading.Thread(target=reader, args=(name,)) for name in ("readerA", "readerB")]
+    threads = [threading.Thread(target=write, args=(k,)) for k in range(n_peers)]
+    threads += [threading.Thread(target=read, args=(name,)) for name in readers]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert errors == []
     everything = _sw_read_all(url, limit=1024)
     assert [g["seq"] for g in everything] == list(range(1, n_peers * n_posts + 1))
     keys = [(g["peer"], g["question"]) for g in everything]
@@ -1475,6 +1518,7 @@ _SW_BAD = [  # (id, method, path, body: bytes | JSON value | None, headers, expe
     ("round is a bool", "POST", "/rollouts", dict(_SW_OK_BODY, round=True), {}, 400),
     ("round is negative", "POST", "/rollouts", dict(_SW_OK_BODY, round=-1), {}, 400),
     ("round is a float", "POST", "/rollouts", dict(_SW_OK_BODY, round=1.5), {}, 400),
+    ("round is huge", "POST", "/rollouts", dict(_SW_OK_BODY, round=10**400), {}, 400),
     ("groups not a list", "POST", "/rollouts", dict(_SW_OK_BODY, groups={"a": 1}), {}, 400),
     ("group not an object", "POST", "/rollouts", dict(_SW_OK_BODY, groups=["x"]), {}, 400),
     ("missing peer", "POST", "/rollouts", {k: v for k, v in _SW_OK_BODY.items() if k != "peer"}, {}, 400),
@@ -1496,6 +1540,7 @@ _SW_BAD = [  # (id, method, path, body: bytes | JSON value | None, headers, expe
     ("too many groups", "POST", "/rollouts", dict(_SW_OK_BODY, groups=[_sw_group(1, n=1)] * 257), {}, 400),
     ("metadata not object", "POST", "/rollouts", _sw_bad_group(metadata=[1, 2]), {}, 400),
     ("metadata too deep", "POST", "/rollouts", _sw_bad_group(metadata=_sw_deep(20)), {}, 400),
+    ("metadata 500 deep", "POST", "/rollouts", _sw_bad_group(metadata=_sw_deep(500)), {}, 400),
     ("json absurdly deep", "POST", "/rollouts", b"[" * 100_000 + b"]" * 100_000, {}, 400),
     ("nan", "POST", "/rollouts", b'{"peer": "alice", "round": NaN}', {}, 400),
     ("peer with space", "POST", "/rollouts", dict(_SW_OK_BODY, peer="al ice"), {}, 400),
@@ -1515,9 +1560,13 @@ _SW_BAD = [  # (id, method, path, body: bytes | JSON value | None, headers, expe
     ("unknown path post", "POST", "/rollouts/../x", b"{}", {}, 404),
     ("delete rollouts", "DELETE", "/rollouts", None, {}, 405),
     ("put rollouts", "PUT", "/rollouts", b"{}", {}, 405),
+    ("options", "OPTIONS", "/rollouts", None, {}, 405),
+    ("made-up method", "BREW", "/health", None, {}, 405),
     ("post health", "POST", "/health", b"{}", {}, 405),
     ("metrics not object", "POST", "/metrics", {"peer": "alice", "round": 1, "metrics": [1]}, {}, 400),
     ("metric a string", "POST", "/metrics", {"peer": "alice", "round": 1, "metrics": {"a": "x"}}, {}, 400),
+    ("metric 400 digits", "POST", "/metrics", {"peer": "alice", "round": 1, "metrics": {"a": 10**400}}, {}, 400),
+    ("metric 1e300", "POST", "/metrics", {"peer": "alice", "round": 1, "metrics": {"a": 1e300}}, {}, 400),
     ("metrics bad peer", "POST", "/metrics", {"peer": "<b>", "round": 1, "metrics": {}}, {}, 400),
 ]
 
@@ -1537,6 +1586,35 @@ def test_swarm_bad_input(_sw_server, case):
     assert _sw_post(url, "alice", 1, [_sw_group(1)]).json() == {"accepted": 1, "seq": 1}
 
 
+_SW_PROTOCOL = [  # (id, raw bytes, expected status; None: the server just closes)
+    ("head", b"HEAD /rollouts HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 405),
+    ("options star", b"OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    ("bad target", b"GET http://[::1/x HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    ("long target", b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414),
+    ("long header", b"GET /health HTTP/1.1\r\nX-A: " + b"a" * 20_000 + b"\r\n\r\n", 431),
+    ("many headers", b"GET /health HTTP/1.1\r\n" + b"X-A: a\r\n" * 200 + b"\r\n", 431),
+    ("header without colon", b"GET /health HTTP/1.1\r\nno colon here\r\n\r\n", 400),
+    ("http/2.0 line", b"GET /health HTTP/2.0\r\nHost: x\r\n\r\n", 400),
+    ("http/2 preface", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 400),
+    ("garbage line", b"\x00\x01\x02 hello\r\n\r\n", 400),
+    ("chunked body", b"POST /rollouts HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 411),
+    ("negative length", b"POST /rollouts HTTP/1.1\r\nContent-Length: -5\r\n\r\n", 400),
+    ("tls hello", bytes.fromhex("16030100c8010000c40303") + bytes(190), None),
+]
+
+
+def test_swarm_protocol_abuse_gets_a_prompt_json_4xx(_sw_server):
+    server, url, folder = _sw_server
+    for name, data, expected in _SW_PROTOCOL:
+        status, reply, seconds = _sw_bytes(url, data)
+        assert status == expected and seconds < 4, name
+        if expected is None:
+            assert reply is None, name  # no HTML page, no status line: a clean close
+        elif not data.startswith(b"HEAD"):
+            assert set(reply) == {"error"} and reply["error"].endswith("."), name
+    assert requests.get(url + "/health", timeout=5).json() == {"ok": True, "groups": 0, "peers": 0, "last_seq": 0}
+
+
 def test_swarm_unexpected_error_is_500(_sw_server, monkeypatch):
     server, url, _ = _sw_server
 
@@ -1549,7 +1627,7 @@ def test_swarm_unexpected_error_is_500(_sw_server, monkeypatch):
     assert requests.get(url + "/health", timeout=5).json()["ok"] is True
 
 
-def test_swarm_token(tmp_path):
+def test_swarm_token_guards_reads_and_writes(tmp_path, monkeypatch, _sw_clients):
     server, url = swarm.start_server(str(tmp_path / "s"), token="s3cret")
     try:
         assert _sw_post(url, "alice", 0, [_sw_group()]).status_code == 401
@@ -1558,143 +1636,549 @@ def test_swarm_token(tmp_path):
         assert _sw_post(url, "alice", 0, [_sw_group()], headers={"Authorization": "s3cret"}).status_code == 401
         assert requests.post(url + "/metrics", json={"peer": "a", "round": 0, "metrics": {}},
                              timeout=5).status_code == 401
-        assert swarm.SwarmClient(url, "mallory").publish(0, [_sw_group()]) is False
-        assert requests.get(url + "/health", timeout=5).json()["groups"] == 0
+        for path in ("/", "/health", "/rollouts", "/metrics", "/peers"):  # reads need it too
+            assert requests.get(url + path, timeout=5).status_code == 401, path
+        for scheme in ("Bearer", "bearer", "BEARER"):  # the scheme is case-insensitive
+            assert requests.get(url + "/health", headers={"Authorization": f"{scheme} s3cret"},
+                                timeout=5).status_code == 200
+        mallory = _sw_clients(url, "mallory")
+        mallory.publish(0, [_sw_group()])
+        assert not mallory.flush(1)
         good = _sw_post(url, "alice", 0, [_sw_group()], headers={"Authorization": "Bearer s3cret"})
         assert good.status_code == 200
-        assert swarm.SwarmClient(url, "bob", token="s3cret").publish(0, [_sw_group()]) is True
-        assert len(swarm.SwarmClient(url, "carol").fetch()) == 2  # reads stay open
-        assert requests.get(url + "/", timeout=5).status_code == 200
+        bob = _sw_clients(url, "bob", token="s3cret")
+        bob.publish(0, [_sw_group()])
+        assert bob.flush(10)
+        monkeypatch.setenv("SWARM_TOKEN", "s3cret")  # the client's token can stay off the command line
+        carol = _sw_clients(url, "carol", cursor=0)
+        assert carol.flush(10) and len(carol.fetch()) == 2
     finally:
         server.shutdown()
-
-
-def test_swarm_kill9_restart_keeps_every_ack(tmp_path):
-    folder, log = str(tmp_path / "s"), str(tmp_path / "server.log")
-    proc, url = _sw_spawn(folder, log)
-    acked, stop = [], threading.Event()
-
-    def writer():
-        session, i = requests.Session(), 0
-        while not stop.is_set():
-            body = {"peer": "w", "round": i, "batch_id": f"w-{i}", "groups": [_sw_group(i), _sw_group(10**6 + i)]}
-            try:
-                r = session.post(url + "/rollouts", json=body, timeout=5)
-            except requests.RequestException:
-                return
-            if r.status_code == 200:
-                acked.append((i, r.json()["seq"]))
-            i += 1
-
-    thread = threading.Thread(target=writer)
+    server, url = swarm.start_server(str(tmp_path / "s"), token="s3cret", public_reads=True)
     try:
-        thread.start()
-        deadline = time.time() + 15
-        while len(acked) < 25 and time.time() < deadline:
-            time.sleep(0.01)
-        proc.kill()  # SIGKILL in the middle of the writer's run
-        proc.wait()
-        stop.set()
-        thread.join(10)
-        assert len(acked) >= 25
-        with open(os.path.join(folder, ".tmp-batch-99999999.json"), "w") as f:
-            f.write('{"batch_id": "x", "groups": [{"seq"')  # a write cut short
-        with open(os.path.join(folder, "batch-99999990.json"), "w") as f:
-            f.write('{"batch_id": "y", "pe')  # a damaged file
-        proc, url = _sw_spawn(folder, log)
-        stored = _sw_read_all(url)
-        by_round = {g["round"]: g["seq"] for g in stored if g["metadata"]["i"] >= 10**6}
-        for i, seq in acked:  # each acknowledged batch is there, under the seq it was acknowledged with
-            assert by_round[i] == seq
-        seqs = [g["seq"] for g in stored]
-        assert seqs == list(range(1, len(seqs) + 1)) and len(seqs) >= 2 * len(acked)
-        r = _sw_post(url, "after", 0, [_sw_group(7)])
-        assert r.json() == {"accepted": 1, "seq": seqs[-1] + 1}
-        assert not os.path.exists(os.path.join(folder, ".tmp-batch-99999999.json"))
-        assert "batch-99999990.json" in open(log).read()
+        assert requests.get(url + "/rollouts", timeout=5).status_code == 200
+        assert requests.get(url + "/", timeout=5).status_code == 200
+        assert _sw_post(url, "alice", 1, [_sw_group()]).status_code == 401
     finally:
-        stop.set()
+        server.shutdown()
+    for bad in ("two words", "caf\u00e9", "tab\there", "x" * 257):
+        with pytest.raises(ValueError, match="printable ASCII"):
+            swarm.start_server(str(tmp_path / "t"), token=bad)
+        with pytest.raises(ValueError, match="printable ASCII"):
+            swarm.SwarmClient("http://127.0.0.1:9", "a", token=bad)
+
+
+def test_swarm_token_from_a_file_or_the_environment(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    proc, url = _sw_spawn(str(tmp_path / "a"), str(tmp_path / "log"), "--token-file", str(token_file))
+    try:
+        assert requests.get(url + "/health", timeout=5).status_code == 401
+        assert requests.get(url + "/health", headers={"Authorization": "Bearer s3cret"}, timeout=5).status_code == 200
+        assert b"s3cret" not in open(f"/proc/{proc.pid}/cmdline", "rb").read()
+    finally:
+        _sw_stop(proc)
+    env = dict(os.environ, SWARM_TOKEN="caf\u00e9")
+    run = subprocess.run([sys.executable, _SW_SCRIPT, "--dir", str(tmp_path / "b"), "--port", "0"],
+                         capture_output=True, text=True, timeout=20, env=env)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "printable ASCII" in run.stderr
+
+
+def test_swarm_kill9_cycles_keep_every_ack(tmp_path):
+    """Three kill -9s in the middle of four writers' runs: every acknowledged batch is there after each
+    restart, under the seq it was acknowledged with, and the numbering never repeats."""
+    folder, log = str(tmp_path / "s"), str(tmp_path / "server.log")
+    acked = []
+    for cycle in range(3):
+        proc, url = _sw_spawn(folder, log)
+        stop = threading.Event()
+
+        def writer(w):
+            session, i = requests.Session(), 0
+            while not stop.is_set():
+                body = {"peer": f"w{w}", "round": i, "batch_id": f"w{w}-{cycle}-{i}",
+                        "groups": [_sw_group(i, metadata={"key": f"{w}-{cycle}-{i}"}), _sw_group(i)]}
+                try:
+                    r = session.post(url + "/rollouts", json=body, timeout=5)
+                except requests.RequestException:
+                    return
+                if r.status_code == 200:
+                    acked.append((f"{w}-{cycle}-{i}", r.json()["seq"]))
+                i += 1
+
+        threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
+        try:
+            before = len(acked)
+            for t in threads:
+                t.start()
+            deadline = time.time() + 15
+            while len(acked) < before + 20 and time.time() < deadline:
+                time.sleep(0.01)
+            proc.kill()  # SIGKILL in the middle of the writers' runs
+            proc.wait()
+            stop.set()
+            for t in threads:
+                t.join(10)
+            assert len(acked) >= before + 20
+        finally:
+            stop.set()
+            _sw_stop(proc)
+    with open(os.path.join(folder, ".tmp-batch-999999999999.json"), "w") as f:
+        f.write('{"batch_id": "x", "groups": [{"seq"')  # a write cut short
+    proc, url = _sw_spawn(folder, log)
+    try:
+        stored = _sw_read_all(url)
+        seq_of = {g["metadata"]["key"]: g["seq"] for g in stored if "key" in g["metadata"]}
+        for key, seq in acked:  # each acknowledged batch is there, under the seq it was acknowledged with
+            assert seq_of[key] == seq - 1
+        seqs = [g["seq"] for g in stored]
+        assert seqs == sorted(set(seqs)) and len(seq_of) == len(stored) // 2
+        assert _sw_post(url, "after", 0, [_sw_group(7)]).json()["seq"] > max(seqs)
+        assert not os.path.exists(os.path.join(folder, ".tmp-batch-999999999999.json"))
+    finally:
         _sw_stop(proc)
 
 
-def test_swarm_client_survives_outage(tmp_path, capsys):
+@pytest.mark.parametrize("damage", ["brackets", "truncated", "wrong types"])
+def test_swarm_corrupt_newest_batch_file_never_reuses_a_seq(tmp_path, damage):
     folder = str(tmp_path / "s")
     server, url = swarm.start_server(folder)
-    port = urlsplit(url).port
-    alice = swarm.SwarmClient(url, "alice", retries=2, timeout=2)
-    bob = swarm.SwarmClient(url, "bob", timeout=2)
+    for r in range(3):
+        _sw_post(url, "alice", r, [_sw_group(r), _sw_group(r + 10)])
+    server.shutdown()
+    newest = os.path.join(folder, _sw_files(folder)[-1])
+    data = open(newest, "rb").read()
+    with open(newest, "wb") as f:
+        f.write({"brackets": b"[" * 100_000, "truncated": data[:len(data) // 2],
+                 "wrong types": b'{"peer": "alice", "groups": 5}'}[damage])
+    log = str(tmp_path / "log")
+    proc, url = _sw_spawn(folder, log)
     try:
-        assert alice.publish(0, [_sw_group(0)])
-        assert len(bob.fetch()) == 1
-        server.shutdown()
-        t0 = time.time()
-        assert alice.publish(1, [_sw_group(1)]) is False
-        assert time.time() - t0 < 3
-        t0 = time.time()
-        assert alice.publish(2, [_sw_group(2)]) is False  # during an outage: one quick try
-        assert bob.fetch() == [] and bob.fetch() == [] and alice.fetch() == []
-        assert bob.post_metrics(1, {"local_reward": 0.5}) is False and bob.health() is None
-        assert time.time() - t0 < 2
-        assert len(alice.outbox) == 2
-        err = capsys.readouterr().err
-        assert err.count("swarm client alice: server") == 1 and err.count("swarm client bob: server") == 1
-        server, url2 = swarm.start_server(folder, port=port)
-        assert url2 == url
-        assert alice.publish(3, [_sw_group(3)]) is True and len(alice.outbox) == 0
-        assert sorted(g["round"] for g in bob.fetch()) == [1, 2, 3]
-        assert [g["seq"] for g in _sw_read_all(url)] == [1, 2, 3, 4]
-        assert "reachable again" in capsys.readouterr().err
+        assert [g["seq"] for g in _sw_read_all(url)] == [1, 2, 3, 4]  # the damaged batch is skipped
+        assert _sw_post(url, "bob", 0, [_sw_group(1)]).json() == {"accepted": 1, "seq": 7}  # 5, 6 stay used
+        assert os.path.basename(newest) in open(log).read()
+    finally:
+        _sw_stop(proc)
+
+
+def test_swarm_folder_lock_survives_a_stray_rm(tmp_path):
+    folder = str(tmp_path / "s")
+    server, _ = swarm.start_server(folder)
+    try:
+        for name in os.listdir(folder):
+            if name.endswith(".lock"):
+                os.remove(os.path.join(folder, name))
+        with pytest.raises(ValueError, match="another swarm server"):
+            swarm.start_server(folder)
     finally:
         server.shutdown()
+    swarm.start_server(folder)[0].shutdown()  # and once it is stopped, the folder is free
 
 
-def test_swarm_retention_deletes_oldest_batches(tmp_path):
+def test_swarm_retention_is_bounded_in_bytes(tmp_path):
     folder = str(tmp_path / "s")
-    server, url = swarm.start_server(folder, keep_groups=10)
+    one = len(swarm._dumps({"peer": "alice", "round": 0, "batch_id": "alice-0", "time": time.time(), "groups": [
+        dict(_sw_group(0), peer="alice", round=0, seq=1, time=time.time()) for _ in range(3)]}))
+    server, url = swarm.start_server(folder, keep_bytes=3 * one)
     try:
-        for r in range(6):
+        for r in range(10):
             reply = _sw_post(url, "alice", r, [_sw_group(3 * r + j) for j in range(3)]).json()
             assert reply == {"accepted": 3, "seq": 3 * r + 3}
-        assert len(_sw_files(folder)) == 3
-        groups = requests.get(url + "/rollouts", params={"after": 2}, timeout=5).json()
-        assert [g["seq"] for g in groups["groups"]] == list(range(10, 19)) and groups["next"] == 18
-        assert requests.get(url + "/health", timeout=5).json()["groups"] == 9
+            on_disk = sum(os.path.getsize(os.path.join(folder, n)) for n in _sw_files(folder))
+            assert on_disk <= 3 * one + 100 and server.store.kept_bytes == on_disk
+        kept = [g["seq"] for g in _sw_read_all(url)]
+        assert kept[-1] == 30 and len(kept) <= 9 and sum(len(t) for _, _, t in server.store.index) <= 3 * one
+        # a retry of a batch deleted long ago is recognised, not stored again
+        assert _sw_post(url, "alice", 0, [_sw_group(0), _sw_group(1), _sw_group(2)]).json() == {"accepted": 3, "seq": 3}
     finally:
         server.shutdown()
-    server, url = swarm.start_server(folder, keep_groups=10)
+    server, url = swarm.start_server(folder, keep_bytes=3 * one)
     try:
-        assert [g["seq"] for g in _sw_read_all(url)] == list(range(10, 19))
-        assert _sw_post(url, "bob", 0, [_sw_group(1)]).json()["seq"] == 19
+        assert [g["seq"] for g in _sw_read_all(url)] == kept
+        assert _sw_post(url, "alice", 1, [_sw_group(3)]).json() == {"accepted": 3, "seq": 6}  # after a restart too
+        assert _sw_post(url, "bob", 0, [_sw_group(1)]).json()["seq"] == 31
+    finally:
+        server.shutdown()
+    server, url = swarm.start_server(folder, keep_bytes=1)  # each batch alone is over the limit
+    try:
+        assert _sw_post(url, "carol", 0, [_sw_group(1)]).json()["seq"] == 32
+        assert [g["seq"] for g in _sw_read_all(url)] == [32] and len(_sw_files(folder)) == 1
     finally:
         server.shutdown()
 
 
-def test_swarm_dashboard_and_metrics(_sw_server):
+def test_swarm_utf8_on_disk_and_pages_bounded_in_bytes(_sw_server, monkeypatch):
     server, url, folder = _sw_server
-    alice, bob = swarm.SwarmClient(url, "alice"), swarm.SwarmClient(url, "bob.2")
+    text = "\u00e9t\u00e9 \u2603 \U0001F600 " * 400
+    assert _sw_post(url, "alice", 0, [_sw_group(0, completions=[text], stopped=[True])]).status_code == 200
+    data = open(os.path.join(folder, _sw_files(folder)[0]), "rb").read()
+    assert text.encode() in data and len(data) < len(text.encode()) + 1000  # UTF-8, not \uXXXX escapes
+    monkeypatch.setattr(swarm.Limits, "page_bytes", 20_000)
+    for r in range(1, 6):
+        _sw_post(url, "alice", r, [_sw_group(10 * r + j, completions=["x" * 4000], stopped=[True]) for j in range(4)])
+    seen, after, pages = [], 0, 0
+    while True:
+        r = requests.get(url + "/rollouts", params={"after": after, "limit": 1024}, timeout=5)
+        data = r.json()
+        assert len(r.content) <= 20_000 + 200 or len(data["groups"]) == 1  # one big group is still served
+        seen += [g["seq"] for g in data["groups"]]
+        if data["next"] == after:
+            break
+        after, pages = data["next"], pages + 1
+    assert seen == list(range(1, 22)) and pages >= 5
+    for r in range(300):  # /metrics is paged the same way
+        server.store.add_metrics("alice", r, {"local_reward": 0.5, "loss": 1.0})
+    rows, after = [], 0
+    while True:
+        r = requests.get(url + "/metrics", params={"after": after}, timeout=5)
+        assert len(r.content) <= 20_000 + 200
+        rows += r.json()["metrics"]
+        if r.json()["next"] == after:
+            break
+        after = r.json()["next"]
+    assert [row["round"] for row in rows] == list(range(300)) and r.json()["last"] == 300
+
+
+def test_swarm_everything_a_request_can_make_the_server_hold_is_bounded(_sw_server, monkeypatch):
+    server, url, folder = _sw_server
+    monkeypatch.setattr(swarm.Limits, "peers", 20)
+    monkeypatch.setattr(swarm.Limits, "metrics_bytes", 5_000)
+    monkeypatch.setattr(swarm.Limits, "replies", 10)
+    for k in range(50):  # empty posts store nothing and name nobody
+        assert _sw_post(url, f"nobody{k}", 0, []).json() == {"accepted": 0, "seq": 0}
+    assert requests.get(url + "/health", timeout=5).json()["peers"] == 0
+    for k in range(50):
+        r = requests.post(url + "/metrics", json={"peer": f"p{k}", "round": 0, "metrics": {"local_reward": 0.5}},
+                          timeout=5)
+        assert r.status_code == 200
+        assert _sw_post(url, f"p{k}", 0, [_sw_group(k)], batch_id=f"b{k}").status_code == 200
+    assert len(requests.get(url + "/peers", timeout=5).json()["peers"]) == 20
+    assert server.store.metrics_bytes <= 5_000 and len(server.store.replies) <= 10
+    assert os.path.getsize(os.path.join(folder, "metrics.jsonl")) <= 2 * 5_000 + 200
+    assert "p49" in requests.get(url + "/", timeout=5).text  # the dashboard lists the newest
+
+
+def test_swarm_dashboard_and_metrics(_sw_server, _sw_clients):
+    server, url, folder = _sw_server
+    alice, bob = _sw_clients(url, "alice"), _sw_clients(url, "bob.2")
     assert "no data yet" in requests.get(url + "/", timeout=5).text
     for r in range(4):
-        assert alice.post_metrics(r, {"local_reward": 0.1 * r, "batch_reward": 0.2 * r, "loss": float("nan")})
-        assert bob.post_metrics(r, {"local_reward": 0.3 + 0.01 * r})
+        alice.post_metrics(r, {"local_reward": 0.1 * r, "batch_reward": 0.2 * r, "loss": float("nan"),
+                               "big": 10**400})
+        bob.post_metrics(r, {"local_reward": 0.3 + 0.01 * r})
     alice.publish(3, [_sw_group()])
+    assert alice.flush(10) and bob.flush(10)
     page = requests.get(url + "/", timeout=5)
     assert page.status_code == 200 and page.headers["Content-Type"].startswith("text/html")
     assert "<svg" in page.text and "alice" in page.text and "bob.2" in page.text
     assert page.text.count("<polyline") == 2
     rows = requests.get(url + "/metrics", timeout=5).json()["metrics"]
-    assert len(rows) == 8 and rows[0]["metrics"]["loss"] is None
+    first = next(row["metrics"] for row in rows if row["peer"] == "alice")
+    assert len(rows) == 8 and first["loss"] is None and first["big"] is None
     server.shutdown()
-    server, url = swarm.start_server(folder)  # metrics survive a restart
+    with open(os.path.join(folder, "metrics.jsonl"), "a") as f:  # a row an older server let in
+        f.write(json.dumps({"n": 9, "peer": "eve", "round": 1, "time": 1.0, "metrics": {"local_reward": 10**400}}) + "\n")
+    server, url = swarm.start_server(folder)  # metrics survive a restart; the dashboard survives the bad row
     try:
         assert len(requests.get(url + "/metrics", timeout=5).json()["metrics"]) == 8
         assert requests.get(url + "/peers", timeout=5).json()["peers"]["bob.2"]["last_round"] == 3
+        assert requests.get(url + "/", timeout=5).status_code == 200
     finally:
         server.shutdown()
 
 
+def test_swarm_full_disk_is_507_and_loses_nothing(_sw_server, monkeypatch, _sw_clients):
+    import builtins
+    import errno
+    server, url, folder = _sw_server
+
+    def full(path, mode="r", *args, **kwargs):
+        if "w" in mode or "a" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return builtins.open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(swarm, "open", full, raising=False)
+    for path, body in (("/rollouts", _SW_OK_BODY), ("/metrics", {"peer": "a", "round": 0, "metrics": {}})):
+        r = requests.post(url + path, json=body, timeout=5)
+        assert r.status_code == 507 and r.json()["error"].endswith(".") and "disk is full" in r.json()["error"]
+    alice = _sw_clients(url, "alice")
+    alice.publish(0, [_sw_group(0)])
+    assert not alice.flush(1)
+    assert _sw_files(folder) == [] and [n for n in os.listdir(folder) if n.startswith(".tmp")] == []
+    monkeypatch.undo()
+    assert alice.flush(10)
+    assert [g["round"] for g in _sw_read_all(url)] == [0]
+
+
+def test_swarm_hangups_are_not_logged(_sw_server, capsys):
+    import socket
+    import struct
+    server, url, folder = _sw_server
+    for r in range(60):  # 7 MB: more than a socket buffer holds
+        _sw_post(url, "alice", r, [_sw_group(r, completions=["x" * 30_000] * 4, stopped=[True] * 4)])
+    u = urlsplit(url)
+    for request in (b"GET /rollouts?limit=1024 HTTP/1.1\r\nHost: x\r\n\r\n", b"POST /rollouts HTTP/1.1\r\nContent-Le",
+                    b"GET /health HTTP/1.1\r\n" + b"X: y\r\n" * 100 + b"\r\n"):  # ... and one refused with a 431
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect((u.hostname, u.port))
+        s.sendall(request)
+        time.sleep(0.2)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # hang up with a reset
+        s.close()
+    time.sleep(0.3)
+    assert requests.get(url + "/health", timeout=5).status_code == 200
+    assert capsys.readouterr().err == ""
+
+
+def test_swarm_slow_connections_get_a_deadline_and_honest_ones_get_through(_sw_server, monkeypatch):
+    import socket
+    monkeypatch.setattr(swarm.Limits, "request_seconds", 1.0)
+    server, url, folder = _sw_server
+    u = urlsplit(url)
+    slow = []
+    for k in range(60):  # headers that never end, a byte at a time
+        s = socket.create_connection((u.hostname, u.port), timeout=5)
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        slow.append(s)
+    liar = socket.create_connection((u.hostname, u.port), timeout=5)  # says 100 bytes, sends 1
+    liar.sendall(b"POST /rollouts HTTP/1.1\r\nContent-Length: 100\r\n\r\n{")
+    monkeypatch.setattr(swarm.Limits, "in_flight_bytes", 100_000)  # a declared length alone holds nothing
+    slow.append(socket.create_connection((u.hostname, u.port), timeout=5))
+    slow[-1].sendall(b"POST /rollouts HTTP/1.1\r\nContent-Length: 99850\r\n\r\n{")
+    time.sleep(0.2)
+    assert _sw_post(url, "honest", 99, [_sw_group(99)]).status_code == 200
+    t0 = time.time()
+    for k in range(5):
+        for s in slow:
+            try:
+                s.send(b"X")
+            except OSError:
+                pass
+        assert requests.get(url + "/health", timeout=5).status_code == 200
+        assert _sw_post(url, "honest", k, [_sw_group(k)]).status_code == 200
+        time.sleep(0.3)
+    closed = 0
+    for s in slow + [liar]:
+        s.settimeout(max(0.1, t0 + 6 - time.time()))
+        try:
+            reply = s.recv(65536)
+            closed += reply.startswith(b"HTTP/1.1 408 ") and b'"error"' in reply
+        except OSError:
+            pass
+        s.close()
+    assert closed == 62  # each got a JSON 408 once its deadline passed, not a 60 s wait per read
+
+
+def test_swarm_connection_cap_under_a_low_descriptor_limit(tmp_path):
+    """With 128 descriptors, 150 idle connections must not lock honest clients out (no busy accept
+    loop either: the longest-waiting connection is closed to make room)."""
+    import resource
+    import socket
+
+    def low_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+
+    proc, url = _sw_spawn(str(tmp_path / "s"), str(tmp_path / "log"), preexec_fn=low_limit)
+    u, idle = urlsplit(url), []
+    try:
+        for _ in range(150):
+            idle.append(socket.create_connection((u.hostname, u.port), timeout=5))
+        ok = 0
+        for k in range(6):
+            try:
+                ok += requests.get(url + "/health", timeout=5).status_code == 200
+                ok += _sw_post(url, "honest", k, [_sw_group(k)]).status_code == 200
+            except requests.RequestException:
+                pass
+        assert ok == 12 and proc.poll() is None
+    finally:
+        for s in idle:
+            s.close()
+        _sw_stop(proc)
+
+
+class _SwHostile:
+    """A server that misbehaves: 'blackhole' accepts and never answers, 'trickle' answers one byte every
+    0.2 s forever, 'garbage' answers 500s and non-HTTP bytes, 'down' is a port nobody listens on."""
+
+    def __init__(self, kind):
+        import socket
+        self.kind, self.accepted, self.sock, self.conns = kind, 0, socket.socket(), []
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        if kind == "down":
+            self.sock.close()
+            return
+        self.sock.listen(64)
+        if kind != "blackhole":
+            threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            self.conns.append(conn)
+            threading.Thread(target=self.answer, args=(conn,), daemon=True).start()
+
+    def answer(self, conn):
+        try:
+            conn.recv(65536)
+            if self.kind == "garbage":
+                conn.sendall([b"HTTP/1.1 500 Oops\r\nContent-Length: 5\r\n\r\nnope!", b"\x00garbage\r\n\r\n{["]
+                             [self.accepted % 2])
+            else:
+                for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n" + b" " * 1000000:
+                    conn.send(bytes([byte]))
+                    time.sleep(0.2)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self):
+        import socket
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() so the port is free at once
+        except OSError:
+            pass
+        self.sock.close()
+        for conn in self.conns:
+            conn.close()
+
+
+def test_swarm_client_never_stalls_and_delivers_once_the_server_is_back(tmp_path, monkeypatch, capsys):
+    import gc
+    monkeypatch.setattr(swarm.Limits, "request_seconds", 1.0)
+    kinds = ["blackhole", "trickle", "garbage", "down"]
+    hostile = {kind: _SwHostile(kind) for kind in kinds}
+    clients = {kind: swarm.SwarmClient(f"http://127.0.0.1:{h.port}", f"peer-{kind}") for kind, h in hostile.items()}
+    servers = []
+    try:
+        slowest, t_start = 0.0, time.time()
+        gc.disable()  # time the calls, not a garbage collection that happens to land in one
+        try:
+            for r in range(3):
+                for client in clients.values():
+                    for call in (lambda: client.publish(r, [_sw_group(r)]), client.fetch,
+                                 lambda: client.post_metrics(r, {"local_reward": 0.5})):
+                        t0 = time.perf_counter()
+                        assert call() in (None, [])
+                        slowest = max(slowest, time.perf_counter() - t0)
+                time.sleep(0.4)
+        finally:
+            gc.enable()
+        assert slowest < 0.1, slowest
+        while hostile["trickle"].accepted < 2 and time.time() < t_start + 10:
+            time.sleep(0.1)
+        assert hostile["trickle"].accepted >= 2  # the thread gave up on the trickle and tried again
+        for kind, h in hostile.items():  # the server comes back on the same port
+            h.close()
+            servers.append(swarm.start_server(str(tmp_path / kind), port=h.port))
+        for kind, client in clients.items():
+            assert client.flush(20), kind
+            url = servers[kinds.index(kind)][1]
+            assert [g["round"] for g in _sw_read_all(url)] == [0, 1, 2], kind  # each batch exactly once
+            assert [m["round"] for m in requests.get(url + "/metrics", timeout=5).json()["metrics"]] == [0, 1, 2]
+        err = capsys.readouterr().err
+        for kind in kinds:
+            assert err.count(f"swarm client peer-{kind}: server unreachable") == 1, (kind, err)
+            assert f"swarm client peer-{kind}: server reachable again" in err
+    finally:
+        for client in clients.values():
+            client.close()
+        for h in hostile.values():
+            h.close()
+        for server, _ in servers:
+            server.shutdown()
+
+
+def test_swarm_client_queues_are_bounded_in_bytes(tmp_path, monkeypatch, _sw_clients):
+    import socket
+    monkeypatch.setattr(swarm.Limits, "outbox_bytes", 20_000)
+    monkeypatch.setattr(swarm.Limits, "inbox_bytes", 20_000)
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nobody listens there yet
+    alice = _sw_clients(f"http://127.0.0.1:{port}", "alice")
+    for r in range(40):
+        alice.publish(r, [_sw_group(r, completions=["x" * 1000] * 2)])
+        assert alice.outbox_bytes <= 20_000
+    monkeypatch.setattr(swarm.Limits, "inbox_bytes", 8_000)
+    server, url = swarm.start_server(str(tmp_path / "s"), port=port)
+    try:
+        assert alice.flush(20)
+        rounds = [g["round"] for g in _sw_read_all(url)]
+        assert rounds == list(range(40 - len(rounds), 40)) and 5 < len(rounds) < 20  # the newest, once each
+        bob = _sw_clients(url, "bob", cursor=0)
+        assert bob.flush(20) and bob.inbox_bytes <= 20_000
+        got = [g["round"] for g in bob.fetch()]
+        assert got == rounds[-len(got):] and len(got) < len(rounds)  # the newest that fit
+    finally:
+        server.shutdown()
+
+
+def test_swarm_client_checks_every_group_it_receives(capsys, _sw_clients):
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    def stored(n, **change):
+        g = dict(_sw_group(n), peer="mallory", round=1, seq=n, time=1.0e9)
+        g.update(change)
+        return {k: v for k, v in g.items() if v is not KeyError}
+
+    groups = [stored(1), stored(2, completions=KeyError), stored(3, completions=5), stored(4, stopped=[True]),
+              stored(5, peer="<b>"), stored(6, time=KeyError), stored(7, question=None), "not a group",
+              stored(8), stored(8), stored(9, seq=99)]
+
+    class Hostile(BaseHTTPRequestHandler):
+        def do_GET(self):
+            fresh = self.path.startswith("/rollouts?after=0&")
+            body = json.dumps({"groups": groups if fresh else [], "next": 9, "last": 9}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        client = _sw_clients(f"http://127.0.0.1:{httpd.server_address[1]}", "alice", cursor=0)
+        assert client.flush(10)
+        got = client.fetch()
+        assert [g["seq"] for g in got] == [1, 8] and all(isinstance(g["completions"], list) for g in got)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "dropped 9 malformed groups" in err[0]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_swarm_new_peer_starts_from_recent_groups_and_a_resumed_one_keeps_its_cursor(_sw_server, _sw_clients):
+    server, url, folder = _sw_server
+    for r in range(30):
+        _sw_post(url, "old", r, [_sw_group(10 * r + j) for j in range(10)])
+    new = _sw_clients(url, "new")
+    assert new.cursor is None and new.flush(10)
+    got = new.fetch()
+    assert [g["seq"] for g in got] == list(range(300 - swarm.Limits.recent_groups + 1, 301)) and new.cursor == 300
+    resumed = _sw_clients(url, "resumed", cursor=250)
+    assert resumed.flush(10) and [g["seq"] for g in resumed.fetch()] == list(range(251, 301))
+    resumed.cursor = 100  # moving the cursor moves the reader
+    assert resumed.flush(10) and [g["seq"] for g in resumed.fetch()] == list(range(101, 301))
+
+
 def test_swarm_render_svg_parses():
     svg = swarm.render_svg({"<b>&'peer\"": [(0, 0.1), (1, 0.5), (2, 0.4)], "solo": [(3, 1.0)],
-                            "empty": [], "nan": [(1, float("nan"))]}, title="a < b & c", ylabel="r")
+                            "empty": [], "nan": [(1, float("nan"))], "huge": [(1, 10**400)]},
+                           title="a < b & c", ylabel="r")
     root = ET.fromstring(svg)
     assert root.tag == "{http://www.w3.org/2000/svg}svg"
     texts = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
@@ -1706,8 +2190,9 @@ def test_swarm_render_svg_parses():
 def test_swarm_cli_bad_flags(tmp_path):
     a_file = tmp_path / "file"
     a_file.write_text("x")
-    for flags in (["--port", "notanint"], ["--bogus"], ["--dir", str(a_file)], ["--keep-groups", "0"],
-                  ["--port", "70000"], ["--dir", str(a_file / "sub")]):
+    for flags in (["--port", "notanint"], ["--bogus"], ["--dir", str(a_file)], ["--keep-bytes", "0"],
+                  ["--keep-bytes", "lots"], ["--port", "70000"], ["--dir", str(a_file / "sub")],
+                  ["--token", "has space"], ["--token-file", str(tmp_path / "missing")]):
         run = subprocess.run([sys.executable, _SW_SCRIPT, *flags], capture_output=True, text=True, timeout=20)
         assert run.returncode == 2, flags
         assert run.stdout == "" and "Traceback" not in run.stderr

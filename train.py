@@ -330,15 +330,15 @@ class Peer:
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if args.beta > 0 else None
         self.rng = random.Random(args.seed)
         self.pool = []  # (round received, group, rewards): usable external groups not yet trained on
-        self.client = None
-        if args.swarm:  # with J = 0 a peer still shares its rollouts
-            self.client = swarm.SwarmClient(args.swarm, self.name, token=args.token)
+        self.client, self.cursor = None, None  # cursor: where a resumed peer reads the swarm on from
         self.start_round = 0
         if resuming:
             self.load_state(ckpt)
         elif args.resume:
             log(f"{self.dir}: no checkpoint yet, starting from round 0")
             open(os.path.join(self.dir, "metrics.jsonl"), "w").close()  # those rounds will run again
+        if args.swarm:  # with J = 0 a peer still shares its rollouts; cursor None: start from recent groups
+            self.client = swarm.SwarmClient(args.swarm, self.name, token=args.token, cursor=self.cursor)
         with open(os.path.join(self.dir, "settings.json"), "w") as f:
             json.dump(vars(args), f, indent=2)
 
@@ -348,7 +348,7 @@ class Peer:
         """A Hugging Face folder transformers can load, plus optimizer, RNG and swarm cursor state,
         written together and renamed into place at once (model.save_model)."""
         state = {"round": round_, "optimizer": self.opt.state_dict(), "torch_rng": torch.get_rng_state(),
-                 "rng": json.dumps(self.rng.getstate()), "cursor": getattr(self.client, "cursor", 0)}
+                 "rng": json.dumps(self.rng.getstate()), "cursor": self.client.cursor if self.client else None}
         M.save_model(self.model, self.tok, os.path.join(self.dir, "checkpoint"),
                      write_extra=lambda folder: torch.save(state, os.path.join(folder, "trainer_state.pt")))
 
@@ -358,8 +358,7 @@ class Peer:
         torch.set_rng_state(state["torch_rng"].cpu())
         v, internal, gauss = json.loads(state["rng"])
         self.rng.setstate((v, tuple(internal), gauss))
-        if self.client is not None:
-            self.client.cursor = int(state["cursor"])
+        self.cursor = state.get("cursor")
         self.start_round = state["round"] + 1
         # metrics logged after that checkpoint belong to rounds that will be run again
         path = os.path.join(self.dir, "metrics.jsonl")

@@ -163,12 +163,12 @@ def check_args(p, args):
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device {args.device} was asked for, but torch sees no CUDA GPU")
     defaults = CPU_DEFAULTS if args.device == "cpu" else GPU_DEFAULTS
-    args.shrunk = [k for k in defaults if getattr(args, k) is None and defaults[k] != GPU_DEFAULTS[k]]
     if args.external is None and not (args.swarm or args.peers):
         args.external = 0  # no swarm to join: a peer in silo
     args.silo = args.local is None and args.external == 0
     if args.silo:  # the paper's baseline keeps I + J: 8/0 against the swarm's 4/4
         args.local = defaults["local"] + defaults["external"]
+    args.shrunk = [k for k in defaults if getattr(args, k) is None and defaults[k] != GPU_DEFAULTS[k]]
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -279,11 +279,14 @@ def retokenise(tokenizer, text, stopped, stop_id, max_new_tokens):
 
 def external_group(tokenizer, g, stop_id, max_new_tokens, one_shot, log):
     """Step 5 for one group another peer published: None if its answer does not follow from its question
-    (reward.verify_item) or if its rewards, by the local verifier on the re-tokenised text, are all equal
+    (reward.verify_item), if its question holds a special token's text, or if its rewards, by the local verifier on the re-tokenised text, are all equal
     (no advantage); otherwise the Group to train on."""
     if not reward.verify_item(g):
         log(f"dropped a group from {g.get('peer')}: its answer does not follow from its question")
         return None
+    if any(t.special and t.content in g["question"] for t in tokenizer.added_tokens_decoder.values()):
+        log(f"dropped a group from {g.get('peer')}: its question holds a special token of the chat template")
+        return None  # the prompt is tokenised with its special tokens live: none may come from outside
     done = [retokenise(tokenizer, c, s, stop_id, max_new_tokens) for c, s in zip(g["completions"], g["stopped"])]
     rewards = [reward.score(g, text) for _, text, _ in done]
     if len(set(rewards)) < 2:
@@ -848,8 +851,8 @@ def main(argv=None):
         print(f"no GPU: using smaller defaults for {', '.join('--' + k.replace('_', '-') for k in args.shrunk)} "
               f"({', '.join(f'{k}={getattr(args, k)}' for k in args.shrunk)}); set them to override")
     if args.silo:
-        print(f"in silo (J = 0): I = {args.local} local groups a round, the I + J of a swarm peer, "
-              "as in the paper's baseline; --local sets it")
+        print(f"in silo (J = 0): I = {args.local} local groups a round, the I + J of a swarm peer "
+              "(the paper's baseline, 8/0 against 4/4); --local sets it")
     if args.peers:
         return launch(args)
     signal.signal(signal.SIGTERM, interrupt)

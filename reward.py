@@ -37,6 +37,8 @@ Deviations, and why:
 - Very easy families (one_digit_addition, ...) are added so that a 135M-parameter model gets some
   reward at all (see DESIGN.md); they keep a simpler contract (strict 0/1 reward; verify re-renders
   the question from the metadata and re-derives the answer).
+- alphabet_position is not a paper family either: it is the task of reproduce.py's toy, where a tiny
+  model must discover 26 separate facts, one lucky guess at a time.
 - Optional: `rg:NAME` uses the real reasoning_gym package when it is installed (it is not a
   dependency), with the paper's config for the nine; `verify_item` regenerates those items with
   reasoning_gym from their seed and config.
@@ -52,6 +54,7 @@ import math
 import operator
 import random
 import re
+import string
 from decimal import Context, Decimal, localcontext
 from fractions import Fraction
 
@@ -1019,6 +1022,30 @@ class RepeatNumber(EasyTask):
         return f"The number is {item['metadata']['n']}."
 
 
+class AlphabetPosition(EasyTask):
+    """The position of a lowercase letter in the alphabet, counting from 1. To a model that does not
+    know the alphabet these are 26 separate facts: reproduce.py's toy, where each fact must be found
+    by a lucky guess. Example: "What is the position of the letter q in the alphabet?" -> "17"."""
+
+    name, difficulty = "alphabet_position", 1
+
+    def sample(self, rng):
+        return {"letter": rng.choice(string.ascii_lowercase)}
+
+    def render(self, meta):
+        letter = meta["letter"]
+        if not (isinstance(letter, str) and len(letter) == 1 and letter in string.ascii_lowercase):
+            raise ValueError("bad letter")
+        return f"What is the position of the letter {letter} in the alphabet?"
+
+    def solve(self, meta):
+        return str(string.ascii_lowercase.index(meta["letter"]) + 1)
+
+    def working(self, item):
+        letter = item["metadata"]["letter"]
+        return f"{letter} is letter number {self.solve(item['metadata'])}."
+
+
 # -----------------------------------------------------------------------------
 # optional: the real ReasoningGym generators as tasks named "rg:NAME"
 
@@ -1064,7 +1091,7 @@ TASKS = {t.name: t for t in [
     BaseConversion(), BasicArithmetic(), Arc1D(), BF(), PropositionalLogic(),
     FractionSimplification(), DecimalArithmetic(), CalendarArithmetic(), BinaryMatrix(),
     Addition("one_digit_addition", 1), Multiplication("one_digit_multiplication", 1),
-    Addition("two_digit_addition", 2), LargerNumber(), RepeatNumber(),
+    Addition("two_digit_addition", 2), LargerNumber(), RepeatNumber(), AlphabetPosition(),
 ]}
 _RG_TASKS = {}
 

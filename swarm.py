@@ -258,7 +258,6 @@ class RolloutStore:
     def publish(self, peer, round_, batch_id, groups):
         """Store one batch (or recognise a retry of one) -> {"accepted": groups, "seq": its last seq}."""
         with self.write_lock:
-            _want(not self.closed, "The server is shutting down.", 503)
             if (peer, batch_id) in self.replies or not groups:  # a retry gets the first reply: stored once
                 return self.replies.get((peer, batch_id), {"accepted": 0, "seq": self.last_seq})
             now, first = time.time(), self.last_seq + 1
@@ -370,7 +369,6 @@ class RolloutStore:
 
     def add_metrics(self, peer, round_, metrics):
         with self.write_lock:
-            _want(not self.closed, "The server is shutting down.", 503)
             row = {"n": self.metrics[-1][0] + 1 if self.metrics else 1, "peer": peer, "round": round_,
                    "time": time.time(), "metrics": metrics}
             try:
@@ -522,7 +520,8 @@ class SwarmServer:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if resource else -1  # -1: no limit
         # every connection holds a descriptor: leave 64 of them for the batch files
         self.max_connections = max(4, min(Limits.connections, soft - 64)) if soft > 0 else Limits.connections
-        self.open, self.waiting = set(), {}  # all connections; those waiting for a request, longest first
+        self.open, self.waiting = set(), {}  # all connections; those waiting for a request (a dict keeps
+                                             # insertion order: the first has waited longest)
         self.in_flight = 0                   # bytes of request bodies and replies held right now
         self.pools = {method: ThreadPoolExecutor(Limits.workers, thread_name_prefix=f"swarm-{method}")
                       for method in ("GET", "POST")}
@@ -793,20 +792,9 @@ class SwarmClient:
         self.inbox, self.inbox_bytes = collections.deque(), 0    # (group, bytes), oldest first
         self.polls = self.level = 0  # polls begun / the last one that ended level with the server
         self.down, self.dropped, self.wake, self.closing, self.sock = None, 0, False, False, None
-        self.cursor = cursor
+        self.cursor = self.position = cursor  # the seq fetch() has handed out / the thread has read up to
         self.thread = threading.Thread(target=self._run, name=f"swarm-client-{peer}", daemon=True)
         self.thread.start()
-
-    @property
-    def cursor(self):
-        return self._handed
-
-    @cursor.setter
-    def cursor(self, seq):  # setting it moves the reader (and forgets what it had received)
-        with self.cond:
-            self._handed = self._next = None if seq is None else int(seq)  # handed out / read up to
-            self.inbox.clear()
-            self.inbox_bytes = 0
 
     # --- the training loop's side: queues only
 
@@ -836,7 +824,7 @@ class SwarmClient:
             groups = [g for g, _ in self.inbox]
             self.inbox.clear()
             self.inbox_bytes = 0
-            self._handed = self._next
+            self.cursor = self.position
             return groups
 
     def flush(self, timeout=10.0):
@@ -919,8 +907,7 @@ class SwarmClient:
         """Read one page after our position into the inbox -> True once level with the server."""
         with self.cond:
             self.polls += 1
-            poll, start = self.polls, self._next
-        position = start
+            poll, position = self.polls, self.position
         if position is None:  # a new peer: start from the newest groups, not from the whole history
             position = max(0, self._get("/health", HEALTH)["last_seq"] - Limits.recent_groups)
         page = self._get(f"/rollouts?after={position}&exclude={self.peer}", PAGE)
@@ -936,19 +923,17 @@ class SwarmClient:
         if bad:
             self._log(f"dropped {len(bad)} malformed groups from the server (the first: {bad[0][:200]})")
         with self.cond:
-            if self._next != start:  # the cursor was moved meanwhile: this page is for the old place
-                return False
             if page["last"] < position:  # the server lost groups we saw (a new folder?): start afresh
                 self._log(f"the server's newest seq {page['last']} is below ours ({position}); starting afresh")
-                self._next = None
+                self.position = None
                 return False
             for g, size in groups:
                 self.inbox.append((g, size))
                 self.inbox_bytes += size
             while self.inbox_bytes > Limits.inbox_bytes:
                 self.inbox_bytes -= self.inbox.popleft()[1]
-            self._next = max(position, page["next"])
-            if page["next"] >= page["last"] or page["next"] <= position:
+            self.position = max(position, page["next"])
+            if page["next"] >= page["last"] or page["next"] <= position:  # nothing more to read for now
                 self.level = poll
                 self.cond.notify_all()
             return self.level == poll
@@ -975,9 +960,9 @@ class SwarmClient:
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
                 sock.sendall(head.encode() + body)
                 while len(reply) <= Limits.reply_bytes:
-                    if time.monotonic() > deadline:  # a trickle of bytes cannot outlast the deadline
+                    if (left := deadline - time.monotonic()) <= 0:  # a trickle of bytes cannot outlast it
                         raise TimeoutError("no whole reply in time")
-                    sock.settimeout(deadline - time.monotonic())
+                    sock.settimeout(left)
                     if not (chunk := sock.recv(1 << 16)):
                         break
                     reply += chunk

@@ -11,19 +11,14 @@ from what the other peers shared. Peers never wait for each other: a peer takes 
 How this file does it, in reading order:
 - Whatever arrives from outside (a request, a file read back, a server's reply) is checked against one
   table of fields and limits by one function, `check`. Every other bound is a figure in `Limits`.
-- RolloutStore is the core: POST /rollouts appends a batch file and numbers its groups 1, 2, 3, ...
-  (`seq`); GET /rollouts?after=SEQ reads the groups after a sequence number. A batch file is written
-  atomically and fsynced before the reply, so an acknowledged batch survives kill -9 and nothing
-  half-written is ever served. Its name is the seq of its last group, so a restart continues the
-  numbering whatever happened to the files' contents.
-- SwarmServer (`python swarm.py --dir swarm_data --port 8000`, standard library only): one asyncio loop
-  reads requests under a whole-request deadline (a slow or idle connection costs a buffer, not a
-  thread) and a few worker threads answer complete ones.
-- SwarmClient(url, peer): publish(), fetch() and post_metrics() only touch two in-memory queues and
-  return at once; a daemon thread does all the HTTP, each exchange under a wall-clock deadline.
-  Training never waits for the network: with the server down a peer trains in silo (the paper's
+- RolloutStore, the core: POST /rollouts appends a batch file and numbers its groups 1, 2, 3, ...
+  (`seq`); GET /rollouts?after=SEQ reads the groups after a sequence number.
+- SwarmServer, the HTTP around it (`python swarm.py --dir swarm_data --port 8000`, standard library
+  only), built so that slow or hostile clients cannot take it down.
+- SwarmClient, what a peer uses: its calls only touch in-memory queues and a thread does the HTTP, so
+  training never waits for the network. With the server down a peer trains in silo (the paper's
   baseline) and catches up when it returns.
-- Dashboard: peers POST /metrics once a round; GET / draws every peer's local reward per round.
+- A dashboard: peers POST /metrics once a round; GET / draws every peer's local reward per round.
 
 Deviations from the paper, and why:
 - The paper's swarm ran on Gensyn's RL Swarm, where peers exchange rollouts over a peer-to-peer DHT.
@@ -127,9 +122,9 @@ class BadRequest(Exception):
         self.message, self.status, self.headers = message, status, headers or {}
 
 
-def _want(ok, message, status=400):
+def _want(ok, message, status=400, headers=None):
     if not ok:
-        raise BadRequest(message, status)
+        raise BadRequest(message, status, headers)
 
 
 def _sane(x):  # a number any chart can draw: finite and not absurd (a 400-digit integer is not); no bools
@@ -232,9 +227,10 @@ class RolloutStore:
         read()     GET /rollouts?after=SEQ: the indexed groups with seq > SEQ, from memory
 
     The batch file is written atomically and fsynced before publish() returns, so an acknowledgement
-    means the batch survives kill -9. Two locks: `write_lock` lets one writer at a time touch the folder
-    (one global order; a post costs one fsync), and `lock` guards the in-memory state for the moment an
-    update or a read takes, so readers never wait for a disk."""
+    means the batch survives kill -9 and nothing half-written is ever served; and as its name holds its
+    last seq, a restart continues the numbering whatever the files hold. Two locks: `write_lock` lets
+    one writer at a time touch the folder (one global order; a post costs one fsync), and `lock` guards
+    the in-memory state for the moment an update or a read takes, so readers never wait for a disk."""
 
     def __init__(self, folder, keep_bytes=Limits.keep_bytes):
         self.folder, self.keep_bytes = os.path.abspath(folder), keep_bytes
@@ -653,19 +649,17 @@ class SwarmServer:
             _want(path.startswith("/"), "The request target must be a path such as /rollouts.")
             methods = ROUTES.get(path)
             _want(methods is not None, f"There is no {path[:80]} here; the paths are {', '.join(ROUTES)}.", 404)
-            if request.method not in methods:
-                allowed = ", ".join(methods)
-                raise BadRequest(f"{path} accepts only {allowed}, not {request.method[:20]}.", 405, {"Allow": allowed})
-            scheme, _, given = request.headers.get("authorization", "").partition(" ")
-            if self.token and (request.method != "GET" or not self.public_reads) and not (
-                    scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("latin-1"),
-                                                                       self.token.encode())):
-                raise BadRequest("This server needs the header 'Authorization: Bearer <token>'; pass the swarm "
-                                 "token.", 401, {"WWW-Authenticate": "Bearer"})
-            try:
-                q = parse_qs(query, keep_blank_values=True, max_num_fields=16)
-            except ValueError:
-                raise BadRequest("The query string has too many fields.") from None
+            allowed = ", ".join(methods)
+            _want(request.method in methods, f"{path} accepts only {allowed}, not {request.method[:20]}.", 405,
+                  {"Allow": allowed})
+            if self.token and (request.method != "GET" or not self.public_reads):  # public reads: GETs need none
+                scheme, _, given = request.headers.get("authorization", "").partition(" ")
+                _want(scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("latin-1"),
+                                                                         self.token.encode()),  # constant time
+                      "This server needs the header 'Authorization: Bearer <token>'; pass the swarm token.", 401,
+                      {"WWW-Authenticate": "Bearer"})
+            _want(query.count("&") < 16, "The query string has too many fields.")
+            q = parse_qs(query, keep_blank_values=True)
             return (*getattr(self, "_" + methods[request.method])(q, request.body), {})
         except BadRequest as e:
             return e.status, JSON, _error(e.message), e.headers

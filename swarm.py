@@ -502,9 +502,13 @@ def _int_param(query, name, default, lowest, highest):
 
 
 class SwarmServer:
-    """The HTTP side of the store; each route is one short method at the end. One asyncio loop (in a
-    thread) reads each request whole under a deadline, so a slow or idle connection costs a buffer, not a
-    thread; two small pools of threads answer complete requests, one for reads and one for writes.
+    """The HTTP side of the store. One asyncio loop (in a thread) reads each request whole under a
+    deadline, so a slow or idle connection costs a buffer, not a thread; two small pools of threads
+    answer complete requests, one for reads and one for writes. A request's way through:
+
+        _accept -> _connection (waits for a request) -> _exchange: _read_request (under the deadline),
+        _answer in a worker thread (route, token, then one short method per route), _send the reply
+
     shutdown() stops serving, closes the connections, then the store."""
 
     def __init__(self, store, host, port, token=None, public_reads=False, verbose=False):

@@ -184,11 +184,6 @@ def check(obj, fields, where=""):
     return clean
 
 
-def check_group(group, where="group"):
-    """One group of the wire format (see DESIGN.md) -> a clean copy holding only the known fields."""
-    return check(group, GROUP, where)
-
-
 def _finite(text):  # JSON may spell numbers that cannot be served back as JSON: NaN, Infinity, 1e999
     if not math.isfinite(x := float(text)):
         raise ValueError(f"{text[:20]} is not a finite number")
@@ -207,13 +202,6 @@ def parse_json(raw):
 
 def _log(message):
     print(f"swarm server: {message}", file=sys.stderr, flush=True)
-
-
-def _disk_full_is_507(e):
-    """An OSError from a write: a full disk becomes a 507 for the sender, who keeps its data and sends it
-    again later; anything else goes on up."""
-    _want(e.errno not in (errno.ENOSPC, errno.EDQUOT),
-          "The server's disk is full, so nothing was stored; send it again later.", 507)
 
 
 # -----------------------------------------------------------------------------
@@ -367,13 +355,9 @@ class RolloutStore:
         with self.write_lock:
             row = {"n": self.metrics[-1][0] + 1 if self.metrics else 1, "peer": peer, "round": round_,
                    "time": time.time(), "metrics": metrics}
-            try:
-                with open(os.path.join(self.folder, "metrics.jsonl"), "ab") as f:  # best effort: no fsync
-                    f.write(_dumps(row) + b"\n")
-                    size = f.tell()
-            except OSError as e:
-                _disk_full_is_507(e)
-                raise
+            with open(os.path.join(self.folder, "metrics.jsonl"), "ab") as f:  # best effort: no fsync
+                f.write(_dumps(row) + b"\n")
+                size = f.tell()
             with self.lock:
                 self._keep_metrics(row)
             if size > 2 * Limits.metrics_bytes:  # keep the file bounded too: rewrite it with the rows kept
@@ -433,9 +417,8 @@ class RolloutStore:
                 os.fsync(f.fileno())
             os.replace(tmp, os.path.join(self.folder, name))
             os.fsync(self.folder_fd)
-        except OSError as e:
+        except OSError:
             self._remove(".tmp-" + name)
-            _disk_full_is_507(e)
             raise
 
     def _remove(self, name):
@@ -667,7 +650,9 @@ class SwarmServer:
             return (*getattr(self, "_" + methods[request.method])(q, request.body), {})
         except BadRequest as e:
             return e.status, JSON, _error(e.message), e.headers
-        except Exception as e:  # a bug: say so in one sentence, log it, keep serving
+        except Exception as e:
+            if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):  # the sender keeps its data: later
+                return 507, JSON, _error("The server's disk is full, so nothing was stored; send it again later."), {}
             _log(f"unexpected error in {request.method[:20]} {request.target[:200]}: {e!r:.300}")
             return 500, JSON, _error("The server hit an unexpected error; it was logged and the server "
                                      "keeps serving."), {}

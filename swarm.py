@@ -783,23 +783,16 @@ class SwarmClient:
 
     def publish(self, round, groups):
         """Queue this round's groups for the swarm; returns at once."""
-        try:
-            body = _dumps({"peer": self.peer, "round": int(round), "groups": list(groups),
-                           "batch_id": f"{self.peer}-{int(round)}-{os.urandom(6).hex()}"})
-        except (TypeError, ValueError, OverflowError) as e:
-            return self._log(f"round {round}'s groups cannot be sent as JSON ({e})")
         if groups:
-            self._queue("/rollouts", body, f"round {round}'s batch")
+            self._queue("/rollouts", f"round {round}'s batch", lambda: {
+                "peer": self.peer, "round": int(round), "groups": list(groups),
+                "batch_id": f"{self.peer}-{int(round)}-{os.urandom(6).hex()}"})
 
     def post_metrics(self, round, metrics):
         """Queue per-round numbers for the dashboard (best effort); values that are not sane numbers go
         as null."""
-        try:
-            clean = {str(k)[:64]: float(v) if _sane(v) else None for k, v in list(metrics.items())[:64]}
-            self._queue("/metrics", _dumps({"peer": self.peer, "round": int(round), "metrics": clean}),
-                        f"round {round}'s metrics")
-        except (TypeError, ValueError, AttributeError) as e:
-            self._log(f"round {round}'s metrics cannot be sent ({e})")
+        self._queue("/metrics", f"round {round}'s metrics", lambda: {"peer": self.peer, "round": int(round),
+                    "metrics": {str(k)[:64]: float(v) if _sane(v) else None for k, v in list(metrics.items())[:64]}})
 
     def fetch(self):
         """The checked groups of other peers received since the previous call, oldest first."""
@@ -823,14 +816,19 @@ class SwarmClient:
         with self.cond:
             self.closing = True
             self.cond.notify_all()
-            try:
-                if self.sock is not None:
-                    self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:  # the exchange had just ended
-                pass
+        try:
+            if (sock := self.sock) is not None:  # (read once: the thread may clear it meanwhile)
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # the exchange had just ended
+            pass
         self.thread.join(5)
 
-    def _queue(self, path, body, what):
+    def _queue(self, path, what, make_body):
+        """Put make_body() as JSON at the end of the outbox; what cannot be JSON is logged, never raised."""
+        try:
+            body = _dumps(make_body())
+        except (TypeError, ValueError, OverflowError, AttributeError) as e:
+            return self._log(f"{what} cannot be sent ({e})")
         with self.cond:
             self.outbox.append((path, body, what))
             self.outbox_bytes += len(body)
@@ -910,9 +908,8 @@ class SwarmClient:
                 self._log(f"the server's newest seq {page['last']} is below ours ({position}); starting afresh")
                 self.position = None
                 return False
-            for g, size in groups:
-                self.inbox.append((g, size))
-                self.inbox_bytes += size
+            self.inbox.extend(groups)
+            self.inbox_bytes += sum(size for _, size in groups)
             while self.inbox_bytes > Limits.inbox_bytes:
                 self.inbox_bytes -= self.inbox.popleft()[1]
             self.position = max(position, page["next"])
@@ -937,8 +934,7 @@ class SwarmClient:
         head = f"{method} {self.base}{path} HTTP/1.0\r\n{self.head}Content-Length: {len(body)}\r\n\r\n"
         with socket.create_connection(self.address, timeout=Limits.request_seconds) as raw:
             sock = self.tls.wrap_socket(raw, server_hostname=self.address[0]) if self.tls else raw
-            with self.cond:
-                self.sock = sock  # so that close() can end this exchange at once
+            self.sock = sock  # so that close() can end this exchange at once
             try:
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
                 sock.sendall(head.encode() + body)
@@ -950,8 +946,7 @@ class SwarmClient:
                         break
                     reply += chunk
             finally:
-                with self.cond:
-                    self.sock = None
+                self.sock = None
         head, _, payload = bytes(reply).partition(b"\r\n\r\n")
         status = re.match(rb"HTTP/1\.[01] (\d{3})\b", head)
         length = re.search(rb"\r\ncontent-length: *(\d+)", head, re.IGNORECASE)

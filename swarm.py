@@ -1089,7 +1089,7 @@ def main(argv=None):
     try:
         server, url = start_server(args.dir, args.host, args.port, args.token, args.keep_bytes,
                                    args.public_reads, args.verbose)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # e.g. a folder or port it cannot use, a full disk at start
         _fail(e)
     print(f"swarm server: {url}", flush=True)  # a launcher reads this line
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it like Ctrl-C

@@ -8,23 +8,17 @@ questions, shares those decoded rollouts (text only: question, answer, completio
 token ids, log-probs or weights) with the swarm, and trains on its I local groups plus J groups drawn
 from what the other peers shared. Peers never wait for each other: a peer takes whatever has arrived.
 
-How this file does it:
-- The core is two operations on one folder (RolloutStore): POST /rollouts appends a batch file and
-  numbers its groups 1, 2, 3, ... (`seq`); GET /rollouts?after=SEQ reads the groups after a sequence
-  number. A batch file is written atomically and fsynced before the reply, so an acknowledged batch
-  survives kill -9 and nothing half-written is ever served. Its name is the seq of its last group, so
-  a restart continues the numbering whatever happened to the files' contents.
-- Server: `python swarm.py --dir swarm_data --port 8000`, standard library only. One asyncio loop reads
-  requests under a whole-request deadline (a slow or idle connection costs a buffer, not a thread) and
-  a few worker threads answer complete ones. Everything a request can make it hold is bounded by a
-  figure in `Limits`: connections, bytes in flight, reply pages, kept batches (--keep-bytes, on disk and
-  in memory alike), metrics, peers, idempotency records.
-- Client: `SwarmClient(url, peer)`. publish(), fetch() and post_metrics() only touch two in-memory
-  queues and return at once; a daemon thread does all the HTTP, each exchange under a wall-clock
-  deadline. Training never waits for the network: with the server down a peer trains in silo (the
-  paper's baseline) and catches up when it returns. The client checks every group it receives with the
-  same table (`check`) that the server applies to what it is sent.
-- Dashboard: peers POST /metrics once a round; GET / draws every peer's local reward per round.
+How this file does it, in reading order:
+- Whatever arrives from outside (a request, a file read back, a server's reply) is checked against one
+  table of fields and limits by one function, `check`. Every other bound is a figure in `Limits`.
+- RolloutStore, the core: POST /rollouts appends a batch file and numbers its groups 1, 2, 3, ...
+  (`seq`); GET /rollouts?after=SEQ reads the groups after a sequence number.
+- SwarmServer, the HTTP around it (`python swarm.py --dir swarm_data --port 8000`, standard library
+  only), built so that slow or hostile clients cannot take it down.
+- SwarmClient, what a peer uses: its calls only touch in-memory queues and a thread does the HTTP, so
+  training never waits for the network. With the server down a peer trains in silo (the paper's
+  baseline) and catches up when it returns.
+- A dashboard: peers POST /metrics once a round; GET / draws every peer's local reward per round.
 
 Deviations from the paper, and why:
 - The paper's swarm ran on Gensyn's RL Swarm, where peers exchange rollouts over a peer-to-peer DHT.
@@ -60,7 +54,6 @@ import ssl
 import sys
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from urllib.parse import parse_qs, urlsplit
@@ -123,21 +116,18 @@ HEALTH = {"last_seq": SEQ}
 
 
 class BadRequest(Exception):
+    """What the other side got wrong, in one sentence, with the HTTP status that says so."""
     def __init__(self, message, status=400, headers=None):
         super().__init__(message)
         self.message, self.status, self.headers = message, status, headers or {}
 
 
-def _want(ok, message, status=400):
+def _want(ok, message, status=400, headers=None):
     if not ok:
-        raise BadRequest(message, status)
+        raise BadRequest(message, status, headers)
 
 
-def _is_int(x):
-    return isinstance(x, int) and not isinstance(x, bool)  # JSON true is not a round number
-
-
-def _sane(x):  # a metric: finite, and of a size any chart can draw (a 400-digit integer is not)
+def _sane(x):  # a number any chart can draw: finite and not absurd (a 400-digit integer is not); no bools
     return isinstance(x, (int, float)) and not isinstance(x, bool) and abs(x) <= 1e15
 
 
@@ -146,7 +136,7 @@ def _too_deep(x, levels):
     return levels < 0 or any(_too_deep(child, levels - 1) for child in children)
 
 
-def _dumps(x):
+def _dumps(x):  # compact UTF-8 JSON: what is stored, served and sent
     return json.dumps(x, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
@@ -162,15 +152,14 @@ def check(obj, fields, where=""):
             clean[field] = OPTIONAL[field]
             continue
         v = obj[field]
-        if kind in ("text", "label"):
+        if kind in ("text", "label"):  # a label (a task name) may not be empty
             ok = isinstance(v, str) and len(v) <= limit and (v or kind == "text")
             rule = f"a {'non-empty ' * (kind == 'label')}string of at most {limit} characters"
         elif kind == "name":
             ok, rule = isinstance(v, str) and limit.fullmatch(v), f"a string matching {limit.pattern}"
-        elif kind == "int":
-            ok, rule = _is_int(v) and 0 <= v <= limit, f"a whole number from 0 to {limit}"
-        elif kind == "float":
-            ok, rule = _sane(v) and 0 <= v <= limit, f"a number from 0 to {limit:g}"
+        elif kind in ("int", "float"):  # JSON true is no number here; a float may be written as an int
+            ok = _sane(v) and (kind == "float" or isinstance(v, int)) and 0 <= v <= limit
+            rule = f"a whole number from 0 to {limit}" if kind == "int" else f"a number from 0 to {limit:g}"
         elif kind == "object":
             ok = isinstance(v, dict) and not _too_deep(v, 8) and len(_dumps(v)) <= limit
             rule = f"a JSON object nested at most 8 deep and at most {limit} bytes as JSON"
@@ -178,7 +167,7 @@ def check(obj, fields, where=""):
             ok = isinstance(v, list) and 0 < len(v) <= limit[0] and all(
                 isinstance(t, str) and len(t) <= limit[1] for t in v)
             rule = f"a list of 1 to {limit[0]} strings of at most {limit[1]} characters each"
-        elif kind == "flags":
+        elif kind == "flags":  # one boolean per item of another field
             n = len(clean[limit])
             ok = isinstance(v, list) and len(v) == n and all(isinstance(s, bool) for s in v)
             rule = f"a list of {n} booleans, one per completion"
@@ -187,7 +176,7 @@ def check(obj, fields, where=""):
                 0 < len(k) <= 64 and (x is None or _sane(x)) for k, x in v.items())
             rule = f"an object of at most {limit} names (1 to 64 characters) to numbers within ±1e15 or null"
             v = {k: None if x is None else float(x) for k, x in v.items()} if ok else v
-        elif kind == "list":
+        elif kind == "list":  # limit: (most items or None, the table each item must pass or None)
             ok, rule = isinstance(v, list) and len(v) <= (limit[0] or len(v)), f"a list of at most {limit[0]} items"
             v = [check(x, limit[1], f"{path}[{i}]") for i, x in enumerate(v)] if ok and limit[1] else v
         _want(ok, f"{path} must be {rule}.")
@@ -195,20 +184,16 @@ def check(obj, fields, where=""):
     return clean
 
 
-def check_group(group, where="group"):
-    """One group of the wire format (see DESIGN.md) -> a clean copy holding only the known fields."""
-    return check(group, GROUP, where)
-
-
-def _not_finite(text):
-    raise ValueError(f"{text[:20]} is not a finite number")
+def _finite(text):  # JSON may spell numbers that cannot be served back as JSON: NaN, Infinity, 1e999
+    if not math.isfinite(x := float(text)):
+        raise ValueError(f"{text[:20]} is not a finite number")
+    return x
 
 
 def parse_json(raw):
-    """Strict JSON: no NaN or Infinity (they would not survive being served back as JSON)."""
+    """Strict JSON -> a Python value, or BadRequest: no NaN or Infinity, nothing nested too deeply."""
     try:
-        return json.loads(raw, parse_float=lambda t: float(t) if math.isfinite(float(t)) else _not_finite(t),
-                          parse_constant=_not_finite)
+        return json.loads(raw, parse_float=_finite, parse_constant=_finite)
     except RecursionError:
         raise BadRequest("The JSON is nested too deeply.") from None
     except ValueError as e:  # includes JSONDecodeError, bodies that are not UTF-8, 5000-digit numbers
@@ -220,19 +205,20 @@ def _log(message):
 
 
 # -----------------------------------------------------------------------------
-# Storage: one file per accepted batch, plus an in-memory index of everything kept.
-
-DISK_FULL = "The server's disk is full, so nothing was stored; send it again later."
-
+# Storage: one file per accepted batch, and an in-memory index of everything kept.
 
 class RolloutStore:
     """The folder of batch files and its in-memory index: the heart of the server.
 
-    publish(): number the groups after the newest seq, write them as one batch file named after its last
-    seq (atomically and fsynced: only then may an acknowledgement go out), then index them.
-    read(): the groups after a seq, from memory. Two locks: `write_lock` lets one writer at a time touch
-    the folder (one global order; a post costs one fsync), and `lock` guards the in-memory state for the
-    moment it takes to update or read it, so readers never wait for a disk."""
+        publish()  POST /rollouts: number the groups after the newest seq, write them as one batch file
+                   named after its last seq (batch-000000000042.json), then index them
+        read()     GET /rollouts?after=SEQ: the indexed groups with seq > SEQ, from memory
+
+    The batch file is written atomically and fsynced before publish() returns, so an acknowledgement
+    means the batch survives kill -9 and nothing half-written is ever served; and as its name holds its
+    last seq, a restart continues the numbering whatever the files hold. Two locks: `write_lock` lets
+    one writer at a time touch the folder (one global order; a post costs one fsync), and `lock` guards
+    the in-memory state for the moment an update or a read takes, so readers never wait for a disk."""
 
     def __init__(self, folder, keep_bytes=Limits.keep_bytes):
         self.folder, self.keep_bytes = os.path.abspath(folder), keep_bytes
@@ -240,11 +226,11 @@ class RolloutStore:
         self.index = []                           # (seq, peer, group as UTF-8 JSON) per kept group, in order
         self.batches = collections.deque()        # (file name, peer, batch_id, groups, bytes), oldest first
         self.kept_bytes = 0                       # bytes of the kept batch files
-        self.replies = collections.OrderedDict()  # (peer, batch_id) -> reply; outlives the batch (bounded)
-        self.peers = collections.OrderedDict()    # peer -> {"last_seen", "last_round", "groups"}, by recency
-        self.metrics, self.metrics_bytes = [], 0  # (n, row, row as a JSON line) per kept metrics row
         self.last_seq = 0                         # seq of the newest group ever stored: never reused
         self.pruned = 0                           # seq of the newest group retention deleted
+        self.replies = collections.OrderedDict()  # (peer, batch_id) -> reply; outlives the batch (bounded)
+        self.peers = collections.OrderedDict()    # peer -> {"last_seen", "last_round", "groups"}, by recency
+        self.metrics, self.metrics_bytes = [], 0  # (n, peer, row as a JSON line, row) per kept metrics row
         self.closed = False
         self.folder_fd = self._lock_folder()
         try:
@@ -256,14 +242,12 @@ class RolloutStore:
     def publish(self, peer, round_, batch_id, groups):
         """Store one batch (or recognise a retry of one) -> {"accepted": groups, "seq": its last seq}."""
         with self.write_lock:
-            _want(not self.closed, "The server is shutting down.", 503)
-            if (peer, batch_id) in self.replies or not groups:  # a retry: the same reply, stored once
+            if (peer, batch_id) in self.replies or not groups:  # a retry gets the first reply: stored once
                 return self.replies.get((peer, batch_id), {"accepted": 0, "seq": self.last_seq})
-            now = time.time()
+            now, first = time.time(), self.last_seq + 1
             record = {"peer": peer, "round": round_, "batch_id": batch_id, "time": now, "groups": [
-                {**g, "peer": peer, "round": round_, "seq": self.last_seq + 1 + k, "time": now}
-                for k, g in enumerate(groups)]}
-            name, data = f"batch-{self.last_seq + len(groups):012d}.json", _dumps(record)
+                {**g, "peer": peer, "round": round_, "seq": first + k, "time": now} for k, g in enumerate(groups)]}
+            name, data = f"batch-{first + len(groups) - 1:012d}.json", _dumps(record)
             self._write_atomic(name, data)  # durable now: only from here on may anyone see it
             with self.lock:
                 self._add(name, record, len(data))
@@ -271,11 +255,9 @@ class RolloutStore:
             return self.replies[(peer, batch_id)]
 
     def read(self, after, exclude, limit):
-        """Groups with seq > after not from `exclude`: at most `limit`, and Limits.page_bytes unless one
-        group is larger -> (JSON texts, next cursor, last seq)."""
+        """Groups with seq > after not from `exclude` -> (their JSON texts, next cursor, last seq)."""
         with self.lock:
-            texts, next_seq = _page(self.index, after, limit, exclude)
-            return texts, next_seq, self.last_seq
+            return (*_page(self.index, after, limit, exclude), self.last_seq)
 
     def _add(self, name, record, size):
         peer, groups = record["peer"], record["groups"]
@@ -295,7 +277,7 @@ class RolloutStore:
         p = self.peers.pop(peer, None) or {"last_seen": 0.0, "last_round": 0, "groups": 0}
         p.update(last_seen=max(p["last_seen"], when), last_round=max(p["last_round"], round_),
                  groups=p["groups"] + published)
-        self.peers[peer] = p
+        self.peers[peer] = p  # (re)inserted last: the peer seen least recently is first to go
         while len(self.peers) > Limits.peers:
             self.peers.popitem(last=False)
 
@@ -312,7 +294,7 @@ class RolloutStore:
                 del self.index[:n]
                 self.kept_bytes -= size
                 doomed.append(name)
-            self.pruned = int(doomed[-1][6:18])
+            self.pruned = int(doomed[-1][6:18])  # batch-<12 digits>.json
             kept = {(p, b) for _, p, b, _, _ in self.batches}
             gone = [{"peer": p, "batch_id": b, **r} for (p, b), r in self.replies.items() if (p, b) not in kept]
         self._write_atomic("pruned.json", _dumps({"seq": self.pruned, "replies": gone}))
@@ -322,32 +304,24 @@ class RolloutStore:
     def _load(self):
         """Read the folder back: pruned.json, every batch file in seq order, metrics.jsonl. Whatever a file
         holds, a bad one is logged and skipped, and no seq named by a file is ever used again."""
-        try:
-            with open(os.path.join(self.folder, "pruned.json"), "rb") as f:
-                pruned = check(parse_json(f.read()), PRUNED, "pruned.json")
-            self.pruned = self.last_seq = pruned["seq"]
-            for r in pruned["replies"]:
+        pruned = self._read("pruned.json", PRUNED)
+        if pruned:
+            self.pruned = self.last_seq = pruned[0]["seq"]
+            for r in pruned[0]["replies"]:
                 self._remember(r["peer"], r["batch_id"], {"accepted": r["accepted"], "seq": r["seq"]})
-        except FileNotFoundError:
-            pass
-        except (OSError, BadRequest) as e:
-            _log(f"skipping unreadable pruned.json ({getattr(e, 'message', e)!s:.200})")
         for name in sorted(os.listdir(self.folder)):  # 12-digit names: in seq order
             found = re.fullmatch(r"batch-(\d{12})\.json", name)
-            if name.startswith(".tmp-") or (found and int(found.group(1)) <= self.pruned):
+            last = int(found.group(1)) if found else 0
+            if name.startswith(".tmp-") or (found and last <= self.pruned):
                 self._remove(name)  # a write that never finished (never acknowledged), or a deleted batch
-            elif found:
-                try:
-                    with open(os.path.join(self.folder, name), "rb") as f:
-                        data = f.read()
-                    record = check(parse_json(data), BATCH, name)
-                    seqs = [g["seq"] for g in record["groups"]]
-                    _want(seqs and seqs[0] > self.last_seq and seqs == list(range(seqs[0], int(found.group(1)) + 1)),
-                          "its groups are not numbered up to the seq in its name")
-                    self._add(name, record, len(data))
-                except (OSError, BadRequest) as e:
-                    _log(f"skipping unreadable batch file {name} ({getattr(e, 'message', e)!s:.200})")
-                self.last_seq = max(self.last_seq, int(found.group(1)))  # its name alone takes the numbers
+                continue
+            batch = self._read(name, BATCH) if found else None
+            seqs = [g["seq"] for g in batch[0]["groups"]] if batch else []
+            if seqs and seqs[0] > self.last_seq and seqs == list(range(seqs[0], last + 1)):
+                self._add(name, *batch)
+            elif batch:
+                _log(f"skipping batch file {name}: its groups are not numbered up to the seq in its name")
+            self.last_seq = max(self.last_seq, last)  # its name alone uses up the numbers, even if unreadable
         bad, path = 0, os.path.join(self.folder, "metrics.jsonl")
         for line in open(path, "rb") if os.path.exists(path) else ():
             try:
@@ -363,28 +337,27 @@ class RolloutStore:
                  f"numbering continues after seq {self.last_seq}")
         self._retain()
 
-    def _remove(self, name):
+    def _read(self, name, fields):
+        """A JSON file of the folder checked against a table -> (clean object, bytes), or None if it is
+        missing or bad (logged)."""
         try:
-            os.remove(os.path.join(self.folder, name))
+            with open(os.path.join(self.folder, name), "rb") as f:
+                data = f.read()
+            return check(parse_json(data), fields, name), len(data)
         except FileNotFoundError:
-            pass
-        except OSError as e:  # pruned.json says it is deleted: the next start tries again
-            _log(f"could not delete {name} ({e.strerror})")
+            return None
+        except (OSError, BadRequest) as e:
+            _log(f"skipping unreadable {name} ({getattr(e, 'message', e)!s:.200})")
 
     # -- metrics: an append-only log, bounded in bytes
 
     def add_metrics(self, peer, round_, metrics):
         with self.write_lock:
-            _want(not self.closed, "The server is shutting down.", 503)
             row = {"n": self.metrics[-1][0] + 1 if self.metrics else 1, "peer": peer, "round": round_,
                    "time": time.time(), "metrics": metrics}
-            try:
-                with open(os.path.join(self.folder, "metrics.jsonl"), "ab") as f:  # best effort: no fsync
-                    f.write(_dumps(row) + b"\n")
-                    size = f.tell()
-            except OSError as e:
-                _want(e.errno not in (errno.ENOSPC, errno.EDQUOT), DISK_FULL, 507)
-                raise
+            with open(os.path.join(self.folder, "metrics.jsonl"), "ab") as f:  # best effort: no fsync
+                f.write(_dumps(row) + b"\n")
+                size = f.tell()
             with self.lock:
                 self._keep_metrics(row)
             if size > 2 * Limits.metrics_bytes:  # keep the file bounded too: rewrite it with the rows kept
@@ -392,7 +365,7 @@ class RolloutStore:
 
     def _keep_metrics(self, row):
         line = _dumps(row) + b"\n"
-        self.metrics.append((row["n"], row, line))
+        self.metrics.append((row["n"], row["peer"], line, row))
         self.metrics_bytes += len(line)
         if self.metrics_bytes > Limits.metrics_bytes:  # drop the oldest tenth at once, not row by row
             drop = 0
@@ -404,20 +377,19 @@ class RolloutStore:
 
     def read_metrics(self, after):
         with self.lock:
-            texts, next_n = _page(self.metrics, after, None, None)
-            return texts, next_n, self.metrics[-1][0] if self.metrics else 0
+            return (*_page(self.metrics, after, None, None), self.metrics[-1][0] if self.metrics else 0)
 
     def snapshot(self):
         with self.lock:
             return {"groups": len(self.index), "first_seq": self.index[0][0] if self.index else 0,
                     "last_seq": self.last_seq, "peers": {p: dict(v) for p, v in self.peers.items()},
-                    "metrics": [m[1] for m in self.metrics]}
+                    "metrics": [m[3] for m in self.metrics]}
 
     # -- the folder itself
 
     def _lock_folder(self):
         """-> an open descriptor of the folder, flock-ed: a second server on it is refused, and no stray
-        `rm` of a lock file can change that."""
+        `rm` of a lock file can change that (there is none)."""
         try:
             os.makedirs(self.folder, exist_ok=True)
             fd = os.open(self.folder, os.O_RDONLY)
@@ -435,8 +407,8 @@ class RolloutStore:
         return fd
 
     def _write_atomic(self, name, data):
-        """Write bytes to folder/name so that anyone (a reader, a restart after kill -9) sees all or nothing.
-        A full disk is a 507 for the sender, who keeps the data and sends it again later."""
+        """Write bytes to folder/name so that anyone (a reader, a restart after kill -9) sees all or nothing:
+        a temporary file, fsynced, renamed over the name, and the rename fsynced too."""
         tmp = os.path.join(self.folder, ".tmp-" + name)
         try:
             with open(tmp, "wb") as f:
@@ -444,11 +416,18 @@ class RolloutStore:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, os.path.join(self.folder, name))
-            os.fsync(self.folder_fd)  # make the rename itself durable
-        except OSError as e:
+            os.fsync(self.folder_fd)
+        except OSError:
             self._remove(".tmp-" + name)
-            _want(e.errno not in (errno.ENOSPC, errno.EDQUOT), DISK_FULL, 507)
             raise
+
+    def _remove(self, name):
+        try:
+            os.remove(os.path.join(self.folder, name))
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # pruned.json says it is deleted: the next start tries again
+            _log(f"could not delete {name} ({e.strerror})")
 
     def close(self):
         with self.write_lock:
@@ -458,12 +437,13 @@ class RolloutStore:
 
 
 def _page(entries, after, limit, exclude):
-    """entries: (number, peer, UTF-8 JSON) in number order -> (the JSON texts after `after` that are not
-    `exclude`'s, the number to continue after): at most `limit` (None: any) and Limits.page_bytes, unless
-    one text alone is larger."""
+    """entries: (number, peer, UTF-8 JSON, ...) in number order -> (the JSON texts after `after` that are
+    not `exclude`'s, the number to continue after): at most `limit` (None: any) and Limits.page_bytes,
+    unless one text alone is larger. The next number passes over the excluded entries too, so a reader
+    who skips its own groups does not read them again and again."""
     start = bisect.bisect_right(entries, after, key=lambda entry: entry[0])
     texts, size, next_number = [], 0, after
-    for number, peer, text in entries[start:start + Limits.scan_groups]:
+    for number, peer, text, *_ in entries[start:start + Limits.scan_groups]:
         if len(texts) == limit or (texts and size + len(text) > Limits.page_bytes):
             break
         next_number = number
@@ -471,104 +451,6 @@ def _page(entries, after, limit, exclude):
             texts.append(text)
             size += len(text) + 1
     return texts, next_number
-
-
-# -----------------------------------------------------------------------------
-# Dashboard: an SVG line chart, and one self-contained HTML page.
-
-COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
-           "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
-
-
-def _esc(text):
-    return html.escape(str(text), quote=True)  # safe in both HTML and XML
-
-
-def render_svg(series, title="reward per round", ylabel="reward", xlabel="round", width=760, height=360):
-    """{name: [(round, value), ...]} -> a standalone SVG document (a string) with one line per name."""
-    left, right, top, bottom = 60, 170, 34, 46
-    plot_w, plot_h = width - left - right, height - top - bottom
-    lines = {name: sorted((x, y) for x, y in points if _sane(x) and _sane(y)) for name, points in series.items()}
-    lines = {name: pts for name, pts in lines.items() if pts}
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">',
-           f'<rect width="{width}" height="{height}" fill="white"/>',
-           f'<text x="{left + plot_w / 2}" y="20" text-anchor="middle" font-size="14">{_esc(title)}</text>']
-    if not lines:
-        out.append(f'<text x="{left + plot_w / 2}" y="{top + plot_h / 2}" text-anchor="middle" '
-                   'fill="#888">no data yet</text></svg>')
-        return "\n".join(out)
-    xs = [x for pts in lines.values() for x, _ in pts]
-    ys = [y for pts in lines.values() for _, y in pts]
-    x0, x1 = min(xs), max(xs)
-    y0, y1 = min(ys), max(ys)
-    if x1 == x0:
-        x1 = x0 + 1
-    pad = (y1 - y0) * 0.05 or 0.5
-    y0, y1 = y0 - pad, y1 + pad
-
-    def px(x):  # data to pixels
-        return left + (x - x0) / (x1 - x0) * plot_w
-
-    def py(y):
-        return top + (y1 - y) / (y1 - y0) * plot_h
-
-    out.append(f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#444"/>')
-    for xv in sorted({round(x0 + (x1 - x0) * k / 5) for k in range(6)}):  # rounds along the bottom
-        out.append(f'<line x1="{px(xv):.1f}" y1="{top + plot_h}" x2="{px(xv):.1f}" y2="{top + plot_h + 5}" '
-                   f'stroke="#444"/><text x="{px(xv):.1f}" y="{top + plot_h + 18}" '
-                   f'text-anchor="middle">{xv}</text>')
-    for k in range(6):  # values up the side
-        yv = y0 + (y1 - y0) * k / 5
-        out.append(f'<line x1="{left}" y1="{py(yv):.1f}" x2="{left + plot_w}" y2="{py(yv):.1f}" '
-                   f'stroke="#ddd"/><text x="{left - 6}" y="{py(yv) + 4:.1f}" '
-                   f'text-anchor="end">{yv:.3g}</text>')
-    out.append(f'<text x="{left + plot_w / 2}" y="{height - 8}" text-anchor="middle">{_esc(xlabel)}</text>')
-    out.append(f'<text x="16" y="{top + plot_h / 2}" text-anchor="middle" '
-               f'transform="rotate(-90 16 {top + plot_h / 2})">{_esc(ylabel)}</text>')
-    for k, (name, pts) in enumerate(sorted(lines.items())):
-        colour = COLOURS[k % len(COLOURS)]
-        pts = pts[::max(1, len(pts) // 2000)]  # a chart needs no more than ~2000 points a line
-        if len(pts) == 1:
-            out.append(f'<circle cx="{px(pts[0][0]):.1f}" cy="{py(pts[0][1]):.1f}" r="3" fill="{colour}"/>')
-        else:
-            coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
-            out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{coords}"/>')
-        ly = top + 10 + 18 * k
-        out.append(f'<line x1="{left + plot_w + 12}" y1="{ly}" x2="{left + plot_w + 32}" y2="{ly}" '
-                   f'stroke="{colour}" stroke-width="3"/><text x="{left + plot_w + 38}" y="{ly + 4}">'
-                   f'{_esc(name[:24])}</text>')
-    out.append("</svg>")
-    return "\n".join(out)
-
-
-def render_page(snap):
-    """The dashboard: local_reward (the skill) per round of the 10 peers seen most recently, and a table."""
-    series, last, drawn = {}, {}, list(snap["peers"])[-len(COLOURS):]
-    for row in snap["metrics"]:  # later rows for the same round (after a resume) replace earlier ones
-        if row["peer"] in drawn and row["metrics"].get("local_reward") is not None:
-            series.setdefault(row["peer"], {})[row["round"]] = row["metrics"]["local_reward"]
-        last.setdefault(row["peer"], {}).update(row["metrics"])
-    chart = render_svg({p: sorted(s.items()) for p, s in series.items()}, title="local_reward per round")
-
-    rows = []
-    for peer, info in sorted(snap["peers"].items()):
-        m = last.get(peer, {})
-        cells = ["" if m.get(k) is None else f"{m[k]:.3f}" for k in ("local_reward", "batch_reward")]
-        seen = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(info["last_seen"]))
-        rows.append(f"<tr><td>{_esc(peer)}</td><td>{info['last_round']}</td><td>{info['groups']}</td>"
-                    f"<td>{cells[0]}</td><td>{cells[1]}</td><td>{seen}</td></tr>")
-    return f"""<!doctype html>
-<html><head><meta charset="utf-8"><meta http-equiv="refresh" content="5"><title>nanoSAPO swarm</title>
-<style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:4px 10px;text-align:right}} td:first-child{{text-align:left}}</style>
-</head><body><h1>nanoSAPO swarm</h1>
-<p>{snap['groups']} groups kept (seq {snap['first_seq']} to {snap['last_seq']}), {len(snap['peers'])} peers.</p>
-{chart}
-<table><tr><th>peer</th><th>last round</th><th>groups published</th><th>last local_reward</th>
-<th>last batch_reward (the paper's training-batch figure)</th><th>last seen</th></tr>
-{"".join(rows)}
-</table></body></html>"""
 
 
 # -----------------------------------------------------------------------------
@@ -585,11 +467,19 @@ def _error(message):
     return _dumps({"error": message})
 
 
+async def _readline(reader, status, what):
+    """One line of a request's head; one longer than Limits.line_bytes is answered with `status`."""
+    try:
+        return (await reader.readuntil(b"\n")).decode("latin-1")
+    except asyncio.LimitOverrunError:
+        raise BadRequest(f"{what} is longer than {Limits.line_bytes} bytes.", status) from None
+
+
 def _int_param(query, name, default, lowest, highest):
     values = query.get(name)
     if not values:
         return default
-    _want(re.fullmatch(r"[0-9]{1,15}", values[-1]) is not None and lowest <= int(values[-1]) <= highest,
+    _want(re.fullmatch(r"[0-9]{1,15}", values[-1]) and lowest <= int(values[-1]) <= highest,
           f"{name} must be a whole number from {lowest} to {highest}.")
     return int(values[-1])
 
@@ -597,7 +487,12 @@ def _int_param(query, name, default, lowest, highest):
 class SwarmServer:
     """The HTTP side of the store. One asyncio loop (in a thread) reads each request whole under a
     deadline, so a slow or idle connection costs a buffer, not a thread; two small pools of threads
-    answer complete requests, one for reads and one for writes. shutdown() stops serving, closes the connections, then the store."""
+    answer complete requests, one for reads and one for writes. A request's way through:
+
+        _accept -> _connection (waits for a request) -> _exchange: _read_request (under the deadline),
+        _answer in a worker thread (route, token, then one short method per route), _send the reply
+
+    shutdown() stops serving, closes the connections, then the store."""
 
     def __init__(self, store, host, port, token=None, public_reads=False, verbose=False):
         self.store, self.token, self.public_reads, self.verbose = store, token, public_reads, verbose
@@ -605,10 +500,11 @@ class SwarmServer:
                                              family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.listener.setblocking(False)
         self.server_address = self.listener.getsockname()
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if resource else -1
-        room = soft - 64 if 0 < soft < getattr(resource, "RLIM_INFINITY", -1) % 2**64 else Limits.connections
-        self.max_connections = max(4, min(Limits.connections, room))  # leave descriptors for files
-        self.open, self.waiting = set(), {}  # all connections; those waiting for a request, longest first
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if resource else -1  # -1: no limit
+        # every connection holds a descriptor: leave 64 of them for the batch files
+        self.max_connections = max(4, min(Limits.connections, soft - 64)) if soft > 0 else Limits.connections
+        self.open, self.waiting = set(), {}  # all connections; those waiting for a request (a dict keeps
+                                             # insertion order: the first has waited longest)
         self.in_flight = 0                   # bytes of request bodies and replies held right now
         self.pools = {method: ThreadPoolExecutor(Limits.workers, thread_name_prefix=f"swarm-{method}")
                       for method in ("GET", "POST")}
@@ -645,7 +541,7 @@ class SwarmServer:
 
     async def _connection(self, reader, writer):
         """One connection: wait for a request, then exchange it for a reply; repeat while it stays open."""
-        writer.transport.set_write_buffer_limits(0)  # so drain() returns when the reply has left
+        writer.transport.set_write_buffer_limits(0)  # so that drain() returns once the reply has left
         try:
             while True:
                 self.waiting[writer] = None
@@ -667,67 +563,57 @@ class SwarmServer:
 
     async def _exchange(self, first, reader, writer):
         """Read one request whole under the deadline, answer it in a worker thread, send the reply -> keep
-        the connection open? (Its own coroutine, so that no request or reply outlives the exchange.)"""
+        the connection open? A coroutine of its own, so that no body or reply outlives the exchange while
+        the connection waits for the next request; the body counts in self.in_flight until then."""
+        body = bytearray()
         try:
-            request = await asyncio.wait_for(self._read_request(first, reader, writer), Limits.request_seconds)
-        except asyncio.TimeoutError:
-            raise BadRequest(f"The request did not arrive whole within {Limits.request_seconds:g} s.", 408) from None
-        try:
+            try:
+                request = await asyncio.wait_for(self._read_request(first, reader, writer, body),
+                                                 Limits.request_seconds)
+            except asyncio.TimeoutError:
+                raise BadRequest(f"The request did not arrive whole within {Limits.request_seconds:g} s.",
+                                 408) from None
             reply = await self.loop.run_in_executor(self.pools.get(request.method, self.pools["GET"]),
                                                     self._answer, request)
             await self._send(writer, *reply, close=request.close, head_only=request.method == "HEAD")
         finally:
-            self.in_flight -= len(request.body)
+            self.in_flight -= len(body)
         if self.verbose:
             _log(f"{writer.get_extra_info('peername')} {request.method} {request.target[:200]} {reply[0]}")
         return not request.close
 
-    async def _read_request(self, first, reader, writer):
-        """The rest of the request line, the headers and the body -> Request. The body counts towards
-        Limits.in_flight_bytes as its bytes arrive (so a sender who only declares a length costs nothing)."""
-        try:
-            line = first + await reader.readuntil(b"\n")
-        except asyncio.LimitOverrunError:
-            raise BadRequest(f"The request line is longer than {Limits.line_bytes} bytes.", 414) from None
-        parts = line.decode("latin-1").split()
+    async def _read_request(self, first, reader, writer, body):
+        """The rest of the request line, the headers, and the body (into `body`) -> Request. The body
+        counts towards Limits.in_flight_bytes as its bytes arrive, so a sender who only declares a length
+        costs nothing."""
+        parts = (first.decode("latin-1") + await _readline(reader, 414, "The request line")).split()
         _want(len(parts) == 3 and parts[2] in ("HTTP/1.0", "HTTP/1.1"),
               "This server speaks plain HTTP/1.1 and did not understand the request line.")
         method, target, version = parts
-        headers = {}
-        for _ in range(Limits.header_lines + 1):
-            try:
-                line = await reader.readuntil(b"\n")
-            except asyncio.LimitOverrunError:
-                raise BadRequest(f"A header line is longer than {Limits.line_bytes} bytes.", 431) from None
-            if not line.strip():
-                break
-            name, colon, value = line.decode("latin-1").partition(":")
+        headers, lines = {}, 0
+        while (line := await _readline(reader, 431, "A header line")).strip():
+            lines += 1
+            _want(lines <= Limits.header_lines, f"The request has more than {Limits.header_lines} header lines.", 431)
+            name, colon, value = line.partition(":")
             _want(colon and name.strip(), "Each header line must be 'Name: value'.")
             headers[name.strip().lower()] = value.strip()
-        else:
-            raise BadRequest(f"The request has more than {Limits.header_lines} header lines.", 431)
-        if "transfer-encoding" in headers or (method == "POST" and "content-length" not in headers):
-            raise BadRequest("A POST needs a Content-Length header (no chunked bodies).", 411)
         length = headers.get("content-length", "0")
+        _want("transfer-encoding" not in headers and (method != "POST" or "content-length" in headers),
+              "A POST needs a Content-Length header (no chunked bodies).", 411)
         _want(re.fullmatch(r"[0-9]{1,12}", length), "Content-Length must be a whole number.")
         _want(int(length) <= Limits.body_bytes, f"The body is {length} bytes; the limit is {Limits.body_bytes}.", 413)
         if int(length) and headers.get("expect", "").lower() == "100-continue":
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        body = bytearray()
-        try:
-            while len(body) < int(length):
-                chunk = await reader.read(min(1 << 16, int(length) - len(body)))
-                if not chunk:
-                    raise EOFError("the client hung up")
-                if self.in_flight + len(chunk) > Limits.in_flight_bytes:
-                    raise BadRequest("The server is busy; send it again in a moment.", 503, {"Retry-After": "1"})
-                self.in_flight += len(chunk)  # held until the reply has gone (see _exchange)
-                body += chunk
-        except BaseException:
-            self.in_flight -= len(body)
-            raise
+        while len(body) < int(length):
+            chunk = await reader.read(min(1 << 16, int(length) - len(body)))
+            if not chunk:
+                raise EOFError("the client hung up")
+            if self.in_flight + len(chunk) > Limits.in_flight_bytes:
+                raise BadRequest("The server is busy; send it again in a moment.", 503, {"Retry-After": "1"})
+            self.in_flight += len(chunk)  # given back by _exchange once the reply has gone
+            body += chunk
         close = version == "HTTP/1.0" or headers.get("connection", "").lower() == "close"
-        return Request(method, target, headers, bytes(body), close)
+        return Request(method, target, headers, body, close)
 
     async def _send(self, writer, status, content_type, body, headers=None, close=False, head_only=False):
         if len(body) > 65536 and self.in_flight + len(body) > Limits.in_flight_bytes:  # bound what waits
@@ -750,23 +636,23 @@ class SwarmServer:
             _want(path.startswith("/"), "The request target must be a path such as /rollouts.")
             methods = ROUTES.get(path)
             _want(methods is not None, f"There is no {path[:80]} here; the paths are {', '.join(ROUTES)}.", 404)
-            if request.method not in methods:
-                allowed = ", ".join(methods)
-                raise BadRequest(f"{path} accepts only {allowed}, not {request.method[:20]}.", 405, {"Allow": allowed})
-            scheme, _, given = request.headers.get("authorization", "").partition(" ")
-            if self.token and (request.method != "GET" or not self.public_reads) and not (
-                    scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("latin-1"),
-                                                                       self.token.encode())):
-                raise BadRequest("This server needs the header 'Authorization: Bearer <token>'; pass the swarm "
-                                 "token.", 401, {"WWW-Authenticate": "Bearer"})
-            try:
-                q = parse_qs(query, keep_blank_values=True, max_num_fields=16)
-            except ValueError:
-                raise BadRequest("The query string has too many fields.") from None
+            allowed = ", ".join(methods)
+            _want(request.method in methods, f"{path} accepts only {allowed}, not {request.method[:20]}.", 405,
+                  {"Allow": allowed})
+            if self.token and (request.method != "GET" or not self.public_reads):  # public reads: GETs need none
+                scheme, _, given = request.headers.get("authorization", "").partition(" ")
+                _want(scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("latin-1"),
+                                                                         self.token.encode()),  # constant time
+                      "This server needs the header 'Authorization: Bearer <token>'; pass the swarm token.", 401,
+                      {"WWW-Authenticate": "Bearer"})
+            _want(query.count("&") < 16, "The query string has too many fields.")
+            q = parse_qs(query, keep_blank_values=True)
             return (*getattr(self, "_" + methods[request.method])(q, request.body), {})
         except BadRequest as e:
             return e.status, JSON, _error(e.message), e.headers
-        except Exception as e:  # a bug: say so in one sentence, log it, keep serving
+        except Exception as e:
+            if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):  # the sender keeps its data: later
+                return 507, JSON, _error("The server's disk is full, so nothing was stored; send it again later."), {}
             _log(f"unexpected error in {request.method[:20]} {request.target[:200]}: {e!r:.300}")
             return 500, JSON, _error("The server hit an unexpected error; it was logged and the server "
                                      "keeps serving."), {}
@@ -781,8 +667,7 @@ class SwarmServer:
         after = _int_param(q, "after", 0, 0, 10**15)
         limit = _int_param(q, "limit", 256, 1, Limits.page_groups)
         exclude = q.get("exclude", [""])[-1]
-        if exclude:
-            check({"exclude": exclude}, {"exclude": ("name", NAME)})
+        _want(not exclude or NAME.fullmatch(exclude), f"exclude must be a peer name matching {NAME.pattern}.")
         texts, next_seq, last_seq = self.store.read(after, exclude, limit)
         # groups are kept as JSON text, so a page is joined, not re-encoded
         return 200, JSON, b'{"groups":[' + b",".join(texts) + b'],"next":%d,"last":%d}' % (next_seq, last_seq)
@@ -843,9 +728,9 @@ def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.ke
     With a token every request needs it, except GETs when public_reads is true. Raises ValueError with
     one sentence when the folder, port or settings cannot be used."""
     token = check_token(token)
-    if not _is_int(keep_bytes) or keep_bytes < 1:
+    if not isinstance(keep_bytes, int) or keep_bytes < 1:
         raise ValueError("--keep-bytes must be a size of at least 1 byte.")
-    if not _is_int(port) or not 0 <= port <= 65535:
+    if not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError("--port must be a whole number from 0 to 65535.")
     store = RolloutStore(dir, keep_bytes)
     try:
@@ -860,14 +745,6 @@ def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.ke
 # -----------------------------------------------------------------------------
 # Client: what a peer's training loop uses. It never raises and never waits for the network.
 
-class _Unreachable(Exception):
-    """No usable answer (no connection, deadline passed, 5xx, garbage): try again later."""
-
-
-class _Refused(Exception):
-    """The server said the request itself is wrong (4xx): sending the same bytes again will not help."""
-
-
 class SwarmClient:
     """One peer's view of the swarm. The training loop's calls only touch two queues; a daemon thread
     does all the HTTP, one exchange at a time, each under a deadline of Limits.request_seconds:
@@ -880,7 +757,8 @@ class SwarmClient:
     `cursor` is the seq of the last group fetch() handed out: a checkpoint saves it, and passing it back
     as cursor= resumes there. cursor=None is a new peer: it starts with the server's newest
     Limits.recent_groups groups, not the whole history. The token defaults to $SWARM_TOKEN, so it need
-    not appear on a command line."""
+    not appear on a command line. The client checks every group it receives with the same table that
+    the server applies to what it is sent."""
 
     def __init__(self, url, peer, token=None, cursor=None):
         u = urlsplit(str(url))
@@ -892,48 +770,29 @@ class SwarmClient:
         self.peer, self.address = peer, (u.hostname, u.port or (443 if u.scheme == "https" else 80))
         self.head = f"Host: {u.netloc}\r\nContent-Type: {JSON}\r\n" + f"Authorization: Bearer {token}\r\n" * bool(token)
         self.base, self.tls = u.path.rstrip("/"), ssl.create_default_context() if u.scheme == "https" else None
-        self.cond = threading.Condition()
+        self.cond = threading.Condition()  # guards all that follows; notified when the thread gets somewhere
         self.outbox, self.outbox_bytes = collections.deque(), 0  # (path, body, what), oldest first
         self.inbox, self.inbox_bytes = collections.deque(), 0    # (group, bytes), oldest first
-        self.queued = self.done = 0  # outbox entries ever queued / acknowledged, refused or dropped
         self.polls = self.level = 0  # polls begun / the last one that ended level with the server
         self.down, self.dropped, self.wake, self.closing, self.sock = None, 0, False, False, None
-        self.cursor = cursor
+        self.cursor = self.position = cursor  # the seq fetch() has handed out / the thread has read up to
         self.thread = threading.Thread(target=self._run, name=f"swarm-client-{peer}", daemon=True)
         self.thread.start()
-
-    @property
-    def cursor(self):
-        return self._handed
-
-    @cursor.setter
-    def cursor(self, seq):  # setting it moves the reader (and forgets what it had received)
-        with self.cond:
-            self._handed = self._next = None if seq is None else int(seq)
-            self.inbox.clear()
-            self.inbox_bytes = 0
 
     # --- the training loop's side: queues only
 
     def publish(self, round, groups):
         """Queue this round's groups for the swarm; returns at once."""
-        try:
-            body = _dumps({"peer": self.peer, "round": int(round), "groups": list(groups),
-                           "batch_id": f"{self.peer}-{int(round)}-{uuid.uuid4().hex[:12]}"})
-        except (TypeError, ValueError, OverflowError) as e:
-            return self._log(f"round {round}'s groups cannot be sent as JSON ({e})")
         if groups:
-            self._queue("/rollouts", body, f"round {round}'s batch")
+            self._queue("/rollouts", f"round {round}'s batch", lambda: {
+                "peer": self.peer, "round": int(round), "groups": list(groups),
+                "batch_id": f"{self.peer}-{int(round)}-{os.urandom(6).hex()}"})
 
     def post_metrics(self, round, metrics):
         """Queue per-round numbers for the dashboard (best effort); values that are not sane numbers go
         as null."""
-        try:
-            clean = {str(k)[:64]: float(v) if _sane(v) else None for k, v in list(metrics.items())[:64]}
-            self._queue("/metrics", _dumps({"peer": self.peer, "round": int(round), "metrics": clean}),
-                        f"round {round}'s metrics")
-        except (TypeError, ValueError, AttributeError) as e:
-            self._log(f"round {round}'s metrics cannot be sent ({e})")
+        self._queue("/metrics", f"round {round}'s metrics", lambda: {"peer": self.peer, "round": int(round),
+                    "metrics": {str(k)[:64]: float(v) if _sane(v) else None for k, v in list(metrics.items())[:64]}})
 
     def fetch(self):
         """The checked groups of other peers received since the previous call, oldest first."""
@@ -941,41 +800,48 @@ class SwarmClient:
             groups = [g for g, _ in self.inbox]
             self.inbox.clear()
             self.inbox_bytes = 0
-            self._handed = self._next
+            self.cursor = self.position
             return groups
 
     def flush(self, timeout=10.0):
-        """Wait until everything queued before this call has left the outbox and a poll begun after it
-        has caught up with the server -> True, or False if that took longer than timeout seconds."""
+        """Wait until the outbox is empty and a poll begun after this call has caught up with the server
+        -> True, or False if that took longer than timeout seconds."""
         with self.cond:
-            queued, polls, self.wake = self.queued, self.polls, True
+            polls, self.wake = self.polls, True
             self.cond.notify_all()
-            return self.cond.wait_for(lambda: self.done >= queued and self.level > polls, timeout)
+            return self.cond.wait_for(lambda: not self.outbox and self.level > polls, timeout)
 
     def close(self):
         """Stop the thread: it ends its current exchange at once and sends nothing more."""
         with self.cond:
             self.closing = True
             self.cond.notify_all()
-            if self.sock is not None:
-                self.sock.shutdown(socket.SHUT_RDWR)
+        try:
+            if (sock := self.sock) is not None:  # (read once: the thread may clear it meanwhile)
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # the exchange had just ended
+            pass
         self.thread.join(5)
 
-    def _queue(self, path, body, what):
+    def _queue(self, path, what, make_body):
+        """Put make_body() as JSON at the end of the outbox; what cannot be JSON is logged, never raised."""
+        try:
+            body = _dumps(make_body())
+        except (TypeError, ValueError, OverflowError, AttributeError) as e:
+            return self._log(f"{what} cannot be sent ({e})")
         with self.cond:
             self.outbox.append((path, body, what))
             self.outbox_bytes += len(body)
-            self.queued += 1
             while self.outbox_bytes > Limits.outbox_bytes and len(self.outbox) > 1:
                 self.outbox_bytes -= len(self.outbox.popleft()[1])
-                self.done, self.dropped = self.done + 1, self.dropped + 1
+                self.dropped += 1
             self.wake = True
             self.cond.notify_all()
 
     def _log(self, message):
         print(f"swarm client {self.peer}: {message}", file=sys.stderr, flush=True)
 
-    # --- the thread's side: all the network
+    # --- the thread's side: all the network. Any OSError means "no usable answer now: try again later".
 
     def _run(self):
         backoff = 0.0
@@ -992,11 +858,11 @@ class SwarmClient:
                     self._log(f"server reachable again, sending what waited{lost}")
                     self.down, self.dropped = None, 0
                 backoff = 0.0
-            except _Unreachable as e:
+            except OSError as e:
                 if not self.down and not self.closing:
-                    self._log(f"server unreachable ({e}); training goes on, and what is unsent waits in the "
-                              f"outbox (up to {Limits.outbox_bytes >> 20} MB) until it is back")
-                self.down, backoff = str(e), min(5.0, max(0.25, 2 * backoff))
+                    self._log(f"server unreachable ({str(e) or type(e).__name__}); training goes on, and what is "
+                              f"unsent waits in the outbox (up to {Limits.outbox_bytes >> 20} MB) until it is back")
+                self.down, backoff = str(e) or type(e).__name__, min(5.0, max(0.25, 2 * backoff))
                 self._sleep(backoff)
             except Exception as e:  # a bug must not end the thread: log it, pause, go on
                 self._log(f"unexpected error {e!r:.200}")
@@ -1008,28 +874,26 @@ class SwarmClient:
             self.wake = False
 
     def _send(self, entry):
-        try:
-            self._request("POST", entry[0], entry[1])
-        except _Refused as e:
-            self._log(f"the server refused {entry[2]}, so it is dropped: {e}")
+        """POST the oldest outbox entry; it leaves the outbox once the server has it or refused it."""
+        status, data = self._request("POST", entry[0], entry[1])
+        if status != 200:  # a 4xx: the request itself is wrong, and sending the same bytes will not help
+            self._log(f"the server refused {entry[2]}, so it is dropped: HTTP {status}: {_said(data)}")
         with self.cond:
             if self.outbox and self.outbox[0] is entry:  # (a full outbox may have dropped it meanwhile)
                 self.outbox.popleft()
                 self.outbox_bytes -= len(entry[1])
-                self.done += 1
                 self.cond.notify_all()
 
     def _poll(self):
         """Read one page after our position into the inbox -> True once level with the server."""
         with self.cond:
             self.polls += 1
-            poll, start = self.polls, self._next
-        position = start
+            poll, position = self.polls, self.position
         if position is None:  # a new peer: start from the newest groups, not from the whole history
             position = max(0, self._get("/health", HEALTH)["last_seq"] - Limits.recent_groups)
         page = self._get(f"/rollouts?after={position}&exclude={self.peer}", PAGE)
         groups, bad, seq = [], [], position
-        for g in page["groups"]:
+        for g in page["groups"]:  # a server may be buggy or hostile: each group is checked on arrival
             try:
                 g = check(g, STORED, "a received group")
                 _want(seq < g["seq"] <= page["next"], "its seq is out of order")
@@ -1040,79 +904,152 @@ class SwarmClient:
         if bad:
             self._log(f"dropped {len(bad)} malformed groups from the server (the first: {bad[0][:200]})")
         with self.cond:
-            if self._next != start:  # the cursor was moved meanwhile: this page is for the old place
-                return False
             if page["last"] < position:  # the server lost groups we saw (a new folder?): start afresh
                 self._log(f"the server's newest seq {page['last']} is below ours ({position}); starting afresh")
-                self._next = None
+                self.position = None
                 return False
-            for g, size in groups:
-                self.inbox.append((g, size))
-                self.inbox_bytes += size
+            self.inbox.extend(groups)
+            self.inbox_bytes += sum(size for _, size in groups)
             while self.inbox_bytes > Limits.inbox_bytes:
                 self.inbox_bytes -= self.inbox.popleft()[1]
-            self._next = max(position, page["next"])
-            if page["next"] >= page["last"] or page["next"] <= position:
+            self.position = max(position, page["next"])
+            if page["next"] >= page["last"] or page["next"] <= position:  # nothing more to read for now
                 self.level = poll
                 self.cond.notify_all()
             return self.level == poll
 
     def _get(self, path, fields):
+        status, data = self._request("GET", path)
         try:
-            return check(self._request("GET", path), fields)
-        except (BadRequest, _Refused) as e:
-            raise _Unreachable(f"an unusable reply: {getattr(e, 'message', e)!s:.200}") from None
+            _want(status == 200, f"HTTP {status}: {_said(data)}")
+            return check(data, fields)
+        except BadRequest as e:
+            raise ConnectionError(f"an unusable reply: {e.message:.200}") from None
 
     def _request(self, method, path, body=b""):
         """The one way this client talks: an HTTP/1.0 exchange on a fresh connection, with a deadline on
-        all of it (connect, send, every byte of the reply) -> the reply's JSON object."""
+        all of it (connect, send, every byte of the reply) -> (status, the reply's JSON). Only a 200 with
+        a JSON object or a 4xx that is the request's own fault comes back; all else is an OSError."""
         deadline, reply = time.monotonic() + Limits.request_seconds, bytearray()
         head = f"{method} {self.base}{path} HTTP/1.0\r\n{self.head}Content-Length: {len(body)}\r\n\r\n"
-        try:
-            with socket.create_connection(self.address, timeout=Limits.request_seconds) as raw:
-                with self.cond:
-                    self.sock = raw  # so that close() can end this exchange at once
-                sock = self.tls.wrap_socket(raw, server_hostname=self.address[0]) if self.tls else raw
+        with socket.create_connection(self.address, timeout=Limits.request_seconds) as raw:
+            sock = self.tls.wrap_socket(raw, server_hostname=self.address[0]) if self.tls else raw
+            self.sock = sock  # so that close() can end this exchange at once
+            try:
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
                 sock.sendall(head.encode() + body)
                 while len(reply) <= Limits.reply_bytes:
-                    sock.settimeout(max(0.001, deadline - time.monotonic()))  # a trickle cannot outlast it
-                    chunk = sock.recv(1 << 16)
-                    if not chunk:
+                    if (left := deadline - time.monotonic()) <= 0:  # a trickle of bytes cannot outlast it
+                        raise TimeoutError("no whole reply in time")
+                    sock.settimeout(left)
+                    if not (chunk := sock.recv(1 << 16)):
                         break
                     reply += chunk
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("no whole reply in time")
-        except OSError as e:
-            raise _Unreachable(str(e) or type(e).__name__) from None
-        finally:
-            with self.cond:
+            finally:
                 self.sock = None
         head, _, payload = bytes(reply).partition(b"\r\n\r\n")
         status = re.match(rb"HTTP/1\.[01] (\d{3})\b", head)
         length = re.search(rb"\r\ncontent-length: *(\d+)", head, re.IGNORECASE)
         if not status or (length and int(length.group(1)) != len(payload)):
-            raise _Unreachable("a reply that is not HTTP, or cut short")
+            raise ConnectionError("a reply that is not HTTP, or cut short")
         status = int(status.group(1))
         try:
             data = parse_json(payload)
         except BadRequest:
             data = None
-        if 400 <= status < 500 and status not in (408, 429):
-            raise _Refused(f"HTTP {status}: {data.get('error') if isinstance(data, dict) else '(no message)'}")
-        if status != 200 or not isinstance(data, dict):
-            raise _Unreachable(f"HTTP {status}" if status != 200 else "a reply that is not a JSON object")
-        return data
+        if (status != 200 and not 400 <= status < 500) or status in (408, 429):  # the server's trouble: later
+            raise ConnectionError(f"HTTP {status}")
+        if status == 200 and not isinstance(data, dict):
+            raise ConnectionError("a reply that is not a JSON object")
+        return status, data
+
+
+def _said(data):  # the one sentence of an error reply
+    return data.get("error") if isinstance(data, dict) else "(no message)"
+
+
+# -----------------------------------------------------------------------------
+# Dashboard: an SVG line chart, and one self-contained HTML page.
+
+COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+           "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+
+
+def _esc(text):
+    return html.escape(str(text), quote=True)  # safe in both HTML and XML
+
+
+def render_svg(series, title="reward per round", ylabel="reward", xlabel="round", width=760, height=360):
+    """{name: [(round, value), ...]} -> a standalone SVG document (a string) with one line per name."""
+    left, top, plot_w, plot_h = 60, 34, width - 230, height - 80  # margins for the axes and the legend
+    lines = {name: sorted((x, y) for x, y in pts if _sane(x) and _sane(y)) for name, pts in sorted(series.items())}
+    lines = {name: pts for name, pts in lines.items() if pts}
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} '
+           f'{height}" font-family="sans-serif" font-size="12"><rect width="{width}" height="{height}" fill="white"/>',
+           f'<text x="{left + plot_w / 2}" y="20" text-anchor="middle" font-size="14">{_esc(title)}</text>']
+    if not lines:
+        return "\n".join(out + [f'<text x="{left + plot_w / 2}" y="{top + plot_h / 2}" text-anchor="middle" '
+                                'fill="#888">no data yet</text></svg>'])
+    xs, ys = [x for pts in lines.values() for x, _ in pts], [y for pts in lines.values() for _, y in pts]
+    x0, x1 = min(xs), max(max(xs), min(xs) + 1)
+    pad = (max(ys) - min(ys)) * 0.05 or 0.5
+    y0, y1 = min(ys) - pad, max(ys) + pad
+
+    def px(x):  # data to pixels
+        return left + (x - x0) / (x1 - x0) * plot_w
+
+    def py(y):
+        return top + (y1 - y) / (y1 - y0) * plot_h
+
+    out.append(f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#444"/>')
+    for xv in sorted({round(x0 + (x1 - x0) * k / 5) for k in range(6)}):  # rounds along the bottom
+        out.append(f'<text x="{px(xv):.1f}" y="{top + plot_h + 18}" text-anchor="middle">{xv}</text>')
+    for yv in (y0 + (y1 - y0) * k / 5 for k in range(6)):  # values up the side, with grid lines
+        out.append(f'<line x1="{left}" y1="{py(yv):.1f}" x2="{left + plot_w}" y2="{py(yv):.1f}" stroke="#ddd"/>'
+                   f'<text x="{left - 6}" y="{py(yv) + 4:.1f}" text-anchor="end">{yv:.3g}</text>')
+    out.append(f'<text x="{left + plot_w / 2}" y="{height - 8}" text-anchor="middle">{_esc(xlabel)}</text>'
+               f'<text x="16" y="{top + plot_h / 2}" text-anchor="middle" '
+               f'transform="rotate(-90 16 {top + plot_h / 2})">{_esc(ylabel)}</text>')
+    for k, (name, pts) in enumerate(lines.items()):
+        colour, ly = COLOURS[k % len(COLOURS)], top + 10 + 18 * k
+        pts = pts[::max(1, len(pts) // 2000)]  # a chart needs no more than ~2000 points a line
+        coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
+        out.append(f'<circle cx="{px(pts[0][0]):.1f}" cy="{py(pts[0][1]):.1f}" r="3" fill="{colour}"/>' if len(pts) == 1
+                   else f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{coords}"/>')
+        out.append(f'<line x1="{left + plot_w + 12}" y1="{ly}" x2="{left + plot_w + 32}" y2="{ly}" stroke="{colour}" '
+                   f'stroke-width="3"/><text x="{left + plot_w + 38}" y="{ly + 4}">{_esc(name[:24])}</text>')
+    return "\n".join(out + ["</svg>"])
+
+
+def render_page(snap):
+    """The dashboard: local_reward (the skill) per round of the 10 peers seen most recently, and a table."""
+    series, last, drawn = {}, {}, list(snap["peers"])[-len(COLOURS):]
+    for row in snap["metrics"]:  # later rows for the same round (after a resume) replace earlier ones
+        if row["peer"] in drawn and row["metrics"].get("local_reward") is not None:
+            series.setdefault(row["peer"], {})[row["round"]] = row["metrics"]["local_reward"]
+        last.setdefault(row["peer"], {}).update(row["metrics"])
+    chart = render_svg({p: sorted(s.items()) for p, s in series.items()}, title="local_reward per round")
+    rows = []
+    for peer, info in sorted(snap["peers"].items()):
+        m = last.get(peer, {})
+        cells = "".join(f"<td>{'' if m.get(k) is None else f'{m[k]:.3f}'}</td>" for k in ("local_reward", "batch_reward"))
+        seen = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(info["last_seen"]))
+        rows.append(f"<tr><td>{_esc(peer)}</td><td>{info['last_round']}</td><td>{info['groups']}</td>{cells}<td>{seen}</td></tr>")
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><meta http-equiv="refresh" content="5"><title>nanoSAPO swarm</title>
+<style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:4px 10px;text-align:right}} td:first-child{{text-align:left}}</style>
+</head><body><h1>nanoSAPO swarm</h1>
+<p>{snap['groups']} groups kept (seq {snap['first_seq']} to {snap['last_seq']}), {len(snap['peers'])} peers.</p>
+{chart}
+<table><tr><th>peer</th><th>last round</th><th>groups published</th><th>last local_reward</th>
+<th>last batch_reward (the paper's training-batch figure)</th><th>last seen</th></tr>
+{"".join(rows)}
+</table></body></html>"""
 
 
 # -----------------------------------------------------------------------------
 # Command line: python swarm.py --dir swarm_data --host 127.0.0.1 --port 8000 [--token-file FILE]
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one sentence instead of usage + error
-        print(f"swarm.py: {message}; see python swarm.py --help.", file=sys.stderr)
-        sys.exit(2)
-
 
 def _size(text):
     """'256M' -> 268435456: a byte count with an optional K, M or G."""
@@ -1122,8 +1059,14 @@ def _size(text):
     return int(found.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[found.group(2)]
 
 
+def _fail(message):  # every bad flag or setting: one sentence, exit status 2
+    print(f"swarm.py: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv=None):
-    parser = _Parser(description="nanoSAPO swarm rollout server (see the docstring of swarm.py).")
+    parser = argparse.ArgumentParser(description="nanoSAPO swarm rollout server (see the docstring of swarm.py).")
+    parser.error = lambda message: _fail(f"{message}; see python swarm.py --help.")  # not usage + error
     parser.add_argument("--dir", default="swarm_data", help="folder holding the batch files (created if missing)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for a LAN)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one")
@@ -1139,16 +1082,15 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         if args.token_file:
-            try:
-                with open(args.token_file) as f:
-                    args.token = f.read().strip()
-            except (OSError, UnicodeDecodeError) as e:
-                raise ValueError(f"cannot read --token-file {args.token_file} ({e})") from None
+            with open(args.token_file) as f:
+                args.token = f.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        _fail(f"cannot read --token-file {args.token_file} ({e})")
+    try:
         server, url = start_server(args.dir, args.host, args.port, args.token, args.keep_bytes,
                                    args.public_reads, args.verbose)
-    except ValueError as e:
-        print(f"swarm.py: {e}", file=sys.stderr)
-        sys.exit(2)
+    except (ValueError, OSError) as e:  # e.g. a folder or port it cannot use, a full disk at start
+        _fail(e)
     print(f"swarm server: {url}", flush=True)  # a launcher reads this line
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it like Ctrl-C
     try:

@@ -78,26 +78,6 @@ PAPER_TASKS = ["base_conversion", "basic_arithmetic", "arc_1d", "bf", "propositi
                "fraction_simplification", "decimal_arithmetic", "calendar_arithmetic", "binary_matrix"]
 EASY_TASKS = ["one_digit_addition", "one_digit_multiplication", "two_digit_addition"]
 
-# The generator configs of the paper's code (rl-swarm rgym_exp/src/datasets.yaml, in reasoning_gym's
-# parameter names; seed and size left out). Our generators read their ranges from here too.
-PAPER_CONFIGS = {
-    "base_conversion": {"min_base": 2, "max_base": 16, "min_value": 0, "max_value": 1000},
-    "basic_arithmetic": {"min_terms": 2, "max_terms": 6, "min_digits": 1, "max_digits": 4,
-                         "operators": ["+", "-", "*", "/"], "allow_parentheses": True, "allow_negation": True,
-                         "format_style": "natural", "whitespace": "single"},
-    "arc_1d": {"min_size": 10, "max_size": 30, "num_train": 3},
-    "bf": {"difficulty": 1},
-    "propositional_logic": {"min_vars": 2, "max_vars": 4, "min_statements": 2, "max_statements": 4,
-                            "min_complexity": 1, "max_complexity": 3},
-    "fraction_simplification": {"min_value": 1, "max_value": 100, "min_factor": 2, "max_factor": 100,
-                                "styles": ["plain", "latex_frac", "latex_dfrac"]},
-    "decimal_arithmetic": {"min_terms": 2, "max_terms": 6, "min_num_decimal_places": 1,
-                           "max_num_decimal_places": 3, "precision": 5},
-    "calendar_arithmetic": {"year": 2023, "offset_upper_bound": 100, "leap_year_range": 200,
-                            "tasks": ["count_days", "weekday_of_date", "is_leap_year", "recurring_event_day"]},
-    "binary_matrix": {"min_n": 3, "max_n": 10, "p_zero": 0.25},
-}
-
 MAX_COMPLETION_CHARS = 10_000  # only the last 10k characters of a completion are looked at
 MAX_ANSWER_CHARS = 2_000       # a longer answer scores 0 (and is not worth parsing)
 MAX_BF_STEPS = 100_000         # the bf interpreter gives up after this many instructions
@@ -176,35 +156,6 @@ class Task:
         return (work + "\n" if work else "") + f"<answer>{item['answer']}</answer>"
 
 
-def _canonical(x):
-    """JSON text with sorted keys: tells 1, 1.0 and True apart, as a peer's JSON would."""
-    return json.dumps(x, sort_keys=True)
-
-
-def rg_default_score(answer, oracle):
-    """ReasoningGym's default rule: 1.0 for exactly the answer, len(oracle) / len(answer) when the
-    answer contains it ("The answer is 42" -> 2/16), else 0.0."""
-    if not isinstance(answer, str) or not answer:
-        return 0.0
-    if answer == oracle:
-        return 1.0
-    return len(oracle) / len(answer) if oracle in answer else 0.0
-
-
-def _task_of(item):
-    """The Task of a well-formed item (a dict with a known task name, a str question and answer and a
-    dict metadata), else None."""
-    if not isinstance(item, dict) or not isinstance(item.get("task"), str):
-        return None
-    if not (isinstance(item.get("question"), str) and isinstance(item.get("answer"), str)
-            and isinstance(item.get("metadata"), dict)):
-        return None
-    try:
-        return get_task(item["task"])
-    except ValueError:
-        return None
-
-
 def score(item, completion):
     """Reward in [0, 1] of one completion for one item; 0.0 for anything malformed, never raises."""
     task = _task_of(item)
@@ -262,8 +213,59 @@ def task_names(spec):
         raise ValueError("No tasks given: name tasks, or paper, easy or rg:paper.")
     return names
 
+
+def _task_of(item):
+    """The Task of a well-formed item (a dict with a known task name, a str question and answer and a
+    dict metadata), else None."""
+    if not isinstance(item, dict) or not isinstance(item.get("task"), str):
+        return None
+    if not (isinstance(item.get("question"), str) and isinstance(item.get("answer"), str)
+            and isinstance(item.get("metadata"), dict)):
+        return None
+    try:
+        return get_task(item["task"])
+    except ValueError:
+        return None
+
+
+def _canonical(x):
+    """JSON text with sorted keys: tells 1, 1.0 and True apart, as a peer's JSON would."""
+    return json.dumps(x, sort_keys=True)
+
+
 # -----------------------------------------------------------------------------
 # the paper's nine families
+
+
+# The generator configs of the paper's code (rl-swarm rgym_exp/src/datasets.yaml, in reasoning_gym's
+# parameter names; seed and size left out). Our generators read their ranges from here too.
+PAPER_CONFIGS = {
+    "base_conversion": {"min_base": 2, "max_base": 16, "min_value": 0, "max_value": 1000},
+    "basic_arithmetic": {"min_terms": 2, "max_terms": 6, "min_digits": 1, "max_digits": 4,
+                         "operators": ["+", "-", "*", "/"], "allow_parentheses": True, "allow_negation": True,
+                         "format_style": "natural", "whitespace": "single"},
+    "arc_1d": {"min_size": 10, "max_size": 30, "num_train": 3},
+    "bf": {"difficulty": 1},
+    "propositional_logic": {"min_vars": 2, "max_vars": 4, "min_statements": 2, "max_statements": 4,
+                            "min_complexity": 1, "max_complexity": 3},
+    "fraction_simplification": {"min_value": 1, "max_value": 100, "min_factor": 2, "max_factor": 100,
+                                "styles": ["plain", "latex_frac", "latex_dfrac"]},
+    "decimal_arithmetic": {"min_terms": 2, "max_terms": 6, "min_num_decimal_places": 1,
+                           "max_num_decimal_places": 3, "precision": 5},
+    "calendar_arithmetic": {"year": 2023, "offset_upper_bound": 100, "leap_year_range": 200,
+                            "tasks": ["count_days", "weekday_of_date", "is_leap_year", "recurring_event_day"]},
+    "binary_matrix": {"min_n": 3, "max_n": 10, "p_zero": 0.25},
+}
+
+
+def rg_default_score(answer, oracle):
+    """ReasoningGym's default rule: 1.0 for exactly the answer, len(oracle) / len(answer) when the
+    answer contains it ("The answer is 42" -> 2/16), else 0.0."""
+    if not isinstance(answer, str) or not answer:
+        return 0.0
+    if answer == oracle:
+        return 1.0
+    return len(oracle) / len(answer) if oracle in answer else 0.0
 
 
 def _to_base(n, base):
@@ -887,13 +889,12 @@ class Arc1D(Task):
         rule = rng.choice(sorted(ARC_RULES))
         n = rng.randint(c["min_size"], c["max_size"])
         pairs = [self._pair(rng, rule, n) for _ in range(c["num_train"] + 1)]
-        show = lambda row: " ".join(map(str, row))  # noqa: E731
         lines = ["Find the common rule that maps each input grid to its output grid in the examples below.", ""]
         for i, (inp, out) in enumerate(pairs[:-1], 1):
-            lines += [f"Example {i}:", f"Input:  {show(inp)}", f"Output: {show(out)}", ""]
+            lines += [f"Example {i}:", f"Input:  {_grid([inp])}", f"Output: {_grid([out])}", ""]
         lines += ["Below is a test input grid. Work out the rule, explain how you found it, then give the output grid "
-                  "for the test input; your final answer is just that grid.", "", "Input:", show(pairs[-1][0])]
-        return "\n".join(lines), show(pairs[-1][1]), {"task_name": rule, "size": n}
+                  "for the test input; your final answer is just that grid.", "", "Input:", _grid([pairs[-1][0]])]
+        return "\n".join(lines), _grid([pairs[-1][1]]), {"task_name": rule, "size": n}
 
     def working(self, item):
         return f"The rule is {item['metadata']['task_name'].replace('_', ' ')}; applied to the test input it gives:"
@@ -915,9 +916,12 @@ def _int_answer(s):
     return x.numerator if x.denominator == 1 else None
 
 
-def _is_int(x, lo, hi):
-    """True if x is a real int (not a bool) with lo <= x <= hi."""
-    return type(x) is int and lo <= x <= hi
+def _ints(meta, *keys):
+    """The metadata's numbers at keys, each a real int (not a bool) in 0..10**9, else ValueError."""
+    values = [meta[k] for k in keys]
+    if not all(type(v) is int and 0 <= v <= 10**9 for v in values):
+        raise ValueError("bad numbers")
+    return values
 
 
 class EasyTask(Task):
@@ -958,9 +962,7 @@ class Addition(EasyTask):
         return {"a": rng.randint(self._lowest(), top), "b": rng.randint(self._lowest(), top)}
 
     def render(self, meta):
-        a, b = meta["a"], meta["b"]
-        if not (_is_int(a, 0, 10**9) and _is_int(b, 0, 10**9)):
-            raise ValueError("bad operands")
+        a, b = _ints(meta, "a", "b")
         return f"What is {a} {self.op} {b}?"
 
     def solve(self, meta):
@@ -989,9 +991,9 @@ class LargerNumber(EasyTask):
         return {"a": a, "b": b}
 
     def render(self, meta):
-        a, b = meta["a"], meta["b"]
-        if not (_is_int(a, 0, 10**9) and _is_int(b, 0, 10**9)) or a == b:
-            raise ValueError("bad numbers")
+        a, b = _ints(meta, "a", "b")
+        if a == b:
+            raise ValueError("equal numbers")
         return f"Which number is larger, {a} or {b}? Answer with the larger number."
 
     def solve(self, meta):
@@ -1011,9 +1013,7 @@ class RepeatNumber(EasyTask):
         return {"n": rng.randint(self._lowest(), 10 ** self.difficulty - 1)}
 
     def render(self, meta):
-        if not _is_int(meta["n"], 0, 10**9):
-            raise ValueError("bad number")
-        return f"Repeat this number: {meta['n']}"
+        return f"Repeat this number: {_ints(meta, 'n')[0]}"
 
     def solve(self, meta):
         return str(meta["n"])

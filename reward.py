@@ -111,9 +111,9 @@ def extract_answer(text):
 class Task:
     """One task family. A family writes make(rng) -> (question, answer, metadata), drawing only from
     rng; score_answer(answer, item) -> reward in [0, 1] for an extracted answer (None when the
-    completion has none), which by default is ReasoningGym's default rule; and working(item), a
-    line of working for the worked example. Every item carries the seed it was made from as
-    metadata["seed"]: that is all verify() needs to trust it."""
+    completion has none; it may raise on an answer it cannot read, which scores 0), by default
+    ReasoningGym's default rule; and working(item), a line of working for the worked example. Every
+    item carries the seed it was made from as metadata["seed"]: that is all verify() needs to trust it."""
 
     name = "task"
 
@@ -121,7 +121,14 @@ class Task:
         raise NotImplementedError
 
     def score_answer(self, answer, item):
-        return rg_default_score(answer, item["answer"])
+        """ReasoningGym's default rule: 1.0 for exactly the item's answer, len(item's answer) /
+        len(answer) for an answer that contains it ("The answer is 42" -> 2/16), else 0.0."""
+        oracle = item["answer"]
+        if not answer:
+            return 0.0
+        if answer == oracle:
+            return 1.0
+        return len(oracle) / len(answer) if oracle in answer else 0.0
 
     def working(self, item):
         return ""
@@ -140,8 +147,9 @@ class Task:
         seed = item["metadata"].get("seed")
         if type(seed) is not int or not 0 <= seed < 2**32:
             return False
-        fresh = self.from_seed(seed)
-        return all(_canonical(item[k]) == _canonical(fresh[k]) for k in ("question", "answer", "metadata"))
+        fresh = self.from_seed(seed)  # compared as JSON text, which tells 1, 1.0 and True apart
+        return all(json.dumps(item[k], sort_keys=True) == json.dumps(fresh[k], sort_keys=True)
+                   for k in ("question", "answer", "metadata"))
 
     def score(self, item, completion):
         """Reward of one completion: score_answer on its last <answer> span."""
@@ -228,11 +236,6 @@ def _task_of(item):
         return None
 
 
-def _canonical(x):
-    """JSON text with sorted keys: tells 1, 1.0 and True apart, as a peer's JSON would."""
-    return json.dumps(x, sort_keys=True)
-
-
 # -----------------------------------------------------------------------------
 # the paper's nine families
 
@@ -256,16 +259,6 @@ PAPER_CONFIGS = {
                             "tasks": ["count_days", "weekday_of_date", "is_leap_year", "recurring_event_day"]},
     "binary_matrix": {"min_n": 3, "max_n": 10, "p_zero": 0.25},
 }
-
-
-def rg_default_score(answer, oracle):
-    """ReasoningGym's default rule: 1.0 for exactly the answer, len(oracle) / len(answer) when the
-    answer contains it ("The answer is 42" -> 2/16), else 0.0."""
-    if not isinstance(answer, str) or not answer:
-        return 0.0
-    if answer == oracle:
-        return 1.0
-    return len(oracle) / len(answer) if oracle in answer else 0.0
 
 
 def _to_base(n, base):
@@ -499,8 +492,6 @@ class CalendarArithmetic(Task):
                                     "ordinal": ordinal, "weekday": _DAYS[weekday]}
 
     def score_answer(self, answer, item):
-        if not isinstance(answer, str) or not answer:
-            return 0.0
         task, oracle = item["metadata"]["task"], item["answer"]
         if task in ("weekday_of_date", "weekday_offset", "weekday_of_date_from_first_date"):
             answer = answer.strip()
@@ -560,10 +551,8 @@ class BinaryMatrix(Task):
     def score_answer(self, answer, item):
         if answer == item["answer"]:
             return 1.0
-        try:
-            return 0.1 if _grid(ast.literal_eval(answer)) == item["answer"] else 0.0
-        except Exception:  # not a Python literal, or not a list of rows
-            return 0.0
+        # a Python list of rows, read as a literal, never evaluated; anything else raises and scores 0
+        return 0.1 if _grid(ast.literal_eval(answer)) == item["answer"] else 0.0
 
     def working(self, item):
         return "Start from every 0 at distance 0 and spread outwards one step at a time."
@@ -760,16 +749,10 @@ class PropositionalLogic(Task):
         return question, rng.choice(good), {"premises": premises, "variables": variables}
 
     def score_answer(self, answer, item):
-        if not isinstance(answer, str):
-            return 0.0
         meta = item["metadata"]
         if any(v not in meta["variables"] for v in re.findall("[A-Z]", answer)):
             return 0.0
-        try:
-            premises = [_parse_logic(p) for p in meta["premises"]]
-            return self._grade(premises, _parse_logic(answer))
-        except ValueError:
-            return 0.0
+        return self._grade([_parse_logic(p) for p in meta["premises"]], _parse_logic(answer))  # no formula: raises, 0
 
     def working(self, item):
         return f"In every row of the truth table where all the premises are true, {item['answer']} is true too."

@@ -117,9 +117,6 @@ class Task:
 
     name = "task"
 
-    def make(self, rng):
-        raise NotImplementedError
-
     def score_answer(self, answer, item):
         """ReasoningGym's default rule: 1.0 for exactly the item's answer, len(item's answer) /
         len(answer) for an answer that contains it ("The answer is 42" -> 2/16), else 0.0."""
@@ -1016,10 +1013,9 @@ class AlphabetPosition(EasyTask):
         return {"letter": rng.choice(string.ascii_lowercase)}
 
     def render(self, meta):
-        letter = meta["letter"]
-        if not (isinstance(letter, str) and len(letter) == 1 and letter in string.ascii_lowercase):
+        if meta["letter"] not in list(string.ascii_lowercase):  # a list, so "" and "ab" are not in it
             raise ValueError("bad letter")
-        return f"What is the position of the letter {letter} in the alphabet?"
+        return f"What is the position of the letter {meta['letter']} in the alphabet?"
 
     def solve(self, meta):
         return str(string.ascii_lowercase.index(meta["letter"]) + 1)

@@ -83,7 +83,7 @@ MAX_ANSWER_CHARS = 2_000       # a longer answer scores 0 (and is not worth pars
 MAX_BF_STEPS = 100_000         # the bf interpreter gives up after this many instructions
 
 # -----------------------------------------------------------------------------
-# the contract: extract_answer, Task, score, verify_item, get_task, task_names
+# the contract: extract_answer, Task, score, verify_item, solution, get_task, task_names
 
 
 def extract_answer(text):

@@ -1200,19 +1200,21 @@ def test_reward_rg_bridge(name):
 
 
 @_RW_NEEDS_RG
-def test_reward_parity_with_reasoning_gym():
+def test_reward_parity_with_reasoning_gym(monkeypatch, capsys):
     import bench
     rows, diffs = bench.parity(10)
     assert diffs == []
     for row in rows:  # every family gets at least 8 near misses per item
         assert row["refs"] == row["accepts"] == 10 and row["variants"] == row["variants_n"] >= 80
         assert row["ours"] == row["ours_n"] >= 80
-    out = subprocess.run([sys.executable, "bench.py", "--parity", "1"], capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert out.returncode == 0 and "| all | 9/9 (100.0%) |" in out.stdout, out.stderr
-    bad = subprocess.run([sys.executable, "bench.py", "--parity", "0"], capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert bad.returncode == 2 and "positive" in bad.stderr and "Traceback" not in bad.stderr
+    # the command line, in this process (a subprocess would import torch again): python bench.py --parity N
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--parity", "1"])
+    bench.main()
+    assert "| all | 9/9 (100.0%) |" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--parity", "0"])
+    with pytest.raises(SystemExit) as e:  # a usage error, not a traceback
+        bench.main()
+    assert e.value.code == 2 and "positive" in capsys.readouterr().err
 
 
 # ===================================================================================================

@@ -222,9 +222,7 @@ def task_names(spec):
 def _task_of(item):
     """The Task of a well-formed item (a dict with a known task name, a str question and answer and a
     dict metadata), else None."""
-    if not isinstance(item, dict) or not isinstance(item.get("task"), str):
-        return None
-    if not (isinstance(item.get("question"), str) and isinstance(item.get("answer"), str)
+    if not (isinstance(item, dict) and all(isinstance(item.get(k), str) for k in ("task", "question", "answer"))
             and isinstance(item.get("metadata"), dict)):
         return None
     try:

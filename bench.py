@@ -1,10 +1,12 @@
 """
 Speed of nanoSAPO's hand-written parts, measured side by side with Hugging Face transformers on the
-same shapes and batch, and the load the rollout server takes.
+same shapes and batch, the load the rollout server takes, and how far reward.py's scorers agree with
+ReasoningGym's.
 
     python bench.py                     # sampling: our generate() vs transformers' generate()
     python bench.py --train             # one GRPO training step's forward + backward: tokens/s, peak memory
     python bench.py --swarm             # the rollout server under 32 simulated peers on loopback
+    python bench.py --parity 200        # reward.py vs reasoning_gym 0.1.25, 200 items per family
     python bench.py --device cuda --model qwen2.5-0.5b --batch 64 256 --json
 
 Sampling: both samplers draw at temperature 1 with no top-k/top-p, exactly --new-tokens tokens per
@@ -25,14 +27,21 @@ Swarm: a server in a subprocess and --peers simulated peers (threads) that each 
 of groups and fetch the others' every round, for --rounds rounds: posts per second, p50/p99 fetch
 latency, and acknowledged groups missing from a final full read (must be 0).
 
+Parity (needs reasoning_gym installed): for each of the paper's nine families, N of ReasoningGym's
+items with the paper's config and N of ours, each scored by both scorers on its reference answer and
+on near misses a model might write (near_misses below); the README's rewards section has the table.
+
 --model takes a model folder or Hub id (sampling only), or one of the shapes below with random
 weights (no download). This file follows no part of the SAPO paper; it exists because a SAPO peer
-spends most of its time sampling and training, and a swarm lives or dies by its server.
+spends most of its time sampling and training, a swarm lives or dies by its server, and rewards
+measured here are only comparable with the paper's if our scorers agree with ReasoningGym's.
 """
 
 import argparse
 import json
+import math
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -40,8 +49,11 @@ import sys
 import tempfile
 import threading
 import time
+from decimal import Context, Decimal, localcontext
 
 import torch
+
+import reward
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # config.json of the two shapes bench.py knows, with random weights (no download needed)
@@ -669,6 +681,107 @@ def report(r, args):
     print(line, flush=True)
 
 
+# -----------------------------------------------------------------------------
+# reward.py's scorers against reasoning_gym's: python bench.py --parity N
+
+
+_OTHER_DIGITS = str.maketrans("0123456789", "٠١٢٣٤٥٦٧٨٩")  # Arabic-Indic digits, which int() and Decimal() read
+
+
+def near_misses(item):
+    """Answers close to the item's answer, as a model might write them: other case, spacing and
+    separators, equal numbers spelled otherwise, LaTeX, partial or padded answers, and nearly right
+    ones (off by one, another weekday, an unreduced fraction, a premise instead of a conclusion)."""
+    a, meta = item["answer"], item["metadata"]
+    out = [a.upper(), a.lower(), a.title(), a.replace(" ", "  "), a.replace(" ", ", "), a.replace(" ", ""),
+           a.replace("\n", " "), a.replace("\n", "\n\n"), f"The answer is {a}", f"{a}.", f"${a}$",
+           f"\\boxed{{{a}}}", a[:len(a) // 2], a + a[-1:]]
+    with localcontext(Context(prec=60)):
+        try:
+            x = Decimal(a)
+            out += [str(x + 1), str(x - 1), str(-x), f"+{a}", f"0{a}", f"{a}0" if "." in a else f"{a}.0",
+                    f"{x:,}", f"{x:e}", f"{x:.2f}", f"{x:.3f}", f"{x:.4f}", str(x + Decimal("0.0004")),
+                    str(x - Decimal("0.0011")), str(float(x)), f"{a} days", a.translate(_OTHER_DIGITS)]
+        except ArithmeticError:  # not a number
+            pass
+    if a in reward._DAYS:
+        out += [reward._DAYS[(reward._DAYS.index(a) + 1) % 7], a[:3], f"It was a {a}."]
+    if a in ("Yes", "No"):
+        out += ["No" if a == "Yes" else "Yes", "True", "Y"]
+    if "simplified_numerator" in meta:
+        p, q, n, d = (meta[k] for k in ("simplified_numerator", "simplified_denominator", "numerator", "denominator"))
+        latex = f"\\frac{{{p}}}{{{q}}}"
+        out += [f"{p}/{q}", f"{p} / {q}", latex, f"${latex}$", f"\\dfrac{{ {p} }}{{ {q} }}", latex.upper(),
+                f"{latex} is it", f"{n}/{d}", f"{2 * p}/{2 * q}", f"{q}/{p}", f"-{p}/{q}", f"{p}:{q}", f"{p / q:.3f}",
+                f"{p}/{q} = {p / q:.2f}", f"{p}/{d}", f"{n}/{q}", f"{p}/{q}/1"]
+    if re.fullmatch(r"[0-9]+( [0-9]+)*(\n[0-9]+( [0-9]+)*)*", a):  # a grid: arc_1d, binary_matrix
+        rows = [[int(v) for v in line.split()] for line in a.split("\n")]
+        lines = a.split("\n")
+        out += [str(rows), str(tuple(map(tuple, rows))), json.dumps(rows), "[" + "]\n [".join(lines) + "]",
+                str((int(a[0]) + 1) % 10) + a[1:], "\n".join(line + " " for line in lines), "; ".join(lines),
+                reward._grid(zip(*rows)), str(rows[0]) if len(rows) == 1 else str(rows[:-1])]
+    if "premises" in meta:
+        premises = meta["premises"]
+        ascii_ = a.replace("∧", "&").replace("∨", "|").replace("→", "->").replace("↔", "<->").replace("¬", "~")
+        out += [ascii_, a.replace("∧", "and"), f"({a})", f"(({a}))", f"¬({a})", f"¬{a}", "¬¬" + a, *premises,
+                f"({premises[0]} ∧ {premises[-1]})", "(P ∨ ¬P)", "P", "Q", "p", "Z", "P ∧ Q", "(P → P)"]
+        m = re.fullmatch(r"\((¬?[A-Z]) (.) (¬?[A-Z])\)", a)
+        if m:
+            out.append(f"({m[3]} {m[2]} {m[1]})")
+    seen = {a, ""}
+    return [v for v in (v.strip() for v in out) if not (v in seen or seen.add(v)) and "answer>" not in v]
+
+
+def parity(n, seed=0):
+    """Agreement between our scorers and reasoning_gym's for each of the nine families: on n of rg's
+    items (its reference answer, then near_misses of it) and on n of ours (rg's scorer must give our
+    reference answer 1.0, and agree with ours on near misses). Returns a dict of counts per family
+    and the disagreements as (family, whose item, answer, our score, rg's score)."""
+    tag = "<answer>{}</answer>".format
+    rows, diffs = [], []
+
+    def agree(ours, theirs, answers, whose):
+        """How many answers our scorer (on item ours) and rg's (on item theirs) give the same score."""
+        scores = [(v, reward.score(ours, tag(v)), reward.score(theirs, tag(v))) for v in answers]
+        diffs.extend((ours["task"], whose, v, a, b) for v, a, b in scores if not math.isclose(a, b, abs_tol=1e-9))
+        return sum(math.isclose(a, b, abs_tol=1e-9) for _, a, b in scores)
+
+    for name in reward.PAPER_TASKS:
+        rg_task = reward.get_task("rg:" + name)
+        rg_rng, our_rng = random.Random(f"parity {seed} {name} rg"), random.Random(f"parity {seed} {name} ours")
+        row = dict(family=name, n=n, refs=0, variants=0, variants_n=0, accepts=0, ours=0, ours_n=0)
+        for _ in range(n):
+            theirs = rg_task.generate(rg_rng)
+            mine, misses = {**theirs, "task": name}, near_misses(theirs)
+            row["refs"] += agree(mine, theirs, [theirs["answer"]], "rg's")
+            row["variants"] += agree(mine, theirs, misses, "rg's")
+            row["variants_n"] += len(misses)
+            ours = reward.TASKS[name].generate(our_rng)
+            as_rg, misses = {**ours, "task": rg_task.name}, near_misses(ours)
+            row["accepts"] += reward.score(as_rg, tag(ours["answer"])) == 1.0
+            row["ours"] += agree(ours, as_rg, misses, "our")
+            row["ours_n"] += len(misses)
+        rows.append(row)
+    return rows, diffs
+
+
+def print_parity(n):
+    """Print parity(n) as the README's Markdown table, then every disagreement."""
+    from importlib.metadata import version
+    rows, diffs = parity(n)
+    rows.append({k: "all" if k == "family" else sum(r[k] for r in rows) for k in rows[0]})
+    print(f"Agreement with reasoning_gym {version('reasoning-gym')} score_answer, {n} items per family\n")
+    print("| family | rg's reference answers | rg's items, near misses | rg accepts our reference answers "
+          "| our items, near misses |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        cells = [f"{r[k]}/{r[m]} ({100 * r[k] / max(r[m], 1):.1f}%)" for k, m in
+                 (("refs", "n"), ("variants", "variants_n"), ("accepts", "n"), ("ours", "ours_n"))]
+        print(f"| {r['family']} | " + " | ".join(cells) + " |")
+    for name, whose, v, a, b in diffs:
+        print(f"differs: {name}, {whose} item: answer {v!r}: ours {a:.4g}, rg {b:.4g}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -685,11 +798,18 @@ def main():
     p.add_argument("--attack", action="store_true", help="what the server and client survive (README's reliability)")
     p.add_argument("--slow", type=int, default=500, help="--attack: slow connections held open")
     p.add_argument("--cycles", type=int, default=10, help="--attack: kill -9 cycles")
+    p.add_argument("--parity", type=int, metavar="N", help="reward.py's scorers vs reasoning_gym's, N items per family")
     p.add_argument("--json", action="store_true", help="one JSON object per measurement")
     p.add_argument("--train-side", choices=["ours", "hf"], help=argparse.SUPPRESS)  # one side of --train
     args = p.parse_args()
     if args.train_side:
         return train_side(args)
+    if args.parity is not None:
+        if reward.reasoning_gym is None:
+            p.error("--parity needs reasoning_gym: pip install reasoning-gym==0.1.25")
+        if args.parity < 1:
+            p.error("--parity needs a positive number of items")
+        return print_parity(args.parity)
     if args.attack:
         return bench_attack(args)
     if args.swarm:

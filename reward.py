@@ -12,7 +12,7 @@ ReasoningGym's own `score_answer`. This file rewrites all nine from scratch, sta
   error) for a day count, 0.25 for a true but trivial logical conclusion, ...);
 - each generator follows the paper's config for its family (sizes, ranges, sub-tasks, answer format)
   with our own code and wording, so items are alike, not identical.
-`python reward.py --parity 200` measures the agreement with reasoning_gym; the README has the table.
+`python bench.py --parity 200` measures the agreement with reasoning_gym; the README has the table.
 
 Deviations, and why:
 - arc_1d draws from 43 of ReasoningGym's 77 rule types (block moves with and without wrap-around,
@@ -78,32 +78,12 @@ PAPER_TASKS = ["base_conversion", "basic_arithmetic", "arc_1d", "bf", "propositi
                "fraction_simplification", "decimal_arithmetic", "calendar_arithmetic", "binary_matrix"]
 EASY_TASKS = ["one_digit_addition", "one_digit_multiplication", "two_digit_addition"]
 
-# The generator configs of the paper's code (rl-swarm rgym_exp/src/datasets.yaml, in reasoning_gym's
-# parameter names; seed and size left out). Our generators read their ranges from here too.
-PAPER_CONFIGS = {
-    "base_conversion": {"min_base": 2, "max_base": 16, "min_value": 0, "max_value": 1000},
-    "basic_arithmetic": {"min_terms": 2, "max_terms": 6, "min_digits": 1, "max_digits": 4,
-                         "operators": ["+", "-", "*", "/"], "allow_parentheses": True, "allow_negation": True,
-                         "format_style": "natural", "whitespace": "single"},
-    "arc_1d": {"min_size": 10, "max_size": 30, "num_train": 3},
-    "bf": {"difficulty": 1},
-    "propositional_logic": {"min_vars": 2, "max_vars": 4, "min_statements": 2, "max_statements": 4,
-                            "min_complexity": 1, "max_complexity": 3},
-    "fraction_simplification": {"min_value": 1, "max_value": 100, "min_factor": 2, "max_factor": 100,
-                                "styles": ["plain", "latex_frac", "latex_dfrac"]},
-    "decimal_arithmetic": {"min_terms": 2, "max_terms": 6, "min_num_decimal_places": 1,
-                           "max_num_decimal_places": 3, "precision": 5},
-    "calendar_arithmetic": {"year": 2023, "offset_upper_bound": 100, "leap_year_range": 200,
-                            "tasks": ["count_days", "weekday_of_date", "is_leap_year", "recurring_event_day"]},
-    "binary_matrix": {"min_n": 3, "max_n": 10, "p_zero": 0.25},
-}
-
 MAX_COMPLETION_CHARS = 10_000  # only the last 10k characters of a completion are looked at
 MAX_ANSWER_CHARS = 2_000       # a longer answer scores 0 (and is not worth parsing)
 MAX_BF_STEPS = 100_000         # the bf interpreter gives up after this many instructions
 
 # -----------------------------------------------------------------------------
-# the contract: extract_answer, Task, score, verify_item, get_task, task_names
+# the contract: extract_answer, Task, score, verify_item, solution, get_task, task_names
 
 
 def extract_answer(text):
@@ -131,17 +111,21 @@ def extract_answer(text):
 class Task:
     """One task family. A family writes make(rng) -> (question, answer, metadata), drawing only from
     rng; score_answer(answer, item) -> reward in [0, 1] for an extracted answer (None when the
-    completion has none), which by default is ReasoningGym's default rule; and working(item), a
-    line of working for the worked example. Every item carries the seed it was made from as
-    metadata["seed"]: that is all verify() needs to trust it."""
+    completion has none; it may raise on an answer it cannot read, which scores 0), by default
+    ReasoningGym's default rule; and working(item), a line of working for the worked example. Every
+    item carries the seed it was made from as metadata["seed"]: that is all verify() needs to trust it."""
 
     name = "task"
 
-    def make(self, rng):
-        raise NotImplementedError
-
     def score_answer(self, answer, item):
-        return rg_default_score(answer, item["answer"])
+        """ReasoningGym's default rule: 1.0 for exactly the item's answer, len(item's answer) /
+        len(answer) for an answer that contains it ("The answer is 42" -> 2/16), else 0.0."""
+        oracle = item["answer"]
+        if not answer:
+            return 0.0
+        if answer == oracle:
+            return 1.0
+        return len(oracle) / len(answer) if oracle in answer else 0.0
 
     def working(self, item):
         return ""
@@ -160,8 +144,9 @@ class Task:
         seed = item["metadata"].get("seed")
         if type(seed) is not int or not 0 <= seed < 2**32:
             return False
-        fresh = self.from_seed(seed)
-        return all(_canonical(item[k]) == _canonical(fresh[k]) for k in ("question", "answer", "metadata"))
+        fresh = self.from_seed(seed)  # compared as JSON text, which tells 1, 1.0 and True apart
+        return all(json.dumps(item[k], sort_keys=True) == json.dumps(fresh[k], sort_keys=True)
+                   for k in ("question", "answer", "metadata"))
 
     def score(self, item, completion):
         """Reward of one completion: score_answer on its last <answer> span."""
@@ -174,35 +159,6 @@ class Task:
         """A short worked solution: a line of working, then <answer>...</answer>."""
         work = self.working(item)
         return (work + "\n" if work else "") + f"<answer>{item['answer']}</answer>"
-
-
-def _canonical(x):
-    """JSON text with sorted keys: tells 1, 1.0 and True apart, as a peer's JSON would."""
-    return json.dumps(x, sort_keys=True)
-
-
-def rg_default_score(answer, oracle):
-    """ReasoningGym's default rule: 1.0 for exactly the answer, len(oracle) / len(answer) when the
-    answer contains it ("The answer is 42" -> 2/16), else 0.0."""
-    if not isinstance(answer, str) or not answer:
-        return 0.0
-    if answer == oracle:
-        return 1.0
-    return len(oracle) / len(answer) if oracle in answer else 0.0
-
-
-def _task_of(item):
-    """The Task of a well-formed item (a dict with a known task name, a str question and answer and a
-    dict metadata), else None."""
-    if not isinstance(item, dict) or not isinstance(item.get("task"), str):
-        return None
-    if not (isinstance(item.get("question"), str) and isinstance(item.get("answer"), str)
-            and isinstance(item.get("metadata"), dict)):
-        return None
-    try:
-        return get_task(item["task"])
-    except ValueError:
-        return None
 
 
 def score(item, completion):
@@ -262,8 +218,42 @@ def task_names(spec):
         raise ValueError("No tasks given: name tasks, or paper, easy or rg:paper.")
     return names
 
+
+def _task_of(item):
+    """The Task of a well-formed item (a dict with a known task name, a str question and answer and a
+    dict metadata), else None."""
+    if not (isinstance(item, dict) and all(isinstance(item.get(k), str) for k in ("task", "question", "answer"))
+            and isinstance(item.get("metadata"), dict)):
+        return None
+    try:
+        return get_task(item["task"])
+    except ValueError:
+        return None
+
+
 # -----------------------------------------------------------------------------
 # the paper's nine families
+
+
+# The generator configs of the paper's code (rl-swarm rgym_exp/src/datasets.yaml, in reasoning_gym's
+# parameter names; seed and size left out). Our generators read their ranges from here too.
+PAPER_CONFIGS = {
+    "base_conversion": {"min_base": 2, "max_base": 16, "min_value": 0, "max_value": 1000},
+    "basic_arithmetic": {"min_terms": 2, "max_terms": 6, "min_digits": 1, "max_digits": 4,
+                         "operators": ["+", "-", "*", "/"], "allow_parentheses": True, "allow_negation": True,
+                         "format_style": "natural", "whitespace": "single"},
+    "arc_1d": {"min_size": 10, "max_size": 30, "num_train": 3},
+    "bf": {"difficulty": 1},
+    "propositional_logic": {"min_vars": 2, "max_vars": 4, "min_statements": 2, "max_statements": 4,
+                            "min_complexity": 1, "max_complexity": 3},
+    "fraction_simplification": {"min_value": 1, "max_value": 100, "min_factor": 2, "max_factor": 100,
+                                "styles": ["plain", "latex_frac", "latex_dfrac"]},
+    "decimal_arithmetic": {"min_terms": 2, "max_terms": 6, "min_num_decimal_places": 1,
+                           "max_num_decimal_places": 3, "precision": 5},
+    "calendar_arithmetic": {"year": 2023, "offset_upper_bound": 100, "leap_year_range": 200,
+                            "tasks": ["count_days", "weekday_of_date", "is_leap_year", "recurring_event_day"]},
+    "binary_matrix": {"min_n": 3, "max_n": 10, "p_zero": 0.25},
+}
 
 
 def _to_base(n, base):
@@ -497,8 +487,6 @@ class CalendarArithmetic(Task):
                                     "ordinal": ordinal, "weekday": _DAYS[weekday]}
 
     def score_answer(self, answer, item):
-        if not isinstance(answer, str) or not answer:
-            return 0.0
         task, oracle = item["metadata"]["task"], item["answer"]
         if task in ("weekday_of_date", "weekday_offset", "weekday_of_date_from_first_date"):
             answer = answer.strip()
@@ -558,10 +546,8 @@ class BinaryMatrix(Task):
     def score_answer(self, answer, item):
         if answer == item["answer"]:
             return 1.0
-        try:
-            return 0.1 if _grid(ast.literal_eval(answer)) == item["answer"] else 0.0
-        except Exception:  # not a Python literal, or not a list of rows
-            return 0.0
+        # a Python list of rows, read as a literal, never evaluated; anything else raises and scores 0
+        return 0.1 if _grid(ast.literal_eval(answer)) == item["answer"] else 0.0
 
     def working(self, item):
         return "Start from every 0 at distance 0 and spread outwards one step at a time."
@@ -758,16 +744,10 @@ class PropositionalLogic(Task):
         return question, rng.choice(good), {"premises": premises, "variables": variables}
 
     def score_answer(self, answer, item):
-        if not isinstance(answer, str):
-            return 0.0
         meta = item["metadata"]
         if any(v not in meta["variables"] for v in re.findall("[A-Z]", answer)):
             return 0.0
-        try:
-            premises = [_parse_logic(p) for p in meta["premises"]]
-            return self._grade(premises, _parse_logic(answer))
-        except ValueError:
-            return 0.0
+        return self._grade([_parse_logic(p) for p in meta["premises"]], _parse_logic(answer))  # no formula: raises, 0
 
     def working(self, item):
         return f"In every row of the truth table where all the premises are true, {item['answer']} is true too."
@@ -887,13 +867,12 @@ class Arc1D(Task):
         rule = rng.choice(sorted(ARC_RULES))
         n = rng.randint(c["min_size"], c["max_size"])
         pairs = [self._pair(rng, rule, n) for _ in range(c["num_train"] + 1)]
-        show = lambda row: " ".join(map(str, row))  # noqa: E731
         lines = ["Find the common rule that maps each input grid to its output grid in the examples below.", ""]
         for i, (inp, out) in enumerate(pairs[:-1], 1):
-            lines += [f"Example {i}:", f"Input:  {show(inp)}", f"Output: {show(out)}", ""]
+            lines += [f"Example {i}:", f"Input:  {_grid([inp])}", f"Output: {_grid([out])}", ""]
         lines += ["Below is a test input grid. Work out the rule, explain how you found it, then give the output grid "
-                  "for the test input; your final answer is just that grid.", "", "Input:", show(pairs[-1][0])]
-        return "\n".join(lines), show(pairs[-1][1]), {"task_name": rule, "size": n}
+                  "for the test input; your final answer is just that grid.", "", "Input:", _grid([pairs[-1][0]])]
+        return "\n".join(lines), _grid([pairs[-1][1]]), {"task_name": rule, "size": n}
 
     def working(self, item):
         return f"The rule is {item['metadata']['task_name'].replace('_', ' ')}; applied to the test input it gives:"
@@ -915,9 +894,12 @@ def _int_answer(s):
     return x.numerator if x.denominator == 1 else None
 
 
-def _is_int(x, lo, hi):
-    """True if x is a real int (not a bool) with lo <= x <= hi."""
-    return type(x) is int and lo <= x <= hi
+def _ints(meta, *keys):
+    """The metadata's numbers at keys, each a real int (not a bool) in 0..10**9, else ValueError."""
+    values = [meta[k] for k in keys]
+    if not all(type(v) is int and 0 <= v <= 10**9 for v in values):
+        raise ValueError("bad numbers")
+    return values
 
 
 class EasyTask(Task):
@@ -958,9 +940,7 @@ class Addition(EasyTask):
         return {"a": rng.randint(self._lowest(), top), "b": rng.randint(self._lowest(), top)}
 
     def render(self, meta):
-        a, b = meta["a"], meta["b"]
-        if not (_is_int(a, 0, 10**9) and _is_int(b, 0, 10**9)):
-            raise ValueError("bad operands")
+        a, b = _ints(meta, "a", "b")
         return f"What is {a} {self.op} {b}?"
 
     def solve(self, meta):
@@ -989,9 +969,9 @@ class LargerNumber(EasyTask):
         return {"a": a, "b": b}
 
     def render(self, meta):
-        a, b = meta["a"], meta["b"]
-        if not (_is_int(a, 0, 10**9) and _is_int(b, 0, 10**9)) or a == b:
-            raise ValueError("bad numbers")
+        a, b = _ints(meta, "a", "b")
+        if a == b:
+            raise ValueError("equal numbers")
         return f"Which number is larger, {a} or {b}? Answer with the larger number."
 
     def solve(self, meta):
@@ -1011,9 +991,7 @@ class RepeatNumber(EasyTask):
         return {"n": rng.randint(self._lowest(), 10 ** self.difficulty - 1)}
 
     def render(self, meta):
-        if not _is_int(meta["n"], 0, 10**9):
-            raise ValueError("bad number")
-        return f"Repeat this number: {meta['n']}"
+        return f"Repeat this number: {_ints(meta, 'n')[0]}"
 
     def solve(self, meta):
         return str(meta["n"])
@@ -1033,10 +1011,9 @@ class AlphabetPosition(EasyTask):
         return {"letter": rng.choice(string.ascii_lowercase)}
 
     def render(self, meta):
-        letter = meta["letter"]
-        if not (isinstance(letter, str) and len(letter) == 1 and letter in string.ascii_lowercase):
+        if meta["letter"] not in list(string.ascii_lowercase):  # a list, so "" and "ab" are not in it
             raise ValueError("bad letter")
-        return f"What is the position of the letter {letter} in the alphabet?"
+        return f"What is the position of the letter {meta['letter']} in the alphabet?"
 
     def solve(self, meta):
         return str(string.ascii_lowercase.index(meta["letter"]) + 1)
@@ -1094,115 +1071,3 @@ TASKS = {t.name: t for t in [
     Addition("two_digit_addition", 2), LargerNumber(), RepeatNumber(), AlphabetPosition(),
 ]}
 _RG_TASKS = {}
-
-# -----------------------------------------------------------------------------
-# agreement with reasoning_gym: python reward.py --parity N
-
-
-_OTHER_DIGITS = str.maketrans("0123456789", "٠١٢٣٤٥٦٧٨٩")  # Arabic-Indic digits, which int() and Decimal() read
-
-
-def near_misses(item):
-    """Answers close to the item's answer, as a model might write them: other case, spacing and
-    separators, equal numbers spelled otherwise, LaTeX, partial or padded answers, and nearly right
-    ones (off by one, another weekday, an unreduced fraction, a premise instead of a conclusion)."""
-    a, meta = item["answer"], item["metadata"]
-    out = [a.upper(), a.lower(), a.title(), a.replace(" ", "  "), a.replace(" ", ", "), a.replace(" ", ""),
-           a.replace("\n", " "), a.replace("\n", "\n\n"), f"The answer is {a}", f"{a}.", f"${a}$",
-           f"\\boxed{{{a}}}", a[:len(a) // 2], a + a[-1:]]
-    with localcontext(Context(prec=60)):
-        try:
-            x = Decimal(a)
-            out += [str(x + 1), str(x - 1), str(-x), f"+{a}", f"0{a}", f"{a}0" if "." in a else f"{a}.0",
-                    f"{x:,}", f"{x:e}", f"{x:.2f}", f"{x:.3f}", f"{x:.4f}", str(x + Decimal("0.0004")),
-                    str(x - Decimal("0.0011")), str(float(x)), f"{a} days", a.translate(_OTHER_DIGITS)]
-        except ArithmeticError:  # not a number
-            pass
-    if a in _DAYS:
-        out += [_DAYS[(_DAYS.index(a) + 1) % 7], a[:3], f"It was a {a}."]
-    if a in ("Yes", "No"):
-        out += ["No" if a == "Yes" else "Yes", "True", "Y"]
-    if "simplified_numerator" in meta:
-        p, q, n, d = (meta[k] for k in ("simplified_numerator", "simplified_denominator", "numerator", "denominator"))
-        latex = f"\\frac{{{p}}}{{{q}}}"
-        out += [f"{p}/{q}", f"{p} / {q}", latex, f"${latex}$", f"\\dfrac{{ {p} }}{{ {q} }}", latex.upper(),
-                f"{latex} is it", f"{n}/{d}", f"{2 * p}/{2 * q}", f"{q}/{p}", f"-{p}/{q}", f"{p}:{q}", f"{p / q:.3f}",
-                f"{p}/{q} = {p / q:.2f}", f"{p}/{d}", f"{n}/{q}", f"{p}/{q}/1"]
-    if re.fullmatch(r"[0-9]+( [0-9]+)*(\n[0-9]+( [0-9]+)*)*", a):  # a grid: arc_1d, binary_matrix
-        rows = [[int(v) for v in line.split()] for line in a.split("\n")]
-        lines = a.split("\n")
-        out += [str(rows), str(tuple(map(tuple, rows))), json.dumps(rows), "[" + "]\n [".join(lines) + "]",
-                str((int(a[0]) + 1) % 10) + a[1:], "\n".join(line + " " for line in lines), "; ".join(lines),
-                _grid(zip(*rows)), str(rows[0]) if len(rows) == 1 else str(rows[:-1])]
-    if "premises" in meta:
-        premises = meta["premises"]
-        ascii_ = a.replace("∧", "&").replace("∨", "|").replace("→", "->").replace("↔", "<->").replace("¬", "~")
-        out += [ascii_, a.replace("∧", "and"), f"({a})", f"(({a}))", f"¬({a})", f"¬{a}", "¬¬" + a, *premises,
-                f"({premises[0]} ∧ {premises[-1]})", "(P ∨ ¬P)", "P", "Q", "p", "Z", "P ∧ Q", "(P → P)"]
-        m = re.fullmatch(r"\((¬?[A-Z]) (.) (¬?[A-Z])\)", a)
-        if m:
-            out.append(f"({m[3]} {m[2]} {m[1]})")
-    seen = {a, ""}
-    return [v for v in (v.strip() for v in out) if not (v in seen or seen.add(v)) and "answer>" not in v]
-
-
-def parity(n, seed=0):
-    """Agreement between our scorers and reasoning_gym's for each of the nine families: on n of rg's
-    items (its reference answer, then near_misses of it) and on n of ours (rg's scorer must give our
-    reference answer 1.0, and agree with ours on near misses). Returns a dict of counts per family
-    and the disagreements as (family, whose item, answer, our score, rg's score)."""
-    tag = "<answer>{}</answer>".format
-    rows, diffs = [], []
-
-    def agree(ours, theirs, answers, whose):
-        """How many answers our scorer (on item ours) and rg's (on item theirs) give the same score."""
-        scores = [(v, score(ours, tag(v)), score(theirs, tag(v))) for v in answers]
-        diffs.extend((ours["task"], whose, v, a, b) for v, a, b in scores if not math.isclose(a, b, abs_tol=1e-9))
-        return sum(math.isclose(a, b, abs_tol=1e-9) for _, a, b in scores)
-
-    for name in PAPER_TASKS:
-        rg_task = get_task("rg:" + name)
-        rg_rng, our_rng = random.Random(f"parity {seed} {name} rg"), random.Random(f"parity {seed} {name} ours")
-        row = dict(family=name, n=n, refs=0, variants=0, variants_n=0, accepts=0, ours=0, ours_n=0)
-        for _ in range(n):
-            theirs = rg_task.generate(rg_rng)
-            mine, misses = {**theirs, "task": name}, near_misses(theirs)
-            row["refs"] += agree(mine, theirs, [theirs["answer"]], "rg's")
-            row["variants"] += agree(mine, theirs, misses, "rg's")
-            row["variants_n"] += len(misses)
-            ours = TASKS[name].generate(our_rng)
-            as_rg, misses = {**ours, "task": rg_task.name}, near_misses(ours)
-            row["accepts"] += score(as_rg, tag(ours["answer"])) == 1.0
-            row["ours"] += agree(ours, as_rg, misses, "our")
-            row["ours_n"] += len(misses)
-        rows.append(row)
-    return rows, diffs
-
-
-def _print_parity(n):
-    """Print parity(n) as the README's Markdown table, then every disagreement."""
-    from importlib.metadata import version
-    rows, diffs = parity(n)
-    rows.append({k: "all" if k == "family" else sum(r[k] for r in rows) for k in rows[0]})
-    print(f"Agreement with reasoning_gym {version('reasoning-gym')} score_answer, {n} items per family\n")
-    print("| family | rg's reference answers | rg's items, near misses | rg accepts our reference answers "
-          "| our items, near misses |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        cells = [f"{r[k]}/{r[m]} ({100 * r[k] / max(r[m], 1):.1f}%)" for k, m in
-                 (("refs", "n"), ("variants", "variants_n"), ("accepts", "n"), ("ours", "ours_n"))]
-        print(f"| {r['family']} | " + " | ".join(cells) + " |")
-    for name, whose, v, a, b in diffs:
-        print(f"differs: {name}, {whose} item: answer {v!r}: ours {a:.4g}, rg {b:.4g}")
-
-
-if __name__ == "__main__":
-    import argparse
-    p = argparse.ArgumentParser(description="Compare reward.py's scorers with reasoning_gym's.")
-    p.add_argument("--parity", type=int, required=True, metavar="N", help="items per family")
-    args = p.parse_args()
-    if reasoning_gym is None:
-        p.error("--parity needs reasoning_gym: pip install reasoning-gym==0.1.25")
-    if args.parity < 1:
-        p.error("--parity needs a positive number of items")
-    _print_parity(args.parity)

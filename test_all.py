@@ -1175,6 +1175,7 @@ def test_reward_task_names():
 @_RW_NEEDS_RG
 @pytest.mark.parametrize("name", reward.PAPER_TASKS)
 def test_reward_rg_bridge(name):
+    import bench
     task = reward.get_task("rg:" + name)
     rng = random.Random(name)
     for item in [task.generate(rng) for _ in range(4)]:
@@ -1192,25 +1193,28 @@ def test_reward_rg_bridge(name):
         config = {**meta["config"], "seed": 1} if name == "bf" else {k: v for k, v in list(meta["config"].items())[1:]}
         assert not reward.verify_item(dict(item, metadata={**meta, "config": config}))
         # our own family scores rg's item exactly as rg does
-        for v in [item["answer"]] + reward.near_misses(item)[:10]:
+        for v in [item["answer"]] + bench.near_misses(item)[:10]:
             assert reward.score({**item, "task": name}, f"<answer>{v}</answer>") == pytest.approx(
                 reward.score(item, f"<answer>{v}</answer>"), abs=1e-9), v
     assert reward.SYSTEM_PROMPTS["rg"] == __import__("reasoning_gym.utils").utils.SYSTEM_PROMPTS["default"]
 
 
 @_RW_NEEDS_RG
-def test_reward_parity_with_reasoning_gym():
-    rows, diffs = reward.parity(10)
+def test_reward_parity_with_reasoning_gym(monkeypatch, capsys):
+    import bench
+    rows, diffs = bench.parity(10)
     assert diffs == []
     for row in rows:  # every family gets at least 8 near misses per item
         assert row["refs"] == row["accepts"] == 10 and row["variants"] == row["variants_n"] >= 80
         assert row["ours"] == row["ours_n"] >= 80
-    out = subprocess.run([sys.executable, "reward.py", "--parity", "1"], capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert out.returncode == 0 and "| all | 9/9 (100.0%) |" in out.stdout, out.stderr
-    bad = subprocess.run([sys.executable, "reward.py", "--parity", "0"], capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert bad.returncode == 2 and "positive" in bad.stderr and "Traceback" not in bad.stderr
+    # the command line, in this process (a subprocess would import torch again): python bench.py --parity N
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--parity", "1"])
+    bench.main()
+    assert "| all | 9/9 (100.0%) |" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--parity", "0"])
+    with pytest.raises(SystemExit) as e:  # a usage error, not a traceback
+        bench.main()
+    assert e.value.code == 2 and "positive" in capsys.readouterr().err
 
 
 # ===================================================================================================

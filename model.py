@@ -158,11 +158,13 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
-    def forward(self, x, cos, sin, cache=None, layer=0, slots=None, mask=None):
+    def forward(self, x, cos, sin, kv=None, slots=None, mask=None):
         """x (B, T, dim) -> (B, T, dim).
-        Without a cache: causal self-attention over the T positions of x (training, scoring).
-        With a cache: the new keys and values go into cache slots `slots` (T,), and the queries attend
-        to the first cache.kv_len slots under `mask` (B, 1, T, kv_len), True = may attend."""
+        Without kv: causal self-attention over the T positions of x (training, scoring).
+        With kv, this layer's part of the KV cache, keys and values (2, B, n_kv_heads, S, head_dim) (the
+        layout sample.py's docstring draws): the new keys and values go into slots `slots` (T,), and the
+        queries attend to the first W slots under `mask` (B, 1, T, W), True = may attend. The mask's
+        width W says how many slots are read: the filled ones, or all S in a decode step of fixed shape."""
         B, T, _ = x.shape
         cfg = self.cfg
         q = self.q_proj(x).view(B, T, cfg.n_heads, cfg.head_dim)
@@ -172,10 +174,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
-        if cache is None:
+        if kv is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
-            k, v = cache.update(layer, slots, k, v)
+            kv[0].index_copy_(2, slots, k)
+            kv[1].index_copy_(2, slots, v)
+            W = mask.shape[-1]
+            k, v = kv[0, :, :, :W], kv[1, :, :, :W]
             # Query heads g*rep .. g*rep+rep-1 share key/value head g: fold them into the query length,
             # (B, n_heads, T, D) -> (B, n_kv_heads, rep*T, D), so one plain attention call serves them.
             # (With a mask, enable_gqa=True would drop CUDA to the slow math kernel.)
@@ -207,19 +212,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache=None, layer=0, slots=None, mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, slots, mask)
+    def forward(self, x, cos, sin, kv=None, slots=None, mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, slots, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class Body(nn.Module):
-    """Holds the parameters under Hugging Face's `model.` prefix."""
-
-    def __init__(self, cfg: Config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
 
 class Transformer(nn.Module):
@@ -227,7 +222,10 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.hf_config = hf_config or {}  # the checkpoint's config.json, written back by save_model
-        self.model = Body(cfg)
+        self.model = nn.ModuleDict(dict(  # Hugging Face keeps all but lm_head under the prefix `model.`
+            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.dim),
+            layers=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers)),
+            norm=RMSNorm(cfg.dim, cfg.norm_eps)))
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -236,6 +234,8 @@ class Transformer(nn.Module):
         self.init_rope()
 
     def init_rope(self):
+        """(Re)build the float32 RoPE tables on the weights' device: after loading onto the meta device,
+        or after .to(bfloat16), which would have rounded them."""
         device = self.lm_head.weight.device
         cos, sin = rope_tables(self.cfg, "cpu" if device.type == "meta" else device)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -243,7 +243,8 @@ class Transformer(nn.Module):
 
     def hidden(self, idx, pos=None, cache=None, slots=None, mask=None):
         """Token ids (B, T) -> final hidden states after the last RMSNorm (B, T, dim).
-        pos (B, T): RoPE position of each token, 0..T-1 by default (a right-padded batch)."""
+        pos (B, T): RoPE position of each token, 0..T-1 by default (a right-padded batch).
+        cache (n_layers, 2, B, n_kv_heads, S, head_dim), slots and mask: see Attention.forward."""
         B, T = idx.shape
         if pos is None:
             pos = torch.arange(T, device=idx.device).expand(B, T)
@@ -253,49 +254,13 @@ class Transformer(nn.Module):
             if self.grad_checkpoint and self.training and torch.is_grad_enabled():
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)
             else:
-                x = block(x, cos, sin, cache, i, slots, mask)
+                x = block(x, cos, sin, None if cache is None else cache[i], slots, mask)
         return self.model.norm(x)
 
     def forward(self, idx, **kwargs):
         """Token ids (B, T) -> logits (B, T, vocab_size). In a right-padded batch, the positions after
         a row's end hold garbage that the caller ignores: the causal mask keeps them out of the others."""
         return self.lm_head(self.hidden(idx, **kwargs))
-
-
-class KVCache:
-    """Preallocated keys and values for every layer: k, v of shape
-    (n_layers, B, n_kv_heads, max_len, head_dim). `kv_len` is how many slots attention reads: the
-    eager sampler sets it to the filled length; a fixed-shape (CUDA-graph) step reads all max_len.
-
-    Example: B=2 rows, max_len=6, after a prefill of 3 slots and 1 decode step
-      slot:   0  1  2  3  4  5
-      row 0:  k  k  k  k  .  .      kv_len = 4
-      row 1:  k  k  k  k  .  .
-    """
-
-    def __init__(self, cfg: Config, batch, max_len, device, dtype):
-        shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.kv_len = max_len
-
-    def update(self, layer, slots, k, v):
-        """Write k, v (B, n_kv_heads, T, head_dim) into `slots` (T,) and return the first kv_len slots."""
-        self.k[layer].index_copy_(2, slots, k)
-        self.v[layer].index_copy_(2, slots, v)
-        return self.k[layer, :, :, :self.kv_len], self.v[layer, :, :, :self.kv_len]
-
-    def rows(self, step):
-        """A view of every `step`-th row (rows 0, step, 2*step, ...), sharing memory with this cache."""
-        view = KVCache.__new__(KVCache)
-        view.k, view.v, view.kv_len = self.k[:, ::step], self.v[:, ::step], self.kv_len
-        return view
-
-    def share_prefix(self, step, length):
-        """Copy slots [0, length) of each row 0, step, 2*step, ... into the `step - 1` rows after it."""
-        for t in (self.k, self.v):
-            g = t.view(t.shape[0], -1, step, *t.shape[2:])  # (L, groups, step, heads, max_len, D)
-            g[:, :, 1:, :, :length] = g[:, :, :1, :, :length]
 
 # -----------------------------------------------------------------------------
 # loading and saving Hugging Face checkpoints

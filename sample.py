@@ -5,9 +5,8 @@ Batched sampling with a preallocated KV cache: how a SAPO peer produces its G co
 
 1. Prefill. The P prompts (token-id lists of different lengths) are left-padded to one length L and
    run through the model once, writing their keys and values into a cache preallocated for all
-   B = P * G rows and S = L + max_new_tokens slots. Each prompt goes into the first row of its group
-   only; its keys and values are then copied into the other G - 1 rows, so a prompt is computed once
-   however many samples it gets. Left padding makes every row write the same slot at every step:
+   B = P * G rows and S = L + max_new_tokens slots. Left padding makes every row write the same slot
+   at every step:
 
        slot:        0    1    2    3  | 4    5  ...      (L = 4)
        prompt 0:   pad  pad   a    b  | s0   s1 ...      RoPE positions  -  -  0  1 | 2  3
@@ -19,12 +18,20 @@ Batched sampling with a preallocated KV cache: how a SAPO peer produces its G co
    it back, until every row has produced a stop token or max_new_tokens are out. A completion that
    stopped ends with its stop token (kept: the policy must learn to stop).
 
-The cache is one tensor, (n_layers, 2, B, n_kv_heads, S, head_dim): keys and values of every layer.
-Attention reads as many slots as its mask is wide. The eager decode step reads the filled slots
-0..t; the same step with fixed shapes reads all S slots under a mask, so on CUDA it is captured in a
-CUDA graph once per generate() call and replayed at every step. This removes the per-kernel launch
-cost, which dominates decoding for models this small (the gpt-fast idea). The eager step is the
-readable reference, the CPU path, and what `cuda_graph=False` selects on a GPU; a test checks that
+The cache is one plain tensor, (n_layers, 2, B, n_kv_heads, S, head_dim): per layer, keys (0) and
+values (1). Row p * G + g holds sample g of prompt p. The prefill computes each prompt once, into the
+first row of its group (the strided view cache[:, :, ::G]), then copies its L slots to the other rows:
+
+       row 0  prompt 0, sample 0    <- prefill            (G = 2)
+       row 1  prompt 0, sample 1    <- copy of row 0, slots 0..L-1
+       row 2  prompt 1, sample 0    <- prefill
+       row 3  prompt 1, sample 1    <- copy of row 2, slots 0..L-1
+
+Attention reads as many slots as its mask is wide. The eager decode step reads the filled slots 0..t;
+the same step with fixed shapes reads all S slots, those past t masked out, so on CUDA it is captured
+in a CUDA graph once per generate() call and replayed at every step. This removes the per-kernel
+launch cost, which dominates decoding for models this small (the gpt-fast idea). The eager step is
+the readable reference, the CPU path, and what `cuda_graph=False` selects on a GPU; a test checks that
 both give the same logits. The CUDA-graph path itself has not yet run on a GPU in this project's
 sessions (none was lent); see the README.
 

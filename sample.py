@@ -5,9 +5,8 @@ Batched sampling with a preallocated KV cache: how a SAPO peer produces its G co
 
 1. Prefill. The P prompts (token-id lists of different lengths) are left-padded to one length L and
    run through the model once, writing their keys and values into a cache preallocated for all
-   B = P * G rows and L + max_new_tokens slots. Each prompt goes into the first row of its group only;
-   its keys and values are then copied into the other G - 1 rows, so a prompt is computed once however
-   many samples it gets. Left padding makes every row write the same slot at every step:
+   B = P * G rows and S = L + max_new_tokens slots. Left padding makes every row write the same slot
+   at every step:
 
        slot:        0    1    2    3  | 4    5  ...      (L = 4)
        prompt 0:   pad  pad   a    b  | s0   s1 ...      RoPE positions  -  -  0  1 | 2  3
@@ -19,22 +18,30 @@ Batched sampling with a preallocated KV cache: how a SAPO peer produces its G co
    it back, until every row has produced a stop token or max_new_tokens are out. A completion that
    stopped ends with its stop token (kept: the policy must learn to stop).
 
-The decode step can run with fixed shapes (the same B rows, the whole cache read under a mask), so on
-CUDA it is captured in a CUDA graph once per generate() call and replayed at every step. This removes
-the per-kernel launch cost, which dominates decoding for models this small (the gpt-fast idea). The
-eager step reads only the filled slots; it is the readable reference, the CPU path, and what
-`cuda_graph=False` selects on a GPU. A test checks that both give the same logits. The CUDA-graph
-path itself has not yet run on a GPU in this project's sessions (none was lent); see the README.
+The cache is one plain tensor, (n_layers, 2, B, n_kv_heads, S, head_dim): per layer, keys (0) and
+values (1). Row p * G + g holds sample g of prompt p. The prefill computes each prompt once, into the
+first row of its group (the strided view cache[:, :, ::G]), then copies its L slots to the other rows:
+
+       row 0  prompt 0, sample 0    <- prefill            (G = 2)
+       row 1  prompt 0, sample 1    <- copy of row 0, slots 0..L-1
+       row 2  prompt 1, sample 0    <- prefill
+       row 3  prompt 1, sample 1    <- copy of row 2, slots 0..L-1
+
+Attention reads as many slots as its mask is wide. The eager decode step reads the filled slots 0..t;
+the same step with fixed shapes reads all S slots, those past t masked out, so on CUDA it is captured
+in a CUDA graph once per generate() call and replayed at every step. This removes the per-kernel
+launch cost, which dominates decoding for models this small (the gpt-fast idea). The eager step is
+the readable reference, the CPU path, and what `cuda_graph=False` selects on a GPU; a test checks that
+both give the same logits. The CUDA-graph path itself has not yet run on a GPU in this project's
+sessions (none was lent); see the README.
 
 The SAPO paper (arXiv 2509.08721) samples with Hugging Face transformers' generate(); this is a
 hand-written replacement with the same semantics (the tests compare greedy outputs token for token).
 """
 
-import contextlib
-
 import torch
 
-from model import KVCache, Transformer
+from model import Transformer
 
 
 def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None):
@@ -58,38 +65,58 @@ def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None):
     return (probs / noise).argmax(dim=-1)
 
 
-def decode_step(model: Transformer, cache: KVCache, tokens, t, pads):
+def prefill(model: Transformer, prompts, G, cache):
+    """Run the P prompts once, left-padded to L tokens, into rows 0, G, 2G, ... of the cache, and copy
+    each one's keys and values into the G - 1 rows after it. Returns the logits of each row's last
+    prompt token (B, V) and each row's left pads (B,)."""
+    device = cache.device
+    L = max(len(p) for p in prompts)
+    pads = torch.tensor([L - len(p) for p in prompts], device=device)
+    idx = torch.tensor([[0] * (L - len(p)) + list(p) for p in prompts], device=device)
+    keys = torch.arange(L, device=device)
+    mask = (keys[:, None] >= keys) & (keys >= pads[:, None, None])  # (P, L, L): causal, and not a pad
+    mask |= torch.eye(L, dtype=torch.bool, device=device)  # a pad query sees itself (else NaN)
+    pos = (keys - pads[:, None]).clamp(min=0)
+    h = model.hidden(idx, pos=pos, cache=cache[:, :, ::G], slots=keys, mask=mask[:, None])
+    groups = cache.unflatten(2, (len(prompts), G))  # (n_layers, 2, P, G, n_kv_heads, S, head_dim)
+    groups[:, :, :, 1:, :, :L] = groups[:, :, :, :1, :, :L]
+    return model.lm_head(h[:, -1]).repeat_interleave(G, dim=0), pads.repeat_interleave(G)
+
+
+def decode_step(model: Transformer, cache, tokens, t, pads, width):
     """Feed one token per row at cache slot t. tokens (B,), t a 0-dim long tensor on the model's
-    device, pads (B,) left pads.
-    Returns logits (B, V). Reads cache.kv_len slots; slots past t and pads are masked out."""
-    keys = torch.arange(cache.kv_len, device=tokens.device)
-    mask = (keys >= pads[:, None]) & (keys <= t)  # (B, kv_len): may attend
+    device, pads (B,) left pads. Attention reads slots 0..width-1: t + 1 (the filled ones) in the eager
+    loop, all S in the fixed-shape one; slots past t and pads are masked out. Returns logits (B, V)."""
+    keys = torch.arange(width, device=tokens.device)
+    mask = (keys >= pads[:, None]) & (keys <= t)  # (B, width): may attend
     pos = (t - pads)[:, None]  # (B, 1) RoPE position of the new token
     h = model.hidden(tokens[:, None], pos=pos, cache=cache, slots=t.view(1), mask=mask[:, None, None, :])
     return model.lm_head(h[:, -1])
 
 
 class GraphedDecode:
-    """decode_step captured in a CUDA graph: static input buffers, one replay per step."""
+    """decode_step with fixed shapes captured in a CUDA graph: static input buffers, one replay per step."""
 
     def __init__(self, model, cache, pads):
+        S = cache.shape[-2]
         self.tokens = torch.zeros_like(pads)
-        self.t = torch.full((), cache.kv_len - 1, dtype=torch.long, device=pads.device)  # a slot never read
+        self.t = torch.full((), S - 1, dtype=torch.long, device=pads.device)  # a slot never read
         self.pads = pads
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm up (allocations, kernel choice) outside the graph
-            for _ in range(2):
-                decode_step(model, cache, self.tokens, self.t, self.pads)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = decode_step(model, cache, self.tokens, self.t, self.pads)
+        with torch.cuda.device(pads.device):  # streams and graphs belong to the current device
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm up (allocations, kernel choice) outside the graph
+                for _ in range(2):
+                    decode_step(model, cache, self.tokens, self.t, self.pads, S)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = decode_step(model, cache, self.tokens, self.t, self.pads, S)
 
     def __call__(self, tokens, t):
         self.tokens.copy_(tokens)
         self.t.fill_(t)
-        self.graph.replay()
+        self.graph.replay()  # replays on the device it was captured on
         return self.logits
 
 
@@ -105,53 +132,24 @@ def generate(model: Transformer, prompts, num_samples=1, max_new_tokens=256, tem
         raise ValueError("every prompt needs at least one token")
     if max_new_tokens < 1:
         return [[] for _ in range(len(prompts) * num_samples)]
-    device = model.lm_head.weight.device
-    # streams and CUDA graphs belong to the current device: make it the model's
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        return _generate(model, prompts, num_samples, max_new_tokens, temperature, top_k, top_p,
-                         eos_token_ids, seed, cuda_graph)
-
-
-def _generate(model, prompts, num_samples, max_new_tokens, temperature, top_k, top_p, eos_token_ids, seed,
-              cuda_graph):
-    device = model.lm_head.weight.device
-    dtype = model.lm_head.weight.dtype
-    P, G = len(prompts), num_samples
-    B, L = P * G, max(len(p) for p in prompts)
-    if L + max_new_tokens > model.cfg.max_seq_len:
+    cfg, w = model.cfg, model.lm_head.weight
+    B, L = len(prompts) * num_samples, max(len(p) for p in prompts)
+    if L + max_new_tokens > cfg.max_seq_len:
         raise ValueError(f"prompt ({L} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-                         f"{model.cfg.max_seq_len} positions")
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=device).manual_seed(seed)
-    stop = torch.tensor(list(eos_token_ids), dtype=torch.long, device=device)
+                         f"{cfg.max_seq_len} positions")
+    generator = None if seed is None else torch.Generator(device=w.device).manual_seed(seed)
+    stop = torch.tensor(list(eos_token_ids), dtype=torch.long, device=w.device)
+    cache = torch.zeros(cfg.n_layers, 2, B, cfg.n_kv_heads, L + max_new_tokens, cfg.head_dim,
+                        device=w.device, dtype=w.dtype)
+    logits, pads = prefill(model, prompts, num_samples, cache)
 
-    # prefill: P left-padded prompts into rows 0, G, 2G, ... of the cache, then copied to their group
-    pads = torch.tensor([L - len(p) for p in prompts], device=device)
-    idx = torch.tensor([[0] * (L - len(p)) + list(p) for p in prompts], device=device)
-    cache = KVCache(model.cfg, B, L + max_new_tokens, device, dtype)
-    cache.kv_len = L
-    keys = torch.arange(L, device=device)
-    causal = keys[None, :, None] >= keys[None, None, :]  # (1, L, L) query >= key
-    mask = causal & (keys[None, None, :] >= pads[:, None, None])  # and the key is not a pad
-    mask = mask | torch.eye(L, dtype=torch.bool, device=device)  # pad queries see themselves, not NaN
-    pos = (keys[None, :] - pads[:, None]).clamp(min=0)
-    h = model.hidden(idx, pos=pos, cache=cache.rows(G), slots=keys, mask=mask[:, None])
-    logits = model.lm_head(h[:, -1]).repeat_interleave(G, dim=0)  # (B, V)
-    cache.share_prefix(G, L)
-    pads = pads.repeat_interleave(G)
-
-    # decode: one token per row per step, until every row has stopped
-    def eager_step(tokens, t):  # read only the filled slots 0..t
-        cache.kv_len = t + 1
-        return decode_step(model, cache, tokens, torch.tensor(t, device=device), pads)
-    step_fn = eager_step
-    if cuda_graph and device.type == "cuda":  # fixed shapes: every step reads the whole cache, masked
-        cache.kv_len = L + max_new_tokens
-        step_fn = GraphedDecode(model, cache, pads)
-    out = torch.zeros(B, max_new_tokens, dtype=torch.long, device=device)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    check_every = 8 if device.type == "cuda" else 1  # asking "all done?" costs a GPU -> CPU sync
+    def step(tokens, t):  # eager: read only the filled slots 0..t
+        return decode_step(model, cache, tokens, torch.tensor(t, device=w.device), pads, t + 1)
+    if cuda_graph and w.device.type == "cuda":
+        step = GraphedDecode(model, cache, pads)
+    out = torch.zeros(B, max_new_tokens, dtype=torch.long, device=w.device)
+    done = torch.zeros(B, dtype=torch.bool, device=w.device)
+    check_every = 8 if w.device.type == "cuda" else 1  # asking "all done?" costs a GPU -> CPU sync
     n = 0
     for n in range(1, max_new_tokens + 1):
         tokens = sample_token(logits, temperature, top_k, top_p, generator)
@@ -159,13 +157,11 @@ def _generate(model, prompts, num_samples, max_new_tokens, temperature, top_k, t
         done |= torch.isin(tokens, stop)
         if n == max_new_tokens or (n % check_every == 0 and bool(done.all())):
             break
-        logits = step_fn(tokens, L + n - 1)
+        logits = step(tokens, L + n - 1)
 
     # cut each row after its first stop token
-    rows = out[:, :n].tolist()
-    stops = set(eos_token_ids)
-    completions = []
-    for row in rows:
+    stops, completions = set(eos_token_ids), []
+    for row in out[:, :n].tolist():
         end = next((i + 1 for i, tok in enumerate(row) if tok in stops), len(row))
         completions.append(row[:end])
     return completions

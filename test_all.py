@@ -131,15 +131,14 @@ def test_model_untied_output_is_its_own_matrix():
 @pytest.mark.parametrize("family,tie", FAMILIES[::2])
 def test_model_cached_decoding_equals_full_forward(family, tie):
     ours = ours_from(hf_model(family, tie))
+    cfg = ours.cfg
     x = torch.randint(0, 300, (2, 12))
+    cache = torch.zeros(cfg.n_layers, 2, 2, cfg.n_kv_heads, 12, cfg.head_dim)  # (layers, k/v, B, heads, S, D)
     with torch.no_grad():
         full = ours(x)
-        cache = M.KVCache(ours.cfg, 2, 12, "cpu", torch.float32)
-        cache.kv_len = 5
         steps = [ours(x[:, :5], cache=cache, slots=torch.arange(5),
                       mask=torch.ones(5, 5, dtype=torch.bool).tril()[None, None])]
-        for t in range(5, 12):
-            cache.kv_len = t + 1
+        for t in range(5, 12):  # the mask's width t + 1 says how many slots attention reads
             steps.append(ours(x[:, t:t + 1], pos=torch.full((2, 1), t), cache=cache,
                               slots=torch.tensor([t]), mask=torch.ones(1, 1, 1, t + 1, dtype=torch.bool)))
     assert (torch.cat(steps, dim=1) - full).abs().max() < 1e-4
@@ -251,26 +250,16 @@ def test_sample_fixed_shape_decode_step_equals_the_eager_one():
     """The step the CUDA graph captures reads the whole preallocated cache under a mask; on the CPU it
     must give the same logits as the eager step that reads only the filled slots."""
     ours = ours_from(hf_model("qwen2", std=0.3))
-    L, new = 6, 5
-    pads = torch.tensor([3, 0])
-    idx = torch.tensor([[0, 0, 0, 5, 6, 7], [1, 2, 3, 4, 5, 6]])
-    keys = torch.arange(L)
-    mask = (keys[None, :, None] >= keys[None, None, :]) & (keys[None, None, :] >= pads[:, None, None])
-    mask = mask | torch.eye(L, dtype=torch.bool)
-    caches = []
-    for _ in range(2):
-        cache = M.KVCache(ours.cfg, 2, L + new, "cpu", torch.float32)
-        cache.kv_len = L
-        with torch.no_grad():
-            ours.hidden(idx, pos=(keys - pads[:, None]).clamp(min=0), cache=cache, slots=keys, mask=mask[:, None])
-        caches.append(cache)
-    tokens = torch.tensor([8, 9])
+    cfg, L, new = ours.cfg, 6, 5
+    caches = [torch.zeros(cfg.n_layers, 2, 2, cfg.n_kv_heads, L + new, cfg.head_dim) for _ in range(2)]
     with torch.no_grad():
+        for cache in caches:
+            logits, pads = sample.prefill(ours, [[5, 6, 7], [1, 2, 3, 4, 5, 6]], 1, cache)
+        assert pads.tolist() == [3, 0]
+        tokens = logits.argmax(-1)
         for t in range(L, L + new - 1):
-            caches[0].kv_len = t + 1  # eager
-            caches[1].kv_len = L + new  # fixed shape
-            a = sample.decode_step(ours, caches[0], tokens, torch.tensor(t), pads)
-            b = sample.decode_step(ours, caches[1], tokens, torch.tensor(t), pads)
+            a = sample.decode_step(ours, caches[0], tokens, torch.tensor(t), pads, t + 1)  # eager
+            b = sample.decode_step(ours, caches[1], tokens, torch.tensor(t), pads, L + new)  # fixed shape
             assert (a - b).abs().max() < 1e-5
             tokens = a.argmax(-1)
 
@@ -342,6 +331,24 @@ def test_sample_generation_ends_when_every_row_stopped():
     out = sample.generate(ours, [[1, 2]], num_samples=4, max_new_tokens=400, temperature=0,
                           eos_token_ids=[first])
     assert out == [[first]] * 4
+
+
+def test_sample_seeded_draws_equal_an_uncached_loop():
+    """A fixed seed must always give the same tokens: generate() (shared prefill, left pads, cache) must
+    draw exactly what a plain loop draws that runs each row's whole text through the model at every step
+    and calls sample_token once per step on all rows, prompt-major, with the same seeded generator."""
+    ours = ours_from(hf_model("qwen2", std=0.1))
+    prompts, G, new = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8], [9]], 2, 7
+    got = sample.generate(ours, prompts, num_samples=G, max_new_tokens=new, temperature=0.8, top_k=50, seed=3)
+    g = torch.Generator().manual_seed(3)
+    rows = [list(p) for p in prompts for _ in range(G)]
+    with torch.no_grad():
+        for _ in range(new):
+            logits = torch.stack([ours(torch.tensor([r]))[0, -1] for r in rows])
+            for r, tok in zip(rows, sample.sample_token(logits, 0.8, 50, 1.0, g).tolist()):
+                r.append(tok)
+    assert got == [r[-new:] for r in rows]
+    assert len({tuple(x) for x in got}) > 1  # the draws do differ between rows
 
 # -----------------------------------------------------------------------------
 # train.py

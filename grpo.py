@@ -1,9 +1,10 @@
 """
-The GRPO objective, written from scratch in plain torch: group-normalised advantages, per-token
-log-probs (chunked, so the (tokens x vocabulary) logits are never held all at once), the clipped
-surrogate with an optional k3 KL penalty, and the three usual ways of averaging it. SAPO (arXiv
-2509.08721, Sec. 3 and Algorithm 1) trains every peer with exactly this loss; what it changes is
-which rollouts go into the batch (local groups plus J sampled from the swarm), not the loss.
+The whole GRPO update, written from scratch in plain torch: group-normalised advantages, the clipped
+surrogate with an optional k3 KL penalty and the three usual ways of averaging it, the completion
+tokens' log-probs under the model (chunked, so the (tokens x vocabulary) logits are never held at
+once), and the step itself (step: padding, micro-batches, gradient clipping, the optimizer). SAPO
+(arXiv 2509.08721, Sec. 3 and Algorithm 1) trains every peer with exactly this update; what it changes
+is which rollouts go into the batch (local groups plus J sampled from the swarm), not the loss.
 
 The math, for one question q with G completions o_1..o_G scored r_1..r_G by the verifier:
 
@@ -40,12 +41,21 @@ Where this deviates from, or says more than, the paper:
   original GRPO per-sequence mean and Dr. GRPO's constant normaliser are offered beside it.
 - Groups of size 1 have no spread (torch's unbiased std is nan there): their advantage is defined as 0.
 
-Log-probs are taken at the sampling temperature (logits / temperature before the softmax), so the
-policy being trained is the one that sampled. Position t of the model's output predicts token t + 1:
+Which tokens are trained, and where their log-probs come from. A row is a prompt and one completion,
+as token ids; pad_rows cuts each completion after its first stop token and right-pads the batch.
+Position t of the model's output predicts token t + 1, so the hidden state *before* each completion
+token scores it (e.g. stop 2, pad 0):
 
-    ids     = [p0 p1 p2 | c0 c1 c2 c3]      prompt length P = 3, completion length T = 4
-    hidden  = [h0 h1 h2   h3 h4 h5 h6]      h2 predicts c0, ..., h5 predicts c3, h6 predicts nothing
-    logp    = hidden_logprobs(hidden[:, P-1:P+T-1], lm_head.weight, ids[:, P:P+T])   -> (B, T)
+    rows    = [([5, 6], [7, 8, 2, 9]),  ([4, 5, 6], [7])]     (prompt, completion); the 9 follows a stop
+    ids     = [[5, 6, 7, 8, 2],         [4, 5, 6, 7, 0]]      right-padded, the 9 dropped
+    pos     = [[2, 3, 4],               [3, 3, 3]]            where each completion token sits in ids
+    M       = [[1, 1, 1],               [1, 0, 0]]            completion up to its stop; padding repeats
+                                                              a valid pos and is masked
+    logp    = hidden_logprobs(hidden at pos - 1, lm_head.weight, ids at pos)      -> (B, Tc) = (2, 3)
+
+Log-probs are taken at the sampling temperature (logits / temperature before the softmax), so the
+policy being trained is the one that sampled. On CUDA the forward pass runs under bfloat16 autocast
+over float32 weights.
 """
 
 import torch
@@ -92,7 +102,99 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
 
 
 # -----------------------------------------------------------------------------
-# per-token log-probabilities
+# the loss
+
+
+def grpo_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_high=0.28, beta=0.0,
+              ref_logprobs=None, loss_type="token_mean", max_tokens=None):
+    """
+    The clipped GRPO surrogate (plus beta * k3 KL when beta > 0), averaged over masked tokens.
+
+    logprobs, old_logprobs, mask, ref_logprobs: (B, T); advantages: (B,), one per completion, spread
+    over its tokens. old_logprobs, ref_logprobs and advantages are constants (detached). E.g. B=2, T=4:
+        mask [[1, 1, 1, 0],       row 0: 3 completion tokens then padding
+              [1, 1, 1, 1]]       row 1: ran to the length limit
+    loss_type: "token_mean" sum(M*l) / sum(M)                  (DAPO; the paper's code)
+               "seq_mean"   mean over rows of each row's token mean (original GRPO; empty rows count 0)
+               "constant"   sum(M*l) / (B * max_tokens), max_tokens defaulting to T   (Dr. GRPO)
+    Returns (loss, stats) with stats a dict of python floats: clip_low and clip_high (fractions of
+    masked tokens where the clip removed the gradient), ratio_mean, kl (masked mean of k3; 0 without
+    ref_logprobs) and zero_adv_frac (fraction of rows whose advantage is exactly 0).
+    """
+    if loss_type not in ("token_mean", "seq_mean", "constant"):
+        raise ValueError(f"loss_type must be 'token_mean', 'seq_mean' or 'constant', not {loss_type!r}.")
+    if beta > 0 and ref_logprobs is None:
+        raise ValueError("beta > 0 needs ref_logprobs from a reference model; pass them or set beta to 0.")
+    B, T = logprobs.shape
+    M = mask.to(logprobs.dtype)
+    A = advantages.detach().to(logprobs.dtype)[:, None]                     # (B, 1)
+    ratio = torch.exp(logprobs - old_logprobs.detach())
+    per_token = -torch.min(ratio * A, ratio.clamp(1 - epsilon, 1 + epsilon_high) * A)
+    kl = None
+    if ref_logprobs is not None:
+        delta = ref_logprobs.detach() - logprobs
+        kl = torch.exp(delta) - delta - 1                                    # k3 >= 0, 0 iff equal
+        if beta > 0:
+            per_token = per_token + beta * kl
+
+    n_tokens = M.sum().clamp(min=1)
+    if loss_type == "token_mean":
+        loss = (per_token * M).sum() / n_tokens
+    elif loss_type == "seq_mean":
+        loss = ((per_token * M).sum(dim=1) / M.sum(dim=1).clamp(min=1)).mean()
+    else:
+        loss = (per_token * M).sum() / (B * (max_tokens if max_tokens is not None else T))
+
+    with torch.no_grad():                                                    # one sync for all stats
+        low = ((ratio < 1 - epsilon) & (A < 0)).to(M.dtype)
+        high = ((ratio > 1 + epsilon_high) & (A > 0)).to(M.dtype)
+        kl_mean = (kl * M).sum() / n_tokens if kl is not None else M.new_zeros(())
+        values = torch.stack([(low * M).sum() / n_tokens, (high * M).sum() / n_tokens,
+                              (ratio * M).sum() / n_tokens, kl_mean,
+                              (A == 0).to(M.dtype).mean() if B else M.new_zeros(())])
+        stats = dict(zip(["clip_low", "clip_high", "ratio_mean", "kl", "zero_adv_frac"], values.tolist()))
+    return loss, stats
+
+
+# -----------------------------------------------------------------------------
+# log-probs of the completion tokens
+
+
+def pad_rows(rows, pad_id, stop_ids, device="cpu"):
+    """
+    rows, a list of (prompt ids, completion ids), as tensors: ids (B, T) right-padded with pad_id, and
+    for the completion tokens their positions in ids, pos (B, Tc), and the mask M (B, Tc), where Tc is
+    the longest completion. Each completion is cut after its first stop token (any of stop_ids): nothing
+    after a stop is ever trained on, and the stop itself is, even when pad_id is a stop token too.
+    Worked example in the file's docstring.
+    """
+    def cut(c):  # up to and including the first stop token
+        return next((c[:k + 1] for k, token in enumerate(c) if token in stop_ids), c)
+
+    rows = [(p, cut(c)) for p, c in rows]
+    T = max(len(p) + len(c) for p, c in rows)
+    Tc = max(1, max(len(c) for _, c in rows))
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    pos = torch.zeros(len(rows), Tc, dtype=torch.long)
+    mask = torch.zeros(len(rows), Tc, dtype=torch.bool)
+    for b, (p, c) in enumerate(rows):
+        ids[b, :len(p) + len(c)] = torch.tensor(p + c)
+        pos[b] = (len(p) + torch.arange(Tc).clamp(max=max(len(c) - 1, 0))).clamp(max=T - 1)
+        mask[b, :len(c)] = True
+    return ids.to(device), pos.to(device), mask.to(device)
+
+
+def completion_logprobs(model, ids, pos, temperature, autocast_dtype=None):
+    """Log-probs (B, Tc) of the completion tokens ids[b, pos[b, j]] under the model, each scored by the
+    hidden state one position before it. Only those positions go through the output layer
+    (hidden_logprobs): the (B, T, vocabulary) logits are never held."""
+    with torch.autocast(ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        h = model.hidden(ids)                                                  # (B, T, dim)
+    h = h.gather(1, (pos - 1)[:, :, None].expand(-1, -1, h.shape[-1]))         # (B, Tc, dim)
+    w = model.lm_head.weight
+    if autocast_dtype is not None:
+        h, w = h.to(autocast_dtype), w.to(autocast_dtype)
+    return hidden_logprobs(h.to(w.dtype), w, ids.gather(1, pos), temperature)
 
 
 def _acc_dtype(dtype):
@@ -192,85 +294,49 @@ def hidden_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024):
 
 
 # -----------------------------------------------------------------------------
-# completion masks
+# the step
 
 
-def first_stop_lengths(ids, stop_ids):
+def step(model, opt, rows, advantages, pad_id, stop_ids, micro_batch=16, inner_steps=1, max_grad_norm=1.0,
+         temperature=1.0, ref_model=None, **loss_settings):
     """
-    Per row, the number of completion tokens up to and including the first stop token (T if none).
-
-    ids (B, T) completion token ids, stop_ids an int or a list of ints -> (B,) long, e.g. stop 2, pad 0:
-        [[5, 7, 2, 9, 2],        -> 3   (the first 2 is kept; what follows it is not)
-         [5, 2, 0, 0, 0],        -> 2
-         [5, 7, 8, 9, 6]]        -> 5   (no stop: ran into the length limit)
+    The GRPO update on one batch of rows (prompt ids, completion ids), one advantage per row:
+    inner_steps optimizer steps, each over micro-batches of micro_batch rows whose weighted losses add
+    up to the loss over the whole batch (so the gradient does not depend on micro_batch), with the
+    gradient clipped to max_grad_norm. "Old" log-probs are the model's own before the first step: the
+    policy that sampled, as far as this peer knows. ref_model (for beta > 0) gives the KL's reference.
+    loss_settings go to grpo_loss: epsilon, epsilon_high, beta, loss_type, max_tokens. Returns the
+    last step's stats: grpo_loss's, weighted as the loss is, plus loss, grad_norm, zero_adv_frac.
     """
-    stops = torch.as_tensor(stop_ids, device=ids.device).reshape(-1)
-    T = ids.shape[1]
-    pos = torch.arange(T, device=ids.device).expand_as(ids)
-    first = torch.where(torch.isin(ids, stops), pos, T).min(dim=1).values if T else ids.new_zeros(len(ids))
-    return torch.where(first < T, first + 1, T)
-
-
-def completion_mask(lengths, T):
-    """
-    (B,) completion lengths -> (B, T) bool mask, True on the first lengths[b] positions of row b.
-        lengths [3, 2, 5], T 5 -> [[1, 1, 1, 0, 0],
-                                   [1, 1, 0, 0, 0],
-                                   [1, 1, 1, 1, 1]]
-    """
-    return torch.arange(T, device=lengths.device)[None, :] < lengths[:, None]
-
-
-# -----------------------------------------------------------------------------
-# the loss
-
-
-def grpo_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_high=0.28, beta=0.0,
-              ref_logprobs=None, loss_type="token_mean", max_tokens=None):
-    """
-    The clipped GRPO surrogate (plus beta * k3 KL when beta > 0), averaged over masked tokens.
-
-    logprobs, old_logprobs, mask, ref_logprobs: (B, T); advantages: (B,), one per completion, spread
-    over its tokens. old_logprobs, ref_logprobs and advantages are constants (detached). E.g. B=2, T=4:
-        mask [[1, 1, 1, 0],       row 0: 3 completion tokens then padding
-              [1, 1, 1, 1]]       row 1: ran to the length limit
-    loss_type: "token_mean" sum(M*l) / sum(M)                  (DAPO; the paper's code)
-               "seq_mean"   mean over rows of each row's token mean (original GRPO; empty rows count 0)
-               "constant"   sum(M*l) / (B * max_tokens), max_tokens defaulting to T   (Dr. GRPO)
-    Returns (loss, stats) with stats a dict of python floats: clip_low and clip_high (fractions of
-    masked tokens where the clip removed the gradient), ratio_mean, kl (masked mean of k3; 0 without
-    ref_logprobs) and zero_adv_frac (fraction of rows whose advantage is exactly 0).
-    """
-    if loss_type not in ("token_mean", "seq_mean", "constant"):
-        raise ValueError(f"loss_type must be 'token_mean', 'seq_mean' or 'constant', not {loss_type!r}.")
-    if beta > 0 and ref_logprobs is None:
-        raise ValueError("beta > 0 needs ref_logprobs from a reference model; pass them or set beta to 0.")
-    B, T = logprobs.shape
-    M = mask.to(logprobs.dtype)
-    A = advantages.detach().to(logprobs.dtype)[:, None]                     # (B, 1)
-    ratio = torch.exp(logprobs - old_logprobs.detach())
-    per_token = -torch.min(ratio * A, ratio.clamp(1 - epsilon, 1 + epsilon_high) * A)
-    kl = None
-    if ref_logprobs is not None:
-        delta = ref_logprobs.detach() - logprobs
-        kl = torch.exp(delta) - delta - 1                                    # k3 >= 0, 0 iff equal
-        if beta > 0:
-            per_token = per_token + beta * kl
-
-    n_tokens = M.sum().clamp(min=1)
-    if loss_type == "token_mean":
-        loss = (per_token * M).sum() / n_tokens
-    elif loss_type == "seq_mean":
-        loss = ((per_token * M).sum(dim=1) / M.sum(dim=1).clamp(min=1)).mean()
-    else:
-        loss = (per_token * M).sum() / (B * (max_tokens if max_tokens is not None else T))
-
-    with torch.no_grad():                                                    # one sync for all stats
-        low = ((ratio < 1 - epsilon) & (A < 0)).to(M.dtype)
-        high = ((ratio > 1 + epsilon_high) & (A > 0)).to(M.dtype)
-        kl_mean = (kl * M).sum() / n_tokens if kl is not None else M.new_zeros(())
-        values = torch.stack([(low * M).sum() / n_tokens, (high * M).sum() / n_tokens,
-                              (ratio * M).sum() / n_tokens, kl_mean,
-                              (A == 0).to(M.dtype).mean() if B else M.new_zeros(())])
-        stats = dict(zip(["clip_low", "clip_high", "ratio_mean", "kl", "zero_adv_frac"], values.tolist()))
-    return loss, stats
+    device = model.lm_head.weight.device
+    amp = torch.bfloat16 if device.type == "cuda" else None
+    adv = torch.tensor(advantages, dtype=torch.float32, device=device)
+    parts = [list(range(i, min(i + micro_batch, len(rows)))) for i in range(0, len(rows), micro_batch)]
+    batches = [pad_rows([rows[i] for i in part], pad_id, stop_ids, device) for part in parts]
+    total_tokens = sum(int(mask.sum()) for _, _, mask in batches)
+    old, ref = [None] * len(parts), [None] * len(parts)
+    token_mean = loss_settings.get("loss_type", "token_mean") == "token_mean"
+    model.train()
+    opt.zero_grad(set_to_none=True)
+    for _ in range(inner_steps):
+        stats = {}
+        for k, (part, (ids, pos, mask)) in enumerate(zip(parts, batches)):
+            logp = completion_logprobs(model, ids, pos, temperature, amp)
+            if old[k] is None:
+                old[k] = logp.detach()
+            if ref_model is not None and ref[k] is None:
+                with torch.no_grad():
+                    ref[k] = completion_logprobs(ref_model, ids, pos, temperature, amp)
+            loss, s = grpo_loss(logp, old[k], adv[part], mask, ref_logprobs=ref[k], **loss_settings)
+            # weight each micro-batch so that the sum of their losses is the whole batch's loss
+            share = mask.sum().item() / max(total_tokens, 1) if token_mean else len(part) / len(rows)
+            (loss * share).backward()
+            for key, v in dict(s, loss=loss.item()).items():
+                stats[key] = stats.get(key, 0.0) + v * share
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)  # gradients live only during a step: between rounds, memory is free
+    model.eval()
+    # the share of rows with no advantage, counted over the batch (grpo_loss's count, weighted by
+    # micro-batch, would change with micro_batch)
+    return dict(stats, grad_norm=float(grad_norm), zero_adv_frac=float((adv == 0).float().mean()))

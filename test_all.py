@@ -397,65 +397,6 @@ def tiny(tmp_path):
     return tmp_path / "tiny"
 
 
-def test_train_completion_logprobs_line_up_with_the_full_forward(tiny):
-    ours, tok = M.load_model(str(tiny))
-    rows = [([5, 6], [7, 8, tok.eos_token_id]), ([9, 10, 11], [12])]
-    ids, pos, mask = train.pad_rows(rows, tok.pad_token_id, "cpu")
-    assert ids.tolist()[0][:5] == [5, 6, 7, 8, tok.eos_token_id] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]
-    _, pos_empty, mask_empty = train.pad_rows([([5, 6, 7], []), ([5], [8])], tok.pad_token_id, "cpu")
-    assert pos_empty.max() < 3 and mask_empty.tolist() == [[0], [1]]  # an empty completion stays in range
-    with torch.no_grad():
-        got = train.completion_logprobs(ours, ids, pos, temperature=0.7)
-        full = torch.log_softmax(ours(ids) / 0.7, dim=-1)
-    for b, (p, c) in enumerate(rows):
-        for j, token in enumerate(c):  # the logits at position t predict the token at t + 1
-            assert abs(got[b, j] - full[b, len(p) + j - 1, token]) < 1e-5
-
-
-def test_train_after_one_step_every_parameter_changed(tiny, tmp_path):
-    args = tiny_args(tmp_path)
-    ours, tok = M.load_model(str(tiny))
-    before = {n: p.detach().clone() for n, p in ours.named_parameters()}
-    opt = torch.optim.AdamW(ours.parameters(), lr=1e-3)
-    rows = [([5, 6, 7], [8, 9, tok.eos_token_id]), ([5, 6, 7], [10]), ([11, 12], [13, 14]), ([11, 12], [9])]
-    stats = train.train_step(ours, opt, rows, [1.0, -1.0, 0.5, -0.5], args, tok.pad_token_id)
-    assert stats["loss"] == stats["loss"] and stats["grad_norm"] > 0
-    unchanged = [n for n, p in ours.named_parameters() if torch.equal(p, before[n])]
-    assert unchanged == []
-
-
-def test_train_micro_batches_give_the_gradient_of_the_whole_batch(tiny, tmp_path):
-    ours, tok = M.load_model(str(tiny))
-    rows = [([5, 6, 7], [8, 9, 3]), ([5, 6, 7], [10]), ([11, 12], [13, 14, 15, 16]), ([11], [9, 9])]
-    adv = [1.0, -1.0, 0.5, -0.5]
-    grads = []
-    for mb in (4, 1):
-        for loss_type in ("token_mean", "seq_mean"):
-            model = copy_model(ours)
-            args = tiny_args(tmp_path, "--micro-batch", str(mb), "--loss-type", loss_type)
-            opt = torch.optim.SGD(model.parameters(), lr=1.0)
-            train.train_step(model, opt, rows, adv, args, tok.pad_token_id)
-            grads.append([p.detach().clone() for p in model.parameters()])
-    for whole, micro in ((grads[0], grads[2]), (grads[1], grads[3])):
-        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(whole, micro))
-
-
-def test_train_grad_checkpoint_gives_the_same_gradients(tiny, tmp_path, monkeypatch):
-    ours, tok = M.load_model(str(tiny))
-    calls = []
-    monkeypatch.setattr(M, "checkpoint", lambda *a, **k: calls.append(1) or torch.utils.checkpoint.checkpoint(*a, **k))
-    rows = [([5, 6, 7], [8, 9, 3]), ([11, 12], [13, 14, 15, 16])]
-    grads = []
-    for flag in ([], ["--grad-checkpoint"]):
-        model = copy_model(ours)
-        model.grad_checkpoint = bool(flag)
-        opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        train.train_step(model, opt, rows, [1.0, -1.0], tiny_args(tmp_path, *flag), tok.pad_token_id)
-        grads.append([p.detach().clone() for p in model.parameters()])
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
-    assert len(calls) == ours.cfg.n_layers  # one recomputed block per layer, in the second run only
-
-
 def copy_model(m):
     import copy
     return copy.deepcopy(m)
@@ -528,8 +469,8 @@ def format_model(tmp_path_factory):
             text = f"<answer> {item['answer']} </answer>" if tagged else item["answer"]
             answer = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
             rows.append((train.prompt_ids(tok, item, False), answer))
-        ids, pos, mask = train.pad_rows(rows, tok.pad_token_id, "cpu")
-        loss = -(train.completion_logprobs(ours, ids, pos, 1.0) * mask).sum() / mask.sum()
+        ids, pos, mask = grpo.pad_rows(rows, tok.pad_token_id, [tok.eos_token_id])
+        loss = -(grpo.completion_logprobs(ours, ids, pos, 1.0) * mask).sum() / mask.sum()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -750,12 +691,12 @@ def test_train_external_text_cannot_smuggle_control_tokens(which, monkeypatch):
 def test_train_every_row_is_trained_up_to_its_first_stop_only(tiny, tmp_path, monkeypatch):
     peer = train.Peer(tiny_args(tmp_path), log=quiet)
     stop = peer.stop_id
-    assert train.cut_at_stop([5, stop, 7, stop, 8], [stop]) == [5, stop] and train.cut_at_stop([5, 6], [stop]) == [5, 6]
-    rows = []
-    monkeypatch.setattr(train, "train_step", lambda model, opt, r, *a, **k: rows.extend(r) or {})
+    padded, real = [], grpo.pad_rows
+    monkeypatch.setattr(grpo, "pad_rows", lambda *a, **k: padded.append(real(*a, **k)) or padded[-1])
     local = train.Group({}, [9, 9], [[5, stop, 7, 8], [6, 6]], ["", ""], [True, False], [1.0, 0.0])
-    assert peer.grpo_step([local])["stepped"]
-    assert rows == [([9, 9], [5, stop]), ([9, 9], [6, 6])]
+    assert peer.update([local])["stepped"]
+    ids, pos, mask = padded[0]
+    assert [ids[b, pos[b][mask[b]]].tolist() for b in range(2)] == [[5, stop], [6, 6]]
 
 
 def test_train_external_groups_age_by_their_producers_rounds(tiny, tmp_path):
@@ -783,17 +724,6 @@ def test_train_resumed_peer_keeps_its_swarm_cursor(tiny, tmp_path, monkeypatch):
     peer.save(0)
     again = train.Peer(tiny_args(tmp_path, *args, "--resume"), log=quiet)
     assert made == [None, 1234] and again.client.cursor == 1234  # a new peer: None, the server's recent groups
-
-
-def test_train_zero_adv_frac_does_not_depend_on_the_micro_batch(tiny, tmp_path):
-    ours, tok = M.load_model(str(tiny))
-    rows = [([5, 6, 7], [8, 9, 3]), ([5, 6, 7], [10]), ([11, 12], [13, 14, 15, 16]), ([11], [9, 9])]
-    fracs = []
-    for mb in (4, 1):
-        stats = train.train_step(copy_model(ours), torch.optim.SGD(ours.parameters(), lr=0.0), rows,
-                                 [1.0, -1.0, 0.0, 0.0], tiny_args(tmp_path, "--micro-batch", str(mb)), tok.pad_token_id)
-        fracs.append(stats["zero_adv_frac"])
-    assert fracs == [0.5, 0.5]
 
 
 def test_train_metrics_separate_local_from_batch(tiny, tmp_path):
@@ -1500,19 +1430,111 @@ def test_grpo_hidden_logprobs_bf16_close_to_fp32():
 
 
 # -----------------------------------------------------------------------------
-# completion masks
+# rows, completion log-probs and the step, on a tiny model
 
 
-def test_grpo_first_stop_mask():
-    ids = torch.tensor([[5, 7, 2, 9, 2],      # first stop at 2: keep 3 tokens, the stop included
-                        [5, 2, 0, 0, 0],      # stop then padding: 2
-                        [5, 7, 8, 9, 6],      # no stop: the full length 5
-                        [3, 7, 8, 9, 6]])     # a second stop id (3) at position 0: 1
-    lengths = grpo.first_stop_lengths(ids, [2, 3])
-    assert lengths.tolist() == [3, 2, 5, 1]
-    assert grpo.first_stop_lengths(ids, 2).tolist() == [3, 2, 5, 5]
-    mask = grpo.completion_mask(lengths, 5)
-    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+def test_grpo_pad_rows_train_each_completion_up_to_its_first_stop():
+    # stops 2 and 3; the pad id is a stop too (pad == eos), and still only real stops count
+    rows = [([5, 6], [7, 8, 2, 9, 2]),    # the first 2 is kept; what follows it is not
+            ([4], [5, 2]),                # stop, nothing after it
+            ([4, 5, 6], [7, 8, 9, 6]),    # no stop: ran into the length limit, all 4 kept
+            ([4], [3, 7])]                # a second stop id (3) first: 1
+    ids, pos, mask = grpo.pad_rows(rows, 2, [2, 3])
+    assert mask.sum(1).tolist() == [3, 2, 4, 1]
+    assert ids.tolist() == [[5, 6, 7, 8, 2, 2, 2], [4, 5, 2, 2, 2, 2, 2], [4, 5, 6, 7, 8, 9, 6], [4, 3, 2, 2, 2, 2, 2]]
+    assert [ids[b, pos[b][mask[b]]].tolist() for b in range(4)] == [[7, 8, 2], [5, 2], [7, 8, 9, 6], [3]]
+    _, pos_empty, mask_empty = grpo.pad_rows([([5, 6, 7], []), ([5], [8])], 0, [2])
+    assert pos_empty.max() < 3 and mask_empty.tolist() == [[0], [1]]  # an empty completion stays in range
+
+
+def test_grpo_completion_logprobs_line_up_with_the_full_forward(tiny):
+    ours, tok = M.load_model(str(tiny))
+    rows = [([5, 6], [7, 8, tok.eos_token_id]), ([9, 10, 11], [12])]
+    ids, pos, mask = grpo.pad_rows(rows, tok.pad_token_id, [tok.eos_token_id])
+    assert ids.tolist()[0][:5] == [5, 6, 7, 8, tok.eos_token_id] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    with torch.no_grad():
+        got = grpo.completion_logprobs(ours, ids, pos, temperature=0.7)
+        full = torch.log_softmax(ours(ids) / 0.7, dim=-1)
+    for b, (p, c) in enumerate(rows):
+        for j, token in enumerate(c):  # the logits at position t predict the token at t + 1
+            assert abs(got[b, j] - full[b, len(p) + j - 1, token]) < 1e-5
+
+
+_GR_ROWS = [([5, 6, 7], [8, 9, 3]), ([5, 6, 7], [10]), ([11, 12], [13, 14, 15, 16]), ([11], [9, 9])]
+
+
+class _GrSGD(torch.optim.SGD):
+    """Plain SGD that keeps the gradient of each step it takes."""
+
+    def step(self, closure=None):
+        self.grads = [p.grad.clone() for group in self.param_groups for p in group["params"]]
+        return super().step(closure)
+
+
+def _gr_step(model, rows, adv, **settings):
+    """grpo.step with SGD at lr 1, pad id 0 and stop id 3 (the tiny model's) -> its stats and the
+    gradient its (last) optimizer step used, one tensor per parameter."""
+    opt = _GrSGD(model.parameters(), lr=1.0)
+    stats = grpo.step(model, opt, rows, adv, 0, [3], **settings)
+    return stats, opt.grads
+
+
+def test_grpo_step_gradient_equals_a_plain_reference(tiny):
+    """The whole update against one written out from the full logits: log_softmax(logits / temperature)
+    at position t scores token t + 1, each completion up to its first stop (the 7 after row 0's stop 3
+    is not trained), loss -A * logp averaged over those tokens (token_mean at ratio 1)."""
+    ours, tok = M.load_model(str(tiny))
+    rows = [([5, 6, 7], [8, 3, 7]), ([5, 6, 7], [10]), ([11, 12], [13, 14, 15, 16]), ([11], [9, 9])]
+    adv = [1.0, -1.0, 0.5, -0.25]
+    ref = copy_model(ours)
+    terms = []
+    for (p, c), a in zip(rows, adv):
+        c = c[:c.index(3) + 1] if 3 in c else c
+        logp = torch.log_softmax(ref(torch.tensor([p + c])) / 0.7, -1)[0, len(p) - 1:-1].gather(1, torch.tensor(c)[:, None])
+        terms.append(-a * logp.sum())
+    (sum(terms) / sum(len(c[:c.index(3) + 1] if 3 in c else c) for _, c in rows)).backward()
+    stats, grads = _gr_step(copy_model(ours), rows, adv, temperature=0.7, micro_batch=3, max_grad_norm=1e9)
+    assert stats["ratio_mean"] == pytest.approx(1.0) and stats["grad_norm"] > 0
+    assert all(torch.allclose(g, p.grad, rtol=1e-4, atol=1e-7) for g, p in zip(grads, ref.parameters()))
+
+
+def test_grpo_step_changes_every_parameter(tiny):
+    ours, tok = M.load_model(str(tiny))
+    before = {n: p.detach().clone() for n, p in ours.named_parameters()}
+    rows = [([5, 6, 7], [8, 9, tok.eos_token_id]), ([5, 6, 7], [10]), ([11, 12], [13, 14]), ([11, 12], [9])]
+    stats = grpo.step(ours, torch.optim.AdamW(ours.parameters(), lr=1e-3), rows, [1.0, -1.0, 0.5, -0.5],
+                      tok.pad_token_id, [tok.eos_token_id])
+    assert stats["loss"] == stats["loss"] and stats["grad_norm"] > 0
+    unchanged = [n for n, p in ours.named_parameters() if torch.equal(p, before[n])]
+    assert unchanged == []
+
+
+def test_grpo_step_micro_batches_give_the_gradient_of_the_whole_batch(tiny):
+    ours, _ = M.load_model(str(tiny))
+    for loss_type in ("token_mean", "seq_mean", "constant"):
+        whole, micro = (_gr_step(copy_model(ours), _GR_ROWS, [1.0, -1.0, 0.5, -0.5], micro_batch=mb,
+                                 loss_type=loss_type, max_tokens=6)[1] for mb in (4, 1))
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(whole, micro))
+
+
+def test_grpo_step_with_grad_checkpoint_gives_the_same_gradients(tiny, monkeypatch):
+    ours, _ = M.load_model(str(tiny))
+    calls = []
+    monkeypatch.setattr(M, "checkpoint", lambda *a, **k: calls.append(1) or torch.utils.checkpoint.checkpoint(*a, **k))
+    grads = []
+    for flag in (False, True):
+        model = copy_model(ours)
+        model.grad_checkpoint = flag
+        grads.append(_gr_step(model, _GR_ROWS[::2], [1.0, -1.0])[1])
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
+    assert len(calls) == ours.cfg.n_layers  # one recomputed block per layer, in the second run only
+
+
+def test_grpo_step_zero_adv_frac_does_not_depend_on_the_micro_batch(tiny):
+    ours, _ = M.load_model(str(tiny))
+    fracs = [_gr_step(copy_model(ours), _GR_ROWS, [1.0, -1.0, 0.0, 0.0], micro_batch=mb)[0]["zero_adv_frac"]
+             for mb in (4, 1)]
+    assert fracs == [0.5, 0.5]
 
 
 # ===================================================================================================

@@ -292,91 +292,6 @@ def external_group(tokenizer, g, stop_id, max_new_tokens, one_shot, log, system=
     return Group(g, prompt_ids(tokenizer, g, one_shot, system), [d[0] for d in done], [d[1] for d in done],
                  [d[2] for d in done], rewards)
 
-
-def cut_at_stop(ids, stop_ids):
-    """A completion up to and including its first stop token: nothing after a stop is ever trained on."""
-    for k, token in enumerate(ids):
-        if token in stop_ids:
-            return ids[:k + 1]
-    return ids
-
-
-# -----------------------------------------------------------------------------
-# the GRPO step
-
-
-def pad_rows(rows, pad_id, device):
-    """rows: list of (prompt_ids, completion_ids). Returns ids (B, T) right-padded, and for the
-    completion tokens: their positions in ids (B, Tc) and a mask (B, Tc), Tc = longest completion.
-
-    Example, prompts [a b] and [c d e], completions [x y EOS] and [z]:
-      ids  = [[a b x y EOS], [c d e z pad]]
-      pos  = [[2 3 4], [3 3 3]]        (index of each completion token; padding repeats a valid one)
-      mask = [[1 1 1], [1 0 0]]
-    The hidden state at position pos - 1 predicts the token at pos."""
-    T = max(len(p) + len(c) for p, c in rows)
-    Tc = max(1, max(len(c) for _, c in rows))
-    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    pos = torch.zeros(len(rows), Tc, dtype=torch.long)
-    mask = torch.zeros(len(rows), Tc, dtype=torch.bool)
-    for b, (p, c) in enumerate(rows):
-        ids[b, :len(p) + len(c)] = torch.tensor(p + c)
-        pos[b] = (len(p) + torch.arange(Tc).clamp(max=max(len(c) - 1, 0))).clamp(max=T - 1)
-        mask[b, :len(c)] = True
-    return ids.to(device), pos.to(device), mask.to(device)
-
-
-def completion_logprobs(model, ids, pos, temperature, autocast_dtype=None):
-    """Log-probs (B, Tc) of the completion tokens ids[b, pos[b, j]] under the model. Only the completion
-    positions go through the output layer, chunk by chunk (grpo.hidden_logprobs): the (B, T, vocab)
-    logits are never held."""
-    with torch.autocast(ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        h = model.hidden(ids)  # (B, T, dim)
-    h = h.gather(1, (pos - 1)[:, :, None].expand(-1, -1, h.shape[-1]))  # states that predict them
-    w = model.lm_head.weight
-    if autocast_dtype is not None:
-        h, w = h.to(autocast_dtype), w.to(autocast_dtype)
-    return grpo.hidden_logprobs(h.to(w.dtype), w, ids.gather(1, pos), temperature)
-
-
-def train_step(model, opt, rows, advantages, args, pad_id, ref_model=None):
-    """GRPO on one round's rows: --inner-steps optimizer steps, each over micro-batches with gradient
-    accumulation so that the loss equals one pass over the whole batch. Returns stats."""
-    device = model.lm_head.weight.device
-    amp = torch.bfloat16 if device.type == "cuda" else None
-    adv = torch.tensor(advantages, dtype=torch.float32, device=device)
-    chunks = [list(range(i, min(i + args.micro_batch, len(rows)))) for i in range(0, len(rows), args.micro_batch)]
-    batches = [pad_rows([rows[i] for i in c], pad_id, device) for c in chunks]
-    total_tokens = sum(int(m.sum()) for _, _, m in batches)
-    old, ref = [None] * len(chunks), [None] * len(chunks)
-    stats = {}
-    model.train()
-    for step in range(args.inner_steps):
-        opt.zero_grad(set_to_none=True)
-        agg = {}
-        for k, (c, (ids, pos, mask)) in enumerate(zip(chunks, batches)):
-            logp = completion_logprobs(model, ids, pos, args.temperature, amp)
-            if old[k] is None:  # the policy that sampled, as far as this peer knows: itself, now
-                old[k] = logp.detach()
-            if args.beta > 0 and ref[k] is None:
-                with torch.no_grad():
-                    ref[k] = completion_logprobs(ref_model, ids, pos, args.temperature, amp)
-            loss, s = grpo.grpo_loss(logp, old[k], adv[c], mask, args.epsilon, args.epsilon_high, args.beta,
-                                     ref[k], args.loss_type, max_tokens=args.max_new_tokens)
-            # weight each micro-batch so the sum of their losses is the whole batch's loss
-            share = mask.sum().item() / max(total_tokens, 1) if args.loss_type == "token_mean" else len(c) / len(rows)
-            (loss * share).backward()
-            for key, v in dict(s, loss=loss.item()).items():
-                agg[key] = agg.get(key, 0.0) + v * share
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)  # gradients live only during a step: between rounds, memory is free
-        # the share of completions with no advantage, counted over the batch (the loss's token-weighted
-        # count per micro-batch would change with --micro-batch)
-        stats = dict(agg, grad_norm=float(grad_norm), zero_adv_frac=float((adv == 0).float().mean()))
-    model.eval()
-    return stats
-
 # -----------------------------------------------------------------------------
 # one peer
 
@@ -461,7 +376,7 @@ class Peer:
         """Steps 4-7: choose J external groups, take a GRPO step on them and the local groups, log the round."""
         t0 = time.time()
         external, counts = self.choose_external()
-        stats = self.grpo_step(collected["groups"] + external)
+        stats = self.update(collected["groups"] + external)
         release_memory()
         return self.log_round(r, collected, external, counts, stats, collected["seconds"] + time.time() - t0)
 
@@ -502,16 +417,19 @@ class Peer:
             self.log(f"{len(external)} of J={args.external} external groups ({len(fetched)} new, {len(fresh)} usable)")
         return external, dict(external_available=len(fetched), external_survived=len(fresh))
 
-    def grpo_step(self, groups):
-        """Step 6: group-normalised advantages, then a GRPO update (train_step) unless they are all zero;
-        the sampler gets the new weights. Returns stats; `stepped` says whether the optimizer stepped."""
-        rows = [(g.prompt, cut_at_stop(c, self.stop_ids)) for g in groups for c in g.completions]
+    def update(self, groups):
+        """Step 6: group-normalised advantages, then a GRPO step (grpo.step) unless they are all zero; the
+        sampling copy gets the new weights. Returns the step's stats; `stepped` says whether it stepped."""
+        a = self.args
+        rows = [(g.prompt, c) for g in groups for c in g.completions]
         rewards = torch.tensor([x for g in groups for x in g.rewards])
-        adv = grpo.group_advantages(rewards, [len(g.rewards) for g in groups], self.args.adv_scale)
+        adv = grpo.group_advantages(rewards, [len(g.rewards) for g in groups], a.adv_scale)
         if not bool((adv != 0).any()):
             return dict(stepped=False, zero_adv_frac=1.0, train_tok_per_s=0.0)
         t0 = time.time()
-        stats = train_step(self.model, self.opt, rows, adv.tolist(), self.args, self.pad_id, self.ref_model)
+        stats = grpo.step(self.model, self.opt, rows, adv.tolist(), self.pad_id, self.stop_ids, a.micro_batch,
+                          a.inner_steps, a.max_grad_norm, a.temperature, self.ref_model, epsilon=a.epsilon,
+                          epsilon_high=a.epsilon_high, beta=a.beta, loss_type=a.loss_type, max_tokens=a.max_new_tokens)
         if self.sampler is not self.model:
             with torch.no_grad():
                 for ps, pm in zip(self.sampler.parameters(), self.model.parameters()):

@@ -59,6 +59,7 @@ over float32 weights.
 """
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 # -----------------------------------------------------------------------------
 # advantages
@@ -191,106 +192,32 @@ def completion_logprobs(model, ids, pos, temperature, autocast_dtype=None):
     with torch.autocast(ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         h = model.hidden(ids)                                                  # (B, T, dim)
     h = h.gather(1, (pos - 1)[:, :, None].expand(-1, -1, h.shape[-1]))         # (B, Tc, dim)
-    w = model.lm_head.weight
-    if autocast_dtype is not None:
-        h, w = h.to(autocast_dtype), w.to(autocast_dtype)
-    return hidden_logprobs(h.to(w.dtype), w, ids.gather(1, pos), temperature)
+    return hidden_logprobs(h.to(autocast_dtype or h.dtype), model.lm_head.weight, ids.gather(1, pos), temperature)
 
 
-def _acc_dtype(dtype):
-    # the dtype the softmax is computed in: float32, or float64 if the inputs already are
-    return torch.promote_types(dtype, torch.float32)
-
-
-def token_logprobs(logits, targets, temperature=1.0, chunk_size=2048):
+def hidden_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=512):
     """
-    log softmax(logits / temperature)[target] for every position, computed chunk_size rows at a time
-    with each chunk upcast to float32, so a float32 copy of the full logits is never made at once.
-    Autograd works through it, but then each chunk's float32 copy is kept for the backward pass: for
-    training from hidden states use hidden_logprobs, which keeps nothing of size vocabulary.
+    log softmax(hidden @ weight.T / temperature)[target] at every position, from the final (post-norm)
+    hidden states and the output embedding, chunk_size rows at a time. Each chunk runs under
+    torch.utils.checkpoint, which keeps only its inputs for the backward pass and recomputes its logits
+    there: neither pass holds more than one chunk's logits, in float32 (float64 for float64 input) and
+    the few (n, V) temporaries of their softmax and its gradient (about four at the backward's peak).
+    The matmul runs in hidden's dtype; weight's gradient is summed over the chunks in weight's dtype.
 
-    logits (B, T, V) any float dtype, targets (B, T) long -> (B, T) float32 (float64 for float64 in)
-        e.g. B=2, T=3, V=5, chunk_size=4: rows 0-3 then rows 4-5 of the flattened (6, 5) logits
+    hidden (B, T, C), weight (V, C), targets (B, T) long -> (B, T) float32, e.g. B=16, T=64, C=576,
+    V=49152: 2 chunks of (512, 49152) float32 logits, one at a time, instead of (1024, 49152) at once
     """
-    B, T, V = logits.shape
-    flat, tgt = logits.reshape(B * T, V), targets.reshape(B * T, 1)
-    out = []
-    for i in range(0, B * T, chunk_size):
-        z = flat[i:i + chunk_size].to(_acc_dtype(logits.dtype)) / temperature
-        out.append(z.gather(1, tgt[i:i + chunk_size]).squeeze(1) - torch.logsumexp(z, dim=1))
-    if not out:                                           # B * T == 0
-        return logits.new_zeros((B, T), dtype=_acc_dtype(logits.dtype))
-    return torch.cat(out).view(B, T)
+    h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    chunks = [checkpoint(_chunk_logprobs, h[i:i + chunk_size], weight, t[i:i + chunk_size], temperature,
+                         use_reentrant=False) for i in range(0, len(t), chunk_size)]
+    return torch.cat(chunks).view(targets.shape)
 
 
-class _HiddenLogprobs(torch.autograd.Function):
-    """
-    Forward: per chunk of rows, logits = hidden @ weight.T in the input dtype, then the float32
-    logsumexp and the target's logit. Saves hidden, weight, targets and one logsumexp per row.
-    Backward: recomputes each chunk's logits; with p = softmax(logits / temperature),
-        d logp / d logits = (onehot(target) - p) / temperature
-        grad_hidden = g * that @ weight,   grad_weight = sum over chunks of (g * that).T @ hidden
-    where g is the incoming gradient per row. grad_weight is summed in float32 and cast back.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size):
-        N, C = hidden.numel() // hidden.shape[-1], hidden.shape[-1]
-        h, t = hidden.reshape(N, C), targets.reshape(N, 1)
-        acc = _acc_dtype(hidden.dtype)
-        logp = torch.empty(N, dtype=acc, device=hidden.device)
-        lse = torch.empty(N, dtype=acc, device=hidden.device)
-        for i in range(0, N, chunk_size):
-            z = (h[i:i + chunk_size] @ weight.t()).to(acc) / temperature     # (n, V)
-            lse[i:i + chunk_size] = torch.logsumexp(z, dim=1)
-            logp[i:i + chunk_size] = z.gather(1, t[i:i + chunk_size]).squeeze(1) - lse[i:i + chunk_size]
-        ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        return logp.view(targets.shape)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_logp):
-        hidden, weight, targets, lse = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not (need_h or need_w):
-            return None, None, None, None, None
-        temperature, chunk_size = ctx.temperature, ctx.chunk_size
-        N, C = lse.numel(), hidden.shape[-1]
-        h, t = hidden.reshape(N, C), targets.reshape(N, 1)
-        g = grad_logp.reshape(N, 1).to(lse.dtype)
-        grad_h = torch.empty_like(h) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
-        for i in range(0, N, chunk_size):
-            j = min(i + chunk_size, N)
-            d = (h[i:j] @ weight.t()).to(lse.dtype).div_(temperature)         # (n, V) logits / T
-            d.sub_(lse[i:j, None]).exp_().mul_(-g[i:j])                      # -g * softmax
-            d.scatter_add_(1, t[i:j], g[i:j]).div_(temperature)             # g * (onehot - p) / T
-            d = d.to(hidden.dtype)
-            if need_h:
-                grad_h[i:j] = d @ weight                                      # (n, C)
-            if need_w:
-                grad_w += d.t() @ h[i:j]                                      # (V, C), summed in fp32
-        grad_h = grad_h.view(hidden.shape) if need_h else None
-        grad_w = grad_w.to(weight.dtype) if need_w else None
-        return grad_h, grad_w, None, None, None
-
-
-def hidden_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024):
-    """
-    The training path: log-probs of targets straight from the final (post-norm) hidden states and the
-    output embedding, equal to token_logprobs(hidden @ weight.T, targets, temperature), but neither the
-    forward nor the backward pass ever holds more than chunk_size rows of logits (a custom autograd
-    Function that recomputes them in backward). Gradients flow to hidden and/or weight, whichever
-    requires them. hidden and weight must share a dtype (float32 or bfloat16; float64 for gradcheck).
-
-    hidden (B, T, C), weight (V, C), targets (B, T) long -> (B, T) float32 (float64 for float64 in)
-        e.g. B=16, T=320, C=576, V=49152, chunk_size=1024: 5 chunks of (1024, 49152) logits, one at a
-        time; saved for backward: hidden, weight, targets and 5120 float32 logsumexps
-    """
-    if hidden.dtype != weight.dtype:
-        raise ValueError(f"hidden is {hidden.dtype} but weight is {weight.dtype}; cast one to the other.")
-    return _HiddenLogprobs.apply(hidden, weight, targets, temperature, chunk_size)
+def _chunk_logprobs(h, weight, t, temperature):
+    """hidden_logprobs on one chunk of rows: h (n, C) -> (n,), everything kept for autograd."""
+    z = h @ weight.to(h.dtype).t()                                             # (n, V)
+    z = z.to(torch.promote_types(z.dtype, torch.float32)) / temperature        # the softmax in float32
+    return z.gather(1, t[:, None]).squeeze(1) - z.logsumexp(1)
 
 
 # -----------------------------------------------------------------------------

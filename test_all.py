@@ -1350,20 +1350,6 @@ def test_grpo_kl_term():
 # log-probs
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_grpo_token_logprobs_chunked_matches_plain(temperature):
-    g = torch.Generator().manual_seed(3)
-    logits = 3 * torch.randn(3, 5, 11, generator=g)       # 15 rows in chunks of 4: 4, 4, 4, 3
-    targets = torch.randint(0, 11, (3, 5), generator=g)
-    plain = torch.log_softmax(logits / temperature, -1).gather(-1, targets[..., None]).squeeze(-1)
-    got = grpo.token_logprobs(logits, targets, temperature=temperature, chunk_size=4)
-    assert got.shape == (3, 5) and got.dtype == torch.float32
-    assert torch.allclose(got, plain, atol=1e-5)
-    half = grpo.token_logprobs(logits.bfloat16(), targets, temperature=temperature, chunk_size=4)
-    ref = torch.log_softmax(logits.bfloat16().float() / temperature, -1).gather(-1, targets[..., None])
-    assert half.dtype == torch.float32 and torch.allclose(half, ref.squeeze(-1), atol=1e-5)
-
-
 def _gr_hidden_case(dtype=torch.float32, seed=4):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(2, 7, 6, generator=g).to(dtype)
@@ -1373,13 +1359,19 @@ def _gr_hidden_case(dtype=torch.float32, seed=4):
     return hidden, weight, targets, upstream
 
 
+def _gr_plain_logprobs(hidden, weight, targets, temperature=1.0):
+    """The reference: the full logits at once, upcast to float32 (float64 stays) before the softmax."""
+    logits = (hidden @ weight.t()).to(torch.promote_types(hidden.dtype, torch.float32))
+    return torch.log_softmax(logits / temperature, -1).gather(-1, targets[..., None]).squeeze(-1)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_grpo_hidden_logprobs_matches_plain_fp32(temperature):
     hidden, weight, targets, upstream = _gr_hidden_case()
     h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     got = grpo.hidden_logprobs(h1, w1, targets, temperature=temperature, chunk_size=4)  # 14 rows
-    ref = grpo.token_logprobs(h2 @ w2.t(), targets, temperature=temperature)
+    ref = _gr_plain_logprobs(h2, w2, targets, temperature)
     assert got.dtype == torch.float32 and torch.allclose(got, ref, atol=1e-5)
     (got * upstream).sum().backward()
     (ref * upstream).sum().backward()
@@ -1392,12 +1384,12 @@ def test_grpo_hidden_logprobs_one_input_requires_grad():
     h = hidden.clone().requires_grad_()
     (grpo.hidden_logprobs(h, weight, targets, chunk_size=5) * upstream).sum().backward()
     h2 = hidden.clone().requires_grad_()
-    (grpo.token_logprobs(h2 @ weight.t(), targets) * upstream).sum().backward()
+    (_gr_plain_logprobs(h2, weight, targets) * upstream).sum().backward()
     assert torch.allclose(h.grad, h2.grad, atol=1e-5) and weight.grad is None
     w = weight.clone().requires_grad_()
     (grpo.hidden_logprobs(hidden, w, targets, chunk_size=5) * upstream).sum().backward()
     w2 = weight.clone().requires_grad_()
-    (grpo.token_logprobs(hidden @ w2.t(), targets) * upstream).sum().backward()
+    (_gr_plain_logprobs(hidden, w2, targets) * upstream).sum().backward()
     assert torch.allclose(w.grad, w2.grad, atol=1e-5)
     with torch.no_grad():
         assert not grpo.hidden_logprobs(hidden, w, targets).requires_grad
@@ -1418,15 +1410,21 @@ def test_grpo_hidden_logprobs_bf16_close_to_fp32():
     h16, w16 = hidden.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()
     lp32 = grpo.hidden_logprobs(h32, w32, targets, temperature=0.7, chunk_size=4)
     lp16 = grpo.hidden_logprobs(h16, w16, targets, temperature=0.7, chunk_size=4)
-    assert lp16.dtype == torch.float32
+    assert lp16.dtype == torch.float32  # bf16 logits, upcast before the softmax
+    assert torch.allclose(lp16, _gr_plain_logprobs(h16, w16, targets, 0.7), atol=1e-5)
     assert torch.allclose(lp16, lp32, atol=0.1, rtol=0.05)
     (lp32 * upstream).sum().backward()
     (lp16 * upstream).sum().backward()
     assert h16.grad.dtype == torch.bfloat16 and w16.grad.dtype == torch.bfloat16
     assert torch.allclose(h16.grad.float(), h32.grad, atol=0.1, rtol=0.05)
     assert torch.allclose(w16.grad.float(), w32.grad, atol=0.1, rtol=0.05)
-    with pytest.raises(ValueError, match="cast"):
-        grpo.hidden_logprobs(h16, w32, targets)
+    # float32 weights with bfloat16 hidden states (autocast on CUDA): the same bf16 matmul, and the
+    # weight's gradient summed over the chunks in float32
+    h16b, w32b = hidden.bfloat16().requires_grad_(), weight.clone().requires_grad_()
+    lp = grpo.hidden_logprobs(h16b, w32b, targets, temperature=0.7, chunk_size=4)
+    assert torch.equal(lp, lp16)
+    (lp * upstream).sum().backward()
+    assert w32b.grad.dtype == torch.float32 and torch.allclose(w32b.grad, w32.grad, atol=0.1, rtol=0.05)
 
 
 # -----------------------------------------------------------------------------

@@ -532,13 +532,14 @@ def test_train_resume_continues_the_round_numbering(tiny, tmp_path, monkeypatch)
     assert (tmp_path / "run" / "reward.svg").read_text().lstrip().startswith("<")
 
 
-def _processes_mentioning(text):
+def _processes_mentioning(*texts):
     found = []
     for pid in os.listdir("/proc"):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if text.encode() in f.read():
-                    found.append(int(pid))
+                cmdline = f.read()
+            if all(text.encode() in cmdline for text in texts):
+                found.append(int(pid))
         except (OSError, ValueError):
             pass
     return found
@@ -559,11 +560,13 @@ def test_train_launcher_runs_a_swarm_and_ctrl_c_stops_it(tiny, tmp_path):
     assert seeds == [train.peer_seed(0, 0), train.peer_seed(0, 1)]
     # a long run, interrupted: every child goes
     proc = subprocess.Popen(cmd[:-2] + ["--out", str(out) + "-long", "--rounds", "100000"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ, SWARM_TOKEN="tok-0123456789"))
     deadline = time.time() + 60
     while not os.path.exists(out.parent / "swarm-run-long" / "peer1" / "metrics.jsonl") and time.time() < deadline:
         time.sleep(0.2)
     assert len(_processes_mentioning(str(out) + "-long")) >= 3  # launcher + at least the server and a peer
+    assert _processes_mentioning("tok-0123456789") == []  # the token reaches the children, never a command line
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=30)
     time.sleep(0.5)
@@ -584,7 +587,7 @@ def test_train_launcher_exits_non_zero_when_a_peer_dies(tiny, tmp_path):
     while not all(os.path.exists(out / n / "metrics.jsonl") for n in ("peer0", "peer1")) and time.time() < deadline:
         time.sleep(0.2)
     for name, sig in (("peer1", signal.SIGKILL), ("peer0", signal.SIGTERM)):
-        for pid in _processes_mentioning(str(out / name / "launch.json")):
+        for pid in _processes_mentioning(str(out), f"\0--name\0{name}\0"):
             os.kill(pid, sig)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 1, stderr[-2000:]
@@ -767,6 +770,17 @@ def test_train_cpu_defaults_save_memory_and_the_launcher_refuses_what_does_not_f
     assert "try --peers 2." in str(e.value) and len(str(e.value).splitlines()) == 1
     assert not (tmp_path / "run").exists()  # refused before anything started
     assert "out of memory" in train.why_stopped(-9) and "fewer --peers" in train.why_stopped(-9)
+
+
+def test_train_as_flags_gives_the_launchers_children_the_same_settings(monkeypatch):
+    """The launcher resolves the settings once and passes them on as flags: parsed again, they are the same
+    settings (the shrink and the silo rule already applied), and the token is not among them."""
+    monkeypatch.setenv("SWARM_TOKEN", "tok")
+    for extra in (["--no-one-shot", "--resume", "--out", "o"], ["--external", "0", "--dtype", "float16", "--lr", "3e-6"]):
+        args = train.parse_args(["--model", "some/model", "--tasks", "repeat_number", "--peers", "2", *extra])
+        flags = train.as_flags(args)
+        settings = lambda a: {k: v for k, v in vars(a).items() if k not in ("shrunk", "silo")}  # what main printed
+        assert "tok" not in flags and settings(train.parse_args(flags)) == settings(args)
 
 
 # ===================================================================================================

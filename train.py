@@ -94,16 +94,34 @@ import swarm
 
 
 def parse_args(argv=None):
+    """The run's settings: the flags (parser), then the CPU shrink and the silo rule (fill_defaults).
+    A bad flag gets one sentence from argparse and exit status 2."""
+    p = parser()
+    args = p.parse_args(argv, argparse.Namespace(**dict.fromkeys(CPU_SHRINK)))  # None: not given
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device} was asked for, but torch sees no CUDA GPU")
+    if args.resume and not args.out:
+        p.error("--resume needs --out: the run folder to continue")
+    try:
+        args.task_list = resolve_tasks(args.tasks, args.model)
+    except ValueError as e:
+        p.error(str(e))
+    fill_defaults(p, args)
+    return args
+
+
+def parser():
     p = argparse.ArgumentParser(description="SAPO: swarm sampling policy optimization (arXiv 2509.08721)",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
     # what to run
-    a("--peers", type=int, nargs="?", const=4, default=0, help="start a swarm of N peers on this machine (alone: 4)")
-    a("--swarm", default=None, help="URL of a swarm server to join, e.g. http://10.0.0.5:8000")
-    a("--name", default=None, help="this peer's name in the swarm (default: the host name and a random suffix)")
+    a("--peers", type=at_least(0), nargs="?", const=4, default=0, help="start a swarm of N peers on this machine (alone: 4)")
+    a("--swarm", type=matching(r"https?://\S+", "a URL such as http://10.0.0.5:8000"), help="URL of a swarm server to join")
+    a("--name", type=matching(r"[A-Za-z0-9_.-]{1,64}", "1-64 letters, digits, '_', '.' or '-'"),
+      help="this peer's name in the swarm (default: the host name and a random suffix)")
     a("--token", default=os.environ.get("SWARM_TOKEN"),
       help="bearer token of the swarm server, for reads and writes (default: $SWARM_TOKEN, which ps does not show)")
-    a("--plot", default=None, metavar="RUN_DIR", help="write RUN_DIR/reward.svg from its metrics and exit")
+    a("--plot", metavar="RUN_DIR", help="write RUN_DIR/reward.svg from its metrics and exit")
     # model and tasks
     a("--model", default=M.DEFAULT_MODEL, help="model folder or Hugging Face Hub id (Llama, Qwen2, Qwen3)")
     a("--tasks", default="auto",
@@ -114,90 +132,96 @@ def parse_args(argv=None):
     a("--one-shot", action=argparse.BooleanOptionalAction, default=True,
       help="show one worked example of the task family as an earlier chat turn")
     # SAPO (the paper's best: I = 4, J = 4; its baseline in silo: I = 8, J = 0)
-    a("--local", type=int, default=None,
-      help="I: local questions per round (paper: 4; in silo, i.e. J = 0 or no swarm: I + J of the defaults, 8)")
-    a("--external", type=int, default=None, help="J: external groups trained on per round (paper: 4; 0: silo)")
-    a("--generations", type=int, default=None, help="G: completions per question (default 8 on a GPU)")
-    a("--rounds", type=int, default=2000, help="rounds to train")
-    a("--max-new-tokens", type=int, default=None, help="completion length limit in tokens (default 256 on a GPU)")
-    a("--temperature", type=float, default=1.0, help="sampling temperature")
+    a("--local", type=at_least(1), default=4,
+      help="I: local questions per round (in silo, i.e. J = 0 or no swarm: I + J of the defaults, 8)")
+    a("--external", type=at_least(0), default=4, help="J: external groups trained on per round (0: silo)")
+    a("--generations", type=at_least(2), default=8, help="G: completions per question (GRPO compares them)")
+    a("--rounds", type=at_least(1), default=2000, help="rounds to train")
+    a("--max-new-tokens", type=at_least(1), default=256, help="completion length limit in tokens")
+    a("--temperature", type=positive, default=1.0, help="sampling temperature")
     # GRPO
-    a("--lr", type=float, default=1e-5, help="AdamW learning rate (measured, see README)")
-    a("--epsilon", type=float, default=0.2, help="lower clip: ratio >= 1 - epsilon")
-    a("--epsilon-high", type=float, default=0.28, help="upper clip: ratio <= 1 + epsilon_high (DAPO: 0.28)")
-    a("--beta", type=float, default=0.0, help="weight of the k3 KL penalty to the initial model")
+    a("--lr", type=positive, default=1e-5, help="AdamW learning rate (measured, see README)")
+    a("--epsilon", type=fraction, default=0.2, help="lower clip: ratio >= 1 - epsilon")
+    a("--epsilon-high", type=at_least(0.0, float), default=0.28, help="upper clip: ratio <= 1 + epsilon_high (DAPO)")
+    a("--beta", type=at_least(0.0, float), default=0.0, help="weight of the k3 KL penalty to the initial model")
     a("--loss-type", default="token_mean", choices=["token_mean", "seq_mean", "constant"])
     a("--adv-scale", default="group", choices=["group", "batch", "none"], help="advantage normalisation")
-    a("--inner-steps", type=int, default=1, help="optimizer steps on each round's batch (1: one step per round)")
-    a("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
-    a("--micro-batch", type=int, default=None,
-      help="completions per forward/backward, gradients accumulated (default 16 on a GPU, 4 on the CPU)")
-    a("--grad-checkpoint", action=argparse.BooleanOptionalAction, default=None,
-      help="recompute activations in the backward pass (default: on the CPU only)")
+    a("--inner-steps", type=at_least(1), default=1, help="optimizer steps on each round's batch (1: one step per round)")
+    a("--max-grad-norm", type=positive, default=1.0, help="gradient clipping norm")
+    a("--micro-batch", type=at_least(1), default=16, help="completions per forward/backward, gradients accumulated")
+    a("--grad-checkpoint", action=argparse.BooleanOptionalAction, default=False,
+      help="recompute activations in the backward pass")
     # machinery
     a("--seed", type=int, default=0,
       help="this peer's seed (questions, sampling, external draws, init); peer k of --peers gets peer_seed(seed, k)")
-    a("--device", default=None, help="cuda, cpu, cuda:1, ... (default: cuda if available)")
-    a("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+    a("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda, cpu, cuda:1, ...")
+    a("--dtype", choices=["bfloat16", "float16", "float32"],
       help="dtype of the sampling copy of the weights (default: bfloat16 on CUDA, float32 on CPU)")
-    a("--out", default=None, help="run folder (default: runs/<date-time>); each peer writes OUT/<name>/")
-    a("--save-every", type=int, default=50, help="checkpoint every K rounds (0: only at the end)")
-    a("--sample-every", type=int, default=10, help="write some completions to samples.jsonl every K rounds")
+    a("--out", help="run folder (default: runs/<date-time>); each peer writes OUT/<name>/")
+    a("--save-every", type=at_least(0), default=50, help="checkpoint every K rounds (0: only at the end)")
+    a("--sample-every", type=at_least(0), default=10, help="write some completions to samples.jsonl every K rounds")
     a("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     a("--quiet", action="store_true", help="no progress bar (a line per round instead)")
-    a("--peer-settings", default=None, help=argparse.SUPPRESS)  # used by the --peers launcher
-    args = p.parse_args(argv)
-    if args.peer_settings:  # a child of the launcher: every setting comes from the file
-        with open(args.peer_settings) as f:
-            args = argparse.Namespace(**json.load(f))
-    check_args(p, args)
-    return args
+    return p
+
+
+# No GPU: a CPU is ~100x slower at this and several peers share its memory, so on the CPU the flags
+# left unset take these values (main prints which). Micro-batches and checkpointing keep the gradient.
+CPU_SHRINK = dict(local=2, external=2, generations=4, max_new_tokens=64, micro_batch=4, grad_checkpoint=True)
+
+
+def fill_defaults(p, args):
+    """Give the flags left unset (None) their defaults: CPU_SHRINK's on the CPU, the parser's elsewhere.
+    A peer in silo (J = 0, or no swarm to join) takes I + J of those as I: the paper's baseline, 8/0
+    against the swarm's 4/4, trains on as many groups a round. args.shrunk and args.silo say what
+    happened, for main to print."""
+    default = {k: CPU_SHRINK[k] if args.device == "cpu" else p.get_default(k) for k in CPU_SHRINK}
+    if args.external is None and not (args.swarm or args.peers):
+        args.external = 0
+    args.silo = args.local is None and args.external == 0
+    if args.silo:
+        args.local = default["local"] + default["external"]
+    args.shrunk = [k for k in CPU_SHRINK if getattr(args, k) is None and default[k] != p.get_default(k)]
+    for k in CPU_SHRINK:
+        if getattr(args, k) is None:
+            setattr(args, k, default[k])
+
+
+def at_least(low, kind=int):
+    """An argparse type: a number of `kind` that is at least `low`."""
+    def number(text):
+        value = kind(text)  # a ValueError: argparse says "invalid int value"
+        if not value >= low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, not {text}")
+        return value
+    number.__name__ = kind.__name__
+    return number
+
+
+def positive(text):
+    """An argparse type: a float above 0."""
+    if not float(text) > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, not {text}")
+    return float(text)
+
+
+def fraction(text):
+    """An argparse type: a float in [0, 1)."""
+    if not 0 <= float(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, not {text}")
+    return float(text)
+
+
+def matching(pattern, what):
+    """An argparse type: a string that fully matches the regular expression `pattern`."""
+    def string(text):
+        if not re.fullmatch(pattern, text):
+            raise argparse.ArgumentTypeError(f"must be {what}, not {text!r}")
+        return text
+    return string
 
 
 POOL_ROUNDS = 2  # a pooled external group is stale once its producer has published a group this many rounds newer
-
-# a CPU is ~100x slower than a GPU at this, and several peers share its memory: shrink what was not set
-GPU_DEFAULTS = dict(local=4, external=4, generations=8, max_new_tokens=256, micro_batch=16, grad_checkpoint=False)
-CPU_DEFAULTS = dict(local=2, external=2, generations=4, max_new_tokens=64, micro_batch=4, grad_checkpoint=True)
-
-
-def check_args(p, args):
-    """Fill device-dependent defaults and refuse bad flags with one sentence (argparse exits 2)."""
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error(f"--device {args.device} was asked for, but torch sees no CUDA GPU")
-    defaults = CPU_DEFAULTS if args.device == "cpu" else GPU_DEFAULTS
-    if args.external is None and not (args.swarm or args.peers):
-        args.external = 0  # no swarm to join: a peer in silo
-    args.silo = args.local is None and args.external == 0
-    if args.silo:  # the paper's baseline keeps I + J: 8/0 against the swarm's 4/4
-        args.local = defaults["local"] + defaults["external"]
-    args.shrunk = [k for k in defaults if getattr(args, k) is None and defaults[k] != GPU_DEFAULTS[k]]
-    for k, v in defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    for flag in ("local", "generations", "max_new_tokens", "rounds", "micro_batch", "inner_steps"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be at least 1")
-    if args.external < 0 or (args.peers or 0) < 0 or args.save_every < 0 or args.sample_every < 0:
-        p.error("--external, --peers, --save-every and --sample-every cannot be negative")
-    if args.generations < 2:
-        p.error("--generations must be at least 2: GRPO compares completions within a group")
-    if not args.temperature > 0:
-        p.error("--temperature must be positive: GRPO needs sampled completions")
-    if not (0 <= args.epsilon < 1 and args.epsilon_high >= 0 and args.lr > 0 and args.beta >= 0):
-        p.error("need 0 <= --epsilon < 1, --epsilon-high >= 0, --lr > 0 and --beta >= 0")
-    if args.name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", args.name):
-        p.error("--name must be 1-64 characters of letters, digits, '_', '.' or '-'")
-    if args.swarm and not re.match(r"https?://", args.swarm):
-        p.error("--swarm must be a URL such as http://10.0.0.5:8000")
-    if args.resume and not args.out:
-        p.error("--resume needs --out: the run folder to continue")
-    try:
-        args.task_list = resolve_tasks(args.tasks, args.model)
-    except ValueError as e:
-        p.error(str(e))
 
 
 def resolve_tasks(spec, model_name):
@@ -636,22 +660,35 @@ def start_server(args, children):
 
 
 def start_peer(args, k, url, children):
-    """Peer k as a child process: the launcher's settings, with its own name and seed (peer_seed)."""
+    """Peer k as a child process: this command line's settings, resolved here once and passed as flags,
+    with its own name, seed (peer_seed) and the server's URL; the token goes in its environment."""
     name = f"peer{k}"
-    settings = dict(vars(args), peers=0, swarm=url, name=name, seed=peer_seed(args.seed, k), quiet=True,
-                    peer_settings=None)
+    flags = as_flags(argparse.Namespace(**dict(vars(args), peers=0, swarm=url, name=name, quiet=True,
+                                               seed=peer_seed(args.seed, k))))
     os.makedirs(os.path.join(args.out, name), exist_ok=True)
-    path = os.path.join(args.out, name, "launch.json")
-    with open(path, "w") as f:
-        json.dump(settings, f, indent=2)
-    env = dict(os.environ)
+    env = dict(os.environ, **({"SWARM_TOKEN": args.token} if args.token else {}))  # not on a command line
     if args.device == "cpu":  # share the cores instead of every peer fighting for all of them
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.peers)))
-    proc = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), "--peer-settings", path],
+    proc = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), *flags],
                             stdout=open(os.path.join(args.out, name, "log.txt"), "a"), stderr=subprocess.STDOUT,
                             start_new_session=True, env=env)
     children.append(proc)
     return proc
+
+
+def as_flags(args):
+    """Settings as a command line that parse_args reads back into the same settings. Left out: what is
+    derived from flags (task_list, silo, shrunk) and --token, which must not show in ps."""
+    flags = []
+    for action in parser()._actions:
+        value, flag = getattr(args, action.dest, None), (action.option_strings or [None])[0]
+        if flag is None or action.dest in ("help", "token") or value is None:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            flags.append(flag if value else "--no-" + flag[2:])
+        elif value is not False:  # False: a store_true flag not given
+            flags += [flag] if value is True else [flag, str(value)]
+    return flags
 
 
 def stop_all(children):

@@ -513,7 +513,8 @@ def test_train_resume_continues_the_round_numbering(tiny, tmp_path, monkeypatch)
     folder = tmp_path / "run" / peer.name
     logged = [json.loads(line) for line in open(folder / "metrics.jsonl")]
     assert all(m["stepped"] and m["train_tok_per_s"] > 0 for m in logged)  # every round took an optimizer step
-    ckpt = folder / "checkpoint"
+    assert sorted(p.name for p in folder.glob("checkpoint-*")) == ["checkpoint-3"]  # the one of round 1 went
+    ckpt = folder / "checkpoint-3"
     assert json.load(open(ckpt / "config.json"))["architectures"] == ["LlamaForCausalLM"]
     AutoModelForCausalLM.from_pretrained(ckpt)  # a Hugging Face folder
     with pytest.raises(SystemExit, match="--resume"):
@@ -530,6 +531,34 @@ def test_train_resume_continues_the_round_numbering(tiny, tmp_path, monkeypatch)
     assert rounds == [0, 1, 2, 3, 4, 5]
     train.main(["--plot", str(tmp_path / "run")])
     assert (tmp_path / "run" / "reward.svg").read_text().lstrip().startswith("<")
+
+
+def test_train_a_stop_while_saving_resumes_from_the_checkpoint_before(tiny, tmp_path, monkeypatch):
+    """Stopped while round 3's checkpoint was half written: the pointer still names round 1's, so the
+    resumed run starts at round 2, with the metrics of rounds 2-3 gone, and ends as an unstopped one."""
+    spread_rewards(monkeypatch)
+    real = M.save_model
+
+    def stop_midway(model, tok, folder, write_extra=None):
+        if str(folder).endswith("checkpoint-3"):
+            os.makedirs(folder)
+            open(os.path.join(folder, "config.json"), "w").close()
+            raise KeyboardInterrupt
+        return real(model, tok, folder, write_extra)
+
+    monkeypatch.setattr(M, "save_model", stop_midway)
+    with pytest.raises(KeyboardInterrupt):
+        train.Peer(tiny_args(tmp_path, "--name", "s", "--rounds", "4", "--save-every", "2"), log=quiet).run()
+    folder = tmp_path / "run" / "s"
+    assert [json.loads(line)["round"] for line in open(folder / "metrics.jsonl")] == [0, 1, 2, 3]
+    monkeypatch.setattr(M, "save_model", real)
+    again = train.Peer(tiny_args(tmp_path, "--name", "s", "--rounds", "4", "--save-every", "2", "--resume"), log=quiet)
+    assert again.start_round == 2
+    assert [json.loads(line)["round"] for line in open(folder / "metrics.jsonl")] == [0, 1]
+    again.run()
+    assert [json.loads(line)["round"] for line in open(folder / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert sorted(p.name for p in folder.glob("checkpoint-*")) == ["checkpoint-3"]
+    M.load_model(str(folder / "checkpoint-3"))
 
 
 def _processes_mentioning(*texts):

@@ -75,6 +75,7 @@ import os
 import random
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -335,16 +336,14 @@ class Peer:
         self.dir = os.path.join(args.out, self.name)
         self.device = torch.device(args.device)
         self.sample_dtype = getattr(torch, args.dtype) if args.dtype else M.default_dtype(self.device)
-        # the last checkpoint; "checkpoint.old" only exists if a stop came in the middle of replacing it
-        ckpt = next((c for c in (os.path.join(self.dir, "checkpoint"), os.path.join(self.dir, "checkpoint.old"))
-                     if os.path.exists(os.path.join(c, "trainer_state.pt"))), None)
+        ckpt = last_checkpoint(self.dir)
         resuming = args.resume and ckpt is not None
         if os.path.exists(os.path.join(self.dir, "metrics.jsonl")) and not args.resume:
             raise SystemExit(f"{self.dir} already holds a run: pass --resume to continue it, or another --out")
         os.makedirs(self.dir, exist_ok=True)
         torch.manual_seed(args.seed)
         try:
-            self.model, self.tok = M.load_model(ckpt if resuming else args.model, self.device, torch.float32, log=log)
+            self.model, self.tok = M.load_model(ckpt["path"] if resuming else args.model, self.device, torch.float32, log=log)
         except (OSError, ValueError, RuntimeError) as e:  # a model that cannot be found or read
             raise SystemExit(f"train.py: {e}") from None
         self.model.grad_checkpoint = args.grad_checkpoint
@@ -514,31 +513,49 @@ class Peer:
             self.client.close()
 
     def save(self, round_):
-        """A Hugging Face folder transformers can load, plus optimizer, RNG and swarm cursor state,
-        written together and renamed into place at once (model.save_model)."""
+        """checkpoint-<round>/: a Hugging Face folder transformers can load, plus optimizer, RNG and swarm
+        cursor state (model.save_model renames it into place whole). Then checkpoint.json, the pointer
+        resume reads, is replaced at once, and older checkpoints go: a stop at any moment leaves the
+        pointer naming a whole checkpoint, with the length metrics.jsonl had when it was taken."""
         state = {"round": round_, "optimizer": self.opt.state_dict(), "torch_rng": torch.get_rng_state(),
                  "external_rng": json.dumps(self.external_rng.getstate()),
                  "cursor": getattr(self.client, "cursor", None)}
-        M.save_model(self.model, self.tok, os.path.join(self.dir, "checkpoint"),
+        name, metrics = f"checkpoint-{round_}", os.path.join(self.dir, "metrics.jsonl")
+        M.save_model(self.model, self.tok, os.path.join(self.dir, name),
                      write_extra=lambda folder: torch.save(state, os.path.join(folder, "trainer_state.pt")))
+        pointer = dict(round=round_, checkpoint=name, metrics_bytes=os.path.getsize(metrics) if os.path.exists(metrics) else 0)
+        with open(os.path.join(self.dir, "checkpoint.json.tmp"), "w") as f:
+            json.dump(pointer, f)
+        os.replace(os.path.join(self.dir, "checkpoint.json.tmp"), os.path.join(self.dir, "checkpoint.json"))
+        for old in glob.glob(os.path.join(glob.escape(self.dir), "checkpoint-*")):
+            if os.path.basename(old) != name:
+                shutil.rmtree(old, ignore_errors=True)
 
     def load_state(self, ckpt):
-        """Optimizer and random state from a checkpoint; returns the saved swarm cursor (None: none saved)."""
-        state = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=True)
+        """Optimizer and random state from a checkpoint (last_checkpoint's dict); returns the saved swarm
+        cursor (None: none saved)."""
+        state = torch.load(os.path.join(ckpt["path"], "trainer_state.pt"), map_location="cpu", weights_only=True)
         self.opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"].cpu())
         v, internal, gauss = json.loads(state["external_rng"])
         self.external_rng.setstate((v, tuple(internal), gauss))
         self.start_round = state["round"] + 1
-        # metrics logged after that checkpoint belong to rounds that will be run again
-        path = os.path.join(self.dir, "metrics.jsonl")
-        if os.path.exists(path):
-            with open(path) as f:
-                keep = [line for line in f if line.strip() and json.loads(line)["round"] <= state["round"]]
-            with open(path, "w") as f:
-                f.writelines(keep)
-        self.log(f"resumed {self.name} from {ckpt} at round {self.start_round}")
+        path = os.path.join(self.dir, "metrics.jsonl")  # lines after the checkpoint's: rounds that run again
+        if os.path.exists(path) and os.path.getsize(path) > ckpt["metrics_bytes"]:
+            os.truncate(path, ckpt["metrics_bytes"])
+        self.log(f"resumed {self.name} from {ckpt['path']} at round {self.start_round}")
         return state["cursor"]
+
+
+def last_checkpoint(folder):
+    """The checkpoint that folder/checkpoint.json names (Peer.save), as a dict: round, checkpoint (its
+    folder's name), metrics_bytes, and path; None before the first save."""
+    try:
+        with open(os.path.join(folder, "checkpoint.json")) as f:
+            pointer = json.load(f)
+    except FileNotFoundError:
+        return None
+    return dict(pointer, path=os.path.join(folder, pointer["checkpoint"]))
 
 
 def peer_name(args, log):

@@ -325,7 +325,7 @@ class Peer:
     """One SAPO peer: its model, optimizer, swarm client and round loop.
 
     client: a swarm client to use instead of one made from --swarm (a driver that runs several peers in
-    one process passes its own). args are taken as they are: check_args treats a peer without --swarm
+    one process passes its own). args are taken as they are: parse_args treats a peer without --swarm
     as one in silo, so with an injected client give --local and --external explicitly.
     round(r) is collect(r) then learn(r, ...): a synchronous swarm calls collect on every peer, lets
     the groups reach the server, then calls learn on every peer."""
@@ -367,7 +367,7 @@ class Peer:
             open(os.path.join(self.dir, "metrics.jsonl"), "w").close()  # those rounds will run again
         self.client = client
         if client is None and args.swarm:  # with J = 0 a peer still shares its rollouts
-            self.client = connect(args.swarm, self.name, args.token, cursor)
+            self.client = swarm.SwarmClient(args.swarm, self.name, token=args.token, cursor=cursor)
         with open(os.path.join(self.dir, "settings.json"), "w") as f:
             json.dump(vars(args), f, indent=2)
 
@@ -378,20 +378,10 @@ class Peer:
         return self.learn(r, self.collect(r))
 
     def collect(self, r):
-        """Steps 1-3: draw I questions, sample G completions of each, score them with the local verifier,
-        publish them. Returns what learn() needs: the local groups and the time taken."""
-        t0, args, G = time.time(), self.args, self.args.generations
-        items = self.questions(r)
-        prompts = [prompt_ids(self.tok, it, args.one_shot, args.system_prompt) for it in items]
-        outs = sample.generate(self.sampler, prompts, num_samples=G, max_new_tokens=args.max_new_tokens,
-                               temperature=args.temperature, eos_token_ids=self.stop_ids, seed=self.sampling_seed(r))
-        sample_seconds = time.time() - t0
-        groups = []
-        for i, (item, prompt) in enumerate(zip(items, prompts)):
-            ids = outs[i * G:(i + 1) * G]
-            stopped = [len(o) > 0 and o[-1] in self.stop_ids for o in ids]
-            texts = [self.tok.decode(o[:-1] if s else o, skip_special_tokens=True) for o, s in zip(ids, stopped)]
-            groups.append(Group(item, prompt, ids, texts, stopped, [reward.score(item, t) for t in texts]))
+        """Steps 1-3: sample and score this round's local groups, publish them. Returns what learn()
+        needs: the local groups and the time taken."""
+        t0 = time.time()
+        groups, sample_seconds = self.sample_local(r)
         self.publish(r, groups)
         return dict(groups=groups, sample_seconds=sample_seconds, seconds=time.time() - t0)
 
@@ -408,6 +398,22 @@ class Peer:
         first I items of round r are the same whatever I, J or the swarm: swarm and silo runs are paired."""
         rng = stream(self.args.seed, "questions", r)
         return [reward.get_task(rng.choice(self.args.task_list)).generate(rng) for _ in range(self.args.local)]
+
+    def sample_local(self, r):
+        """Steps 1-2: G completions of each of round r's questions from the peer's own model, each decoded
+        and scored by the local verifier. Returns the groups and the seconds sampling took."""
+        t0, args, G = time.time(), self.args, self.args.generations
+        items = self.questions(r)
+        prompts = [prompt_ids(self.tok, it, args.one_shot, args.system_prompt) for it in items]
+        outs = sample.generate(self.sampler, prompts, num_samples=G, max_new_tokens=args.max_new_tokens,
+                               temperature=args.temperature, eos_token_ids=self.stop_ids, seed=self.sampling_seed(r))
+        sample_seconds, groups = time.time() - t0, []
+        for i, (item, prompt) in enumerate(zip(items, prompts)):
+            ids = outs[i * G:(i + 1) * G]
+            stopped = [len(o) > 0 and o[-1] in self.stop_ids for o in ids]
+            texts = [self.tok.decode(o[:-1] if s else o, skip_special_tokens=True) for o, s in zip(ids, stopped)]
+            groups.append(Group(item, prompt, ids, texts, stopped, [reward.score(item, t) for t in texts]))
+        return groups, sample_seconds
 
     def sampling_seed(self, r):
         return stream(self.args.seed, "sampling", r).getrandbits(63)
@@ -576,11 +582,6 @@ def peer_name(args, log):
     name = f"{host}-{secrets.token_hex(3)}"
     log(f"this peer's name in the swarm: {name} (--name sets it)")
     return name
-
-
-def connect(url, name, token, cursor):
-    """A swarm client that goes on reading after `cursor` (None: a new peer, reading recent groups)."""
-    return swarm.SwarmClient(url, name, token=token, cursor=cursor)
 
 
 def progress(m):

@@ -1,9 +1,10 @@
 """
-The GRPO objective, written from scratch in plain torch: group-normalised advantages, per-token
-log-probs (chunked, so the (tokens x vocabulary) logits are never held all at once), the clipped
-surrogate with an optional k3 KL penalty, and the three usual ways of averaging it. SAPO (arXiv
-2509.08721, Sec. 3 and Algorithm 1) trains every peer with exactly this loss; what it changes is
-which rollouts go into the batch (local groups plus J sampled from the swarm), not the loss.
+The whole GRPO update, written from scratch in plain torch: group-normalised advantages, the clipped
+surrogate with an optional k3 KL penalty and the three usual ways of averaging it, the completion
+tokens' log-probs under the model (chunked, so the (tokens x vocabulary) logits are never held at
+once), and the step itself (step: padding, micro-batches, gradient clipping, the optimizer). SAPO
+(arXiv 2509.08721, Sec. 3 and Algorithm 1) trains every peer with exactly this update; what it changes
+is which rollouts go into the batch (local groups plus J sampled from the swarm), not the loss.
 
 The math, for one question q with G completions o_1..o_G scored r_1..r_G by the verifier:
 
@@ -40,15 +41,25 @@ Where this deviates from, or says more than, the paper:
   original GRPO per-sequence mean and Dr. GRPO's constant normaliser are offered beside it.
 - Groups of size 1 have no spread (torch's unbiased std is nan there): their advantage is defined as 0.
 
-Log-probs are taken at the sampling temperature (logits / temperature before the softmax), so the
-policy being trained is the one that sampled. Position t of the model's output predicts token t + 1:
+Which tokens are trained, and where their log-probs come from. A row is a prompt and one completion,
+as token ids; pad_rows cuts each completion after its first stop token and right-pads the batch.
+Position t of the model's output predicts token t + 1, so the hidden state *before* each completion
+token scores it (e.g. stop 2, pad 0):
 
-    ids     = [p0 p1 p2 | c0 c1 c2 c3]      prompt length P = 3, completion length T = 4
-    hidden  = [h0 h1 h2   h3 h4 h5 h6]      h2 predicts c0, ..., h5 predicts c3, h6 predicts nothing
-    logp    = hidden_logprobs(hidden[:, P-1:P+T-1], lm_head.weight, ids[:, P:P+T])   -> (B, T)
+    rows    = [([5, 6], [7, 8, 2, 9]),  ([4, 5, 6], [7])]     (prompt, completion); the 9 follows a stop
+    ids     = [[5, 6, 7, 8, 2],         [4, 5, 6, 7, 0]]      right-padded, the 9 dropped
+    pos     = [[2, 3, 4],               [3, 3, 3]]            where each completion token sits in ids
+    M       = [[1, 1, 1],               [1, 0, 0]]            completion up to its stop; padding repeats
+                                                              a valid pos and is masked
+    logp    = hidden_logprobs(hidden at pos - 1, lm_head.weight, ids at pos)      -> (B, Tc) = (2, 3)
+
+Log-probs are taken at the sampling temperature (logits / temperature before the softmax), so the
+policy being trained is the one that sampled. On CUDA the forward pass runs under bfloat16 autocast
+over float32 weights.
 """
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 # -----------------------------------------------------------------------------
 # advantages
@@ -89,136 +100,6 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     else:
         std = r.std() if r.numel() > 1 else r.new_zeros(())
     return centred / (std + eps)
-
-
-# -----------------------------------------------------------------------------
-# per-token log-probabilities
-
-
-def _acc_dtype(dtype):
-    # the dtype the softmax is computed in: float32, or float64 if the inputs already are
-    return torch.promote_types(dtype, torch.float32)
-
-
-def token_logprobs(logits, targets, temperature=1.0, chunk_size=2048):
-    """
-    log softmax(logits / temperature)[target] for every position, computed chunk_size rows at a time
-    with each chunk upcast to float32, so a float32 copy of the full logits is never made at once.
-    Autograd works through it, but then each chunk's float32 copy is kept for the backward pass: for
-    training from hidden states use hidden_logprobs, which keeps nothing of size vocabulary.
-
-    logits (B, T, V) any float dtype, targets (B, T) long -> (B, T) float32 (float64 for float64 in)
-        e.g. B=2, T=3, V=5, chunk_size=4: rows 0-3 then rows 4-5 of the flattened (6, 5) logits
-    """
-    B, T, V = logits.shape
-    flat, tgt = logits.reshape(B * T, V), targets.reshape(B * T, 1)
-    out = []
-    for i in range(0, B * T, chunk_size):
-        z = flat[i:i + chunk_size].to(_acc_dtype(logits.dtype)) / temperature
-        out.append(z.gather(1, tgt[i:i + chunk_size]).squeeze(1) - torch.logsumexp(z, dim=1))
-    if not out:                                           # B * T == 0
-        return logits.new_zeros((B, T), dtype=_acc_dtype(logits.dtype))
-    return torch.cat(out).view(B, T)
-
-
-class _HiddenLogprobs(torch.autograd.Function):
-    """
-    Forward: per chunk of rows, logits = hidden @ weight.T in the input dtype, then the float32
-    logsumexp and the target's logit. Saves hidden, weight, targets and one logsumexp per row.
-    Backward: recomputes each chunk's logits; with p = softmax(logits / temperature),
-        d logp / d logits = (onehot(target) - p) / temperature
-        grad_hidden = g * that @ weight,   grad_weight = sum over chunks of (g * that).T @ hidden
-    where g is the incoming gradient per row. grad_weight is summed in float32 and cast back.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size):
-        N, C = hidden.numel() // hidden.shape[-1], hidden.shape[-1]
-        h, t = hidden.reshape(N, C), targets.reshape(N, 1)
-        acc = _acc_dtype(hidden.dtype)
-        logp = torch.empty(N, dtype=acc, device=hidden.device)
-        lse = torch.empty(N, dtype=acc, device=hidden.device)
-        for i in range(0, N, chunk_size):
-            z = (h[i:i + chunk_size] @ weight.t()).to(acc) / temperature     # (n, V)
-            lse[i:i + chunk_size] = torch.logsumexp(z, dim=1)
-            logp[i:i + chunk_size] = z.gather(1, t[i:i + chunk_size]).squeeze(1) - lse[i:i + chunk_size]
-        ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        return logp.view(targets.shape)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_logp):
-        hidden, weight, targets, lse = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not (need_h or need_w):
-            return None, None, None, None, None
-        temperature, chunk_size = ctx.temperature, ctx.chunk_size
-        N, C = lse.numel(), hidden.shape[-1]
-        h, t = hidden.reshape(N, C), targets.reshape(N, 1)
-        g = grad_logp.reshape(N, 1).to(lse.dtype)
-        grad_h = torch.empty_like(h) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
-        for i in range(0, N, chunk_size):
-            j = min(i + chunk_size, N)
-            d = (h[i:j] @ weight.t()).to(lse.dtype).div_(temperature)         # (n, V) logits / T
-            d.sub_(lse[i:j, None]).exp_().mul_(-g[i:j])                      # -g * softmax
-            d.scatter_add_(1, t[i:j], g[i:j]).div_(temperature)             # g * (onehot - p) / T
-            d = d.to(hidden.dtype)
-            if need_h:
-                grad_h[i:j] = d @ weight                                      # (n, C)
-            if need_w:
-                grad_w += d.t() @ h[i:j]                                      # (V, C), summed in fp32
-        grad_h = grad_h.view(hidden.shape) if need_h else None
-        grad_w = grad_w.to(weight.dtype) if need_w else None
-        return grad_h, grad_w, None, None, None
-
-
-def hidden_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024):
-    """
-    The training path: log-probs of targets straight from the final (post-norm) hidden states and the
-    output embedding, equal to token_logprobs(hidden @ weight.T, targets, temperature), but neither the
-    forward nor the backward pass ever holds more than chunk_size rows of logits (a custom autograd
-    Function that recomputes them in backward). Gradients flow to hidden and/or weight, whichever
-    requires them. hidden and weight must share a dtype (float32 or bfloat16; float64 for gradcheck).
-
-    hidden (B, T, C), weight (V, C), targets (B, T) long -> (B, T) float32 (float64 for float64 in)
-        e.g. B=16, T=320, C=576, V=49152, chunk_size=1024: 5 chunks of (1024, 49152) logits, one at a
-        time; saved for backward: hidden, weight, targets and 5120 float32 logsumexps
-    """
-    if hidden.dtype != weight.dtype:
-        raise ValueError(f"hidden is {hidden.dtype} but weight is {weight.dtype}; cast one to the other.")
-    return _HiddenLogprobs.apply(hidden, weight, targets, temperature, chunk_size)
-
-
-# -----------------------------------------------------------------------------
-# completion masks
-
-
-def first_stop_lengths(ids, stop_ids):
-    """
-    Per row, the number of completion tokens up to and including the first stop token (T if none).
-
-    ids (B, T) completion token ids, stop_ids an int or a list of ints -> (B,) long, e.g. stop 2, pad 0:
-        [[5, 7, 2, 9, 2],        -> 3   (the first 2 is kept; what follows it is not)
-         [5, 2, 0, 0, 0],        -> 2
-         [5, 7, 8, 9, 6]]        -> 5   (no stop: ran into the length limit)
-    """
-    stops = torch.as_tensor(stop_ids, device=ids.device).reshape(-1)
-    T = ids.shape[1]
-    pos = torch.arange(T, device=ids.device).expand_as(ids)
-    first = torch.where(torch.isin(ids, stops), pos, T).min(dim=1).values if T else ids.new_zeros(len(ids))
-    return torch.where(first < T, first + 1, T)
-
-
-def completion_mask(lengths, T):
-    """
-    (B,) completion lengths -> (B, T) bool mask, True on the first lengths[b] positions of row b.
-        lengths [3, 2, 5], T 5 -> [[1, 1, 1, 0, 0],
-                                   [1, 1, 0, 0, 0],
-                                   [1, 1, 1, 1, 1]]
-    """
-    return torch.arange(T, device=lengths.device)[None, :] < lengths[:, None]
 
 
 # -----------------------------------------------------------------------------
@@ -274,3 +155,115 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_hig
                               (A == 0).to(M.dtype).mean() if B else M.new_zeros(())])
         stats = dict(zip(["clip_low", "clip_high", "ratio_mean", "kl", "zero_adv_frac"], values.tolist()))
     return loss, stats
+
+
+# -----------------------------------------------------------------------------
+# log-probs of the completion tokens
+
+
+def pad_rows(rows, pad_id, stop_ids, device="cpu"):
+    """
+    rows, a list of (prompt ids, completion ids), as tensors: ids (B, T) right-padded with pad_id, and
+    for the completion tokens their positions in ids, pos (B, Tc), and the mask M (B, Tc), where Tc is
+    the longest completion. Each completion is cut after its first stop token (any of stop_ids): nothing
+    after a stop is ever trained on, and the stop itself is, even when pad_id is a stop token too.
+    Worked example in the file's docstring.
+    """
+    def cut(c):  # up to and including the first stop token
+        return next((c[:k + 1] for k, token in enumerate(c) if token in stop_ids), c)
+
+    rows = [(p, cut(c)) for p, c in rows]
+    T = max(len(p) + len(c) for p, c in rows)
+    Tc = max(1, max(len(c) for _, c in rows))
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    pos = torch.zeros(len(rows), Tc, dtype=torch.long)
+    mask = torch.zeros(len(rows), Tc, dtype=torch.bool)
+    for b, (p, c) in enumerate(rows):
+        ids[b, :len(p) + len(c)] = torch.tensor(p + c)
+        pos[b] = (len(p) + torch.arange(Tc).clamp(max=max(len(c) - 1, 0))).clamp(max=T - 1)
+        mask[b, :len(c)] = True
+    return ids.to(device), pos.to(device), mask.to(device)
+
+
+def completion_logprobs(model, ids, pos, temperature, autocast_dtype=None):
+    """Log-probs (B, Tc) of the completion tokens ids[b, pos[b, j]] under the model, each scored by the
+    hidden state one position before it. Only those positions go through the output layer
+    (hidden_logprobs): the (B, T, vocabulary) logits are never held."""
+    with torch.autocast(ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        h = model.hidden(ids)                                                  # (B, T, dim)
+    h = h.gather(1, (pos - 1)[:, :, None].expand(-1, -1, h.shape[-1]))         # (B, Tc, dim)
+    return hidden_logprobs(h.to(autocast_dtype or h.dtype), model.lm_head.weight, ids.gather(1, pos), temperature)
+
+
+def hidden_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=512):
+    """
+    log softmax(hidden @ weight.T / temperature)[target] at every position, from the final (post-norm)
+    hidden states and the output embedding, chunk_size rows at a time. Each chunk runs under
+    torch.utils.checkpoint, which keeps only its inputs for the backward pass and recomputes its logits
+    there: neither pass holds more than one chunk's logits, in float32 (float64 for float64 input) and
+    the few (n, V) temporaries of their softmax and its gradient (about four at the backward's peak).
+    The matmul runs in hidden's dtype; weight's gradient is summed over the chunks in weight's dtype.
+
+    hidden (B, T, C), weight (V, C), targets (B, T) long -> (B, T) float32, e.g. B=16, T=64, C=576,
+    V=49152: 2 chunks of (512, 49152) float32 logits, one at a time, instead of (1024, 49152) at once
+    """
+    h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    chunks = [checkpoint(_chunk_logprobs, h[i:i + chunk_size], weight, t[i:i + chunk_size], temperature,
+                         use_reentrant=False) for i in range(0, len(t), chunk_size)]
+    return torch.cat(chunks).view(targets.shape)
+
+
+def _chunk_logprobs(h, weight, t, temperature):
+    """hidden_logprobs on one chunk of rows: h (n, C) -> (n,), everything kept for autograd."""
+    z = h @ weight.to(h.dtype).t()                                             # (n, V)
+    z = z.to(torch.promote_types(z.dtype, torch.float32)) / temperature        # the softmax in float32
+    return z.gather(1, t[:, None]).squeeze(1) - z.logsumexp(1)
+
+
+# -----------------------------------------------------------------------------
+# the step
+
+
+def step(model, opt, rows, advantages, pad_id, stop_ids, micro_batch=16, inner_steps=1, max_grad_norm=1.0,
+         temperature=1.0, ref_model=None, **loss_settings):
+    """
+    The GRPO update on one batch of rows (prompt ids, completion ids), one advantage per row:
+    inner_steps optimizer steps, each over micro-batches of micro_batch rows whose weighted losses add
+    up to the loss over the whole batch (so the gradient does not depend on micro_batch), with the
+    gradient clipped to max_grad_norm. "Old" log-probs are the model's own before the first step: the
+    policy that sampled, as far as this peer knows. ref_model (for beta > 0) gives the KL's reference.
+    loss_settings go to grpo_loss: epsilon, epsilon_high, beta, loss_type, max_tokens. Returns the
+    last step's stats: grpo_loss's, weighted as the loss is, plus loss, grad_norm, zero_adv_frac.
+    """
+    device = model.lm_head.weight.device
+    amp = torch.bfloat16 if device.type == "cuda" else None
+    adv = torch.tensor(advantages, dtype=torch.float32, device=device)
+    parts = [list(range(i, min(i + micro_batch, len(rows)))) for i in range(0, len(rows), micro_batch)]
+    batches = [pad_rows([rows[i] for i in part], pad_id, stop_ids, device) for part in parts]
+    total_tokens = sum(int(mask.sum()) for _, _, mask in batches)
+    old, ref = [None] * len(parts), [None] * len(parts)
+    token_mean = loss_settings.get("loss_type", "token_mean") == "token_mean"
+    model.train()
+    opt.zero_grad(set_to_none=True)
+    for _ in range(inner_steps):
+        stats = {}
+        for k, (part, (ids, pos, mask)) in enumerate(zip(parts, batches)):
+            logp = completion_logprobs(model, ids, pos, temperature, amp)
+            if old[k] is None:
+                old[k] = logp.detach()
+            if ref_model is not None and ref[k] is None:
+                with torch.no_grad():
+                    ref[k] = completion_logprobs(ref_model, ids, pos, temperature, amp)
+            loss, s = grpo_loss(logp, old[k], adv[part], mask, ref_logprobs=ref[k], **loss_settings)
+            # weight each micro-batch so that the sum of their losses is the whole batch's loss
+            share = mask.sum().item() / max(total_tokens, 1) if token_mean else len(part) / len(rows)
+            (loss * share).backward()
+            for key, v in dict(s, loss=loss.item()).items():
+                stats[key] = stats.get(key, 0.0) + v * share
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)  # gradients live only during a step: between rounds, memory is free
+    model.eval()
+    # the share of rows with no advantage, counted over the batch (grpo_loss's count, weighted by
+    # micro-batch, would change with micro_batch)
+    return dict(stats, grad_norm=float(grad_norm), zero_adv_frac=float((adv == 0).float().mean()))

@@ -404,65 +404,6 @@ def tiny(tmp_path):
     return tmp_path / "tiny"
 
 
-def test_train_completion_logprobs_line_up_with_the_full_forward(tiny):
-    ours, tok = M.load_model(str(tiny))
-    rows = [([5, 6], [7, 8, tok.eos_token_id]), ([9, 10, 11], [12])]
-    ids, pos, mask = train.pad_rows(rows, tok.pad_token_id, "cpu")
-    assert ids.tolist()[0][:5] == [5, 6, 7, 8, tok.eos_token_id] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]
-    _, pos_empty, mask_empty = train.pad_rows([([5, 6, 7], []), ([5], [8])], tok.pad_token_id, "cpu")
-    assert pos_empty.max() < 3 and mask_empty.tolist() == [[0], [1]]  # an empty completion stays in range
-    with torch.no_grad():
-        got = train.completion_logprobs(ours, ids, pos, temperature=0.7)
-        full = torch.log_softmax(ours(ids) / 0.7, dim=-1)
-    for b, (p, c) in enumerate(rows):
-        for j, token in enumerate(c):  # the logits at position t predict the token at t + 1
-            assert abs(got[b, j] - full[b, len(p) + j - 1, token]) < 1e-5
-
-
-def test_train_after_one_step_every_parameter_changed(tiny, tmp_path):
-    args = tiny_args(tmp_path)
-    ours, tok = M.load_model(str(tiny))
-    before = {n: p.detach().clone() for n, p in ours.named_parameters()}
-    opt = torch.optim.AdamW(ours.parameters(), lr=1e-3)
-    rows = [([5, 6, 7], [8, 9, tok.eos_token_id]), ([5, 6, 7], [10]), ([11, 12], [13, 14]), ([11, 12], [9])]
-    stats = train.train_step(ours, opt, rows, [1.0, -1.0, 0.5, -0.5], args, tok.pad_token_id)
-    assert stats["loss"] == stats["loss"] and stats["grad_norm"] > 0
-    unchanged = [n for n, p in ours.named_parameters() if torch.equal(p, before[n])]
-    assert unchanged == []
-
-
-def test_train_micro_batches_give_the_gradient_of_the_whole_batch(tiny, tmp_path):
-    ours, tok = M.load_model(str(tiny))
-    rows = [([5, 6, 7], [8, 9, 3]), ([5, 6, 7], [10]), ([11, 12], [13, 14, 15, 16]), ([11], [9, 9])]
-    adv = [1.0, -1.0, 0.5, -0.5]
-    grads = []
-    for mb in (4, 1):
-        for loss_type in ("token_mean", "seq_mean"):
-            model = copy_model(ours)
-            args = tiny_args(tmp_path, "--micro-batch", str(mb), "--loss-type", loss_type)
-            opt = torch.optim.SGD(model.parameters(), lr=1.0)
-            train.train_step(model, opt, rows, adv, args, tok.pad_token_id)
-            grads.append([p.detach().clone() for p in model.parameters()])
-    for whole, micro in ((grads[0], grads[2]), (grads[1], grads[3])):
-        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(whole, micro))
-
-
-def test_train_grad_checkpoint_gives_the_same_gradients(tiny, tmp_path, monkeypatch):
-    ours, tok = M.load_model(str(tiny))
-    calls = []
-    monkeypatch.setattr(M, "checkpoint", lambda *a, **k: calls.append(1) or torch.utils.checkpoint.checkpoint(*a, **k))
-    rows = [([5, 6, 7], [8, 9, 3]), ([11, 12], [13, 14, 15, 16])]
-    grads = []
-    for flag in ([], ["--grad-checkpoint"]):
-        model = copy_model(ours)
-        model.grad_checkpoint = bool(flag)
-        opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        train.train_step(model, opt, rows, [1.0, -1.0], tiny_args(tmp_path, *flag), tok.pad_token_id)
-        grads.append([p.detach().clone() for p in model.parameters()])
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
-    assert len(calls) == ours.cfg.n_layers  # one recomputed block per layer, in the second run only
-
-
 def copy_model(m):
     import copy
     return copy.deepcopy(m)
@@ -535,8 +476,8 @@ def format_model(tmp_path_factory):
             text = f"<answer> {item['answer']} </answer>" if tagged else item["answer"]
             answer = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
             rows.append((train.prompt_ids(tok, item, False), answer))
-        ids, pos, mask = train.pad_rows(rows, tok.pad_token_id, "cpu")
-        loss = -(train.completion_logprobs(ours, ids, pos, 1.0) * mask).sum() / mask.sum()
+        ids, pos, mask = grpo.pad_rows(rows, tok.pad_token_id, [tok.eos_token_id])
+        loss = -(grpo.completion_logprobs(ours, ids, pos, 1.0) * mask).sum() / mask.sum()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -579,7 +520,8 @@ def test_train_resume_continues_the_round_numbering(tiny, tmp_path, monkeypatch)
     folder = tmp_path / "run" / peer.name
     logged = [json.loads(line) for line in open(folder / "metrics.jsonl")]
     assert all(m["stepped"] and m["train_tok_per_s"] > 0 for m in logged)  # every round took an optimizer step
-    ckpt = folder / "checkpoint"
+    assert sorted(p.name for p in folder.glob("checkpoint-*")) == ["checkpoint-3"]  # the one of round 1 went
+    ckpt = folder / "checkpoint-3"
     assert json.load(open(ckpt / "config.json"))["architectures"] == ["LlamaForCausalLM"]
     AutoModelForCausalLM.from_pretrained(ckpt)  # a Hugging Face folder
     with pytest.raises(SystemExit, match="--resume"):
@@ -598,13 +540,42 @@ def test_train_resume_continues_the_round_numbering(tiny, tmp_path, monkeypatch)
     assert (tmp_path / "run" / "reward.svg").read_text().lstrip().startswith("<")
 
 
-def _processes_mentioning(text):
+def test_train_a_stop_while_saving_resumes_from_the_checkpoint_before(tiny, tmp_path, monkeypatch):
+    """Stopped while round 3's checkpoint was half written: the pointer still names round 1's, so the
+    resumed run starts at round 2, with the metrics of rounds 2-3 gone, and ends as an unstopped one."""
+    spread_rewards(monkeypatch)
+    real = M.save_model
+
+    def stop_midway(model, tok, folder, write_extra=None):
+        if str(folder).endswith("checkpoint-3"):
+            os.makedirs(folder)
+            open(os.path.join(folder, "config.json"), "w").close()
+            raise KeyboardInterrupt
+        return real(model, tok, folder, write_extra)
+
+    monkeypatch.setattr(M, "save_model", stop_midway)
+    with pytest.raises(KeyboardInterrupt):
+        train.Peer(tiny_args(tmp_path, "--name", "s", "--rounds", "4", "--save-every", "2"), log=quiet).run()
+    folder = tmp_path / "run" / "s"
+    assert [json.loads(line)["round"] for line in open(folder / "metrics.jsonl")] == [0, 1, 2, 3]
+    monkeypatch.setattr(M, "save_model", real)
+    again = train.Peer(tiny_args(tmp_path, "--name", "s", "--rounds", "4", "--save-every", "2", "--resume"), log=quiet)
+    assert again.start_round == 2
+    assert [json.loads(line)["round"] for line in open(folder / "metrics.jsonl")] == [0, 1]
+    again.run()
+    assert [json.loads(line)["round"] for line in open(folder / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert sorted(p.name for p in folder.glob("checkpoint-*")) == ["checkpoint-3"]
+    M.load_model(str(folder / "checkpoint-3"))
+
+
+def _processes_mentioning(*texts):
     found = []
     for pid in os.listdir("/proc"):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if text.encode() in f.read():
-                    found.append(int(pid))
+                cmdline = f.read()
+            if all(text.encode() in cmdline for text in texts):
+                found.append(int(pid))
         except (OSError, ValueError):
             pass
     return found
@@ -625,11 +596,13 @@ def test_train_launcher_runs_a_swarm_and_ctrl_c_stops_it(tiny, tmp_path):
     assert seeds == [train.peer_seed(0, 0), train.peer_seed(0, 1)]
     # a long run, interrupted: every child goes
     proc = subprocess.Popen(cmd[:-2] + ["--out", str(out) + "-long", "--rounds", "100000"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ, SWARM_TOKEN="tok-0123456789"))
     deadline = time.time() + 60
     while not os.path.exists(out.parent / "swarm-run-long" / "peer1" / "metrics.jsonl") and time.time() < deadline:
         time.sleep(0.2)
     assert len(_processes_mentioning(str(out) + "-long")) >= 3  # launcher + at least the server and a peer
+    assert _processes_mentioning("tok-0123456789") == []  # the token reaches the children, never a command line
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=30)
     time.sleep(0.5)
@@ -650,7 +623,7 @@ def test_train_launcher_exits_non_zero_when_a_peer_dies(tiny, tmp_path):
     while not all(os.path.exists(out / n / "metrics.jsonl") for n in ("peer0", "peer1")) and time.time() < deadline:
         time.sleep(0.2)
     for name, sig in (("peer1", signal.SIGKILL), ("peer0", signal.SIGTERM)):
-        for pid in _processes_mentioning(str(out / name / "launch.json")):
+        for pid in _processes_mentioning(str(out), f"\0--name\0{name}\0"):
             os.kill(pid, sig)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 1, stderr[-2000:]
@@ -757,12 +730,12 @@ def test_train_external_text_cannot_smuggle_control_tokens(which, monkeypatch):
 def test_train_every_row_is_trained_up_to_its_first_stop_only(tiny, tmp_path, monkeypatch):
     peer = train.Peer(tiny_args(tmp_path), log=quiet)
     stop = peer.stop_id
-    assert train.cut_at_stop([5, stop, 7, stop, 8], [stop]) == [5, stop] and train.cut_at_stop([5, 6], [stop]) == [5, 6]
-    rows = []
-    monkeypatch.setattr(train, "train_step", lambda model, opt, r, *a, **k: rows.extend(r) or {})
+    padded, real = [], grpo.pad_rows
+    monkeypatch.setattr(grpo, "pad_rows", lambda *a, **k: padded.append(real(*a, **k)) or padded[-1])
     local = train.Group({}, [9, 9], [[5, stop, 7, 8], [6, 6]], ["", ""], [True, False], [1.0, 0.0])
-    assert peer.grpo_step([local])["stepped"]
-    assert rows == [([9, 9], [5, stop]), ([9, 9], [6, 6])]
+    assert peer.update([local])["stepped"]
+    ids, pos, mask = padded[0]
+    assert [ids[b, pos[b][mask[b]]].tolist() for b in range(2)] == [[5, stop], [6, 6]]
 
 
 def test_train_external_groups_age_by_their_producers_rounds(tiny, tmp_path):
@@ -790,17 +763,6 @@ def test_train_resumed_peer_keeps_its_swarm_cursor(tiny, tmp_path, monkeypatch):
     peer.save(0)
     again = train.Peer(tiny_args(tmp_path, *args, "--resume"), log=quiet)
     assert made == [None, 1234] and again.client.cursor == 1234  # a new peer: None, the server's recent groups
-
-
-def test_train_zero_adv_frac_does_not_depend_on_the_micro_batch(tiny, tmp_path):
-    ours, tok = M.load_model(str(tiny))
-    rows = [([5, 6, 7], [8, 9, 3]), ([5, 6, 7], [10]), ([11, 12], [13, 14, 15, 16]), ([11], [9, 9])]
-    fracs = []
-    for mb in (4, 1):
-        stats = train.train_step(copy_model(ours), torch.optim.SGD(ours.parameters(), lr=0.0), rows,
-                                 [1.0, -1.0, 0.0, 0.0], tiny_args(tmp_path, "--micro-batch", str(mb)), tok.pad_token_id)
-        fracs.append(stats["zero_adv_frac"])
-    assert fracs == [0.5, 0.5]
 
 
 def test_train_metrics_separate_local_from_batch(tiny, tmp_path):
@@ -844,6 +806,17 @@ def test_train_cpu_defaults_save_memory_and_the_launcher_refuses_what_does_not_f
     assert "try --peers 2." in str(e.value) and len(str(e.value).splitlines()) == 1
     assert not (tmp_path / "run").exists()  # refused before anything started
     assert "out of memory" in train.why_stopped(-9) and "fewer --peers" in train.why_stopped(-9)
+
+
+def test_train_as_flags_gives_the_launchers_children_the_same_settings(monkeypatch):
+    """The launcher resolves the settings once and passes them on as flags: parsed again, they are the same
+    settings (the shrink and the silo rule already applied), and the token is not among them."""
+    monkeypatch.setenv("SWARM_TOKEN", "tok")
+    for extra in (["--no-one-shot", "--resume", "--out", "o"], ["--external", "0", "--dtype", "float16", "--lr", "3e-6"]):
+        args = train.parse_args(["--model", "some/model", "--tasks", "repeat_number", "--peers", "2", *extra])
+        flags = train.as_flags(args)
+        settings = lambda a: {k: v for k, v in vars(a).items() if k not in ("shrunk", "silo")}  # what main printed
+        assert "tok" not in flags and settings(train.parse_args(flags)) == settings(args)
 
 
 # ===================================================================================================
@@ -1431,20 +1404,6 @@ def test_grpo_kl_term():
 # log-probs
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_grpo_token_logprobs_chunked_matches_plain(temperature):
-    g = torch.Generator().manual_seed(3)
-    logits = 3 * torch.randn(3, 5, 11, generator=g)       # 15 rows in chunks of 4: 4, 4, 4, 3
-    targets = torch.randint(0, 11, (3, 5), generator=g)
-    plain = torch.log_softmax(logits / temperature, -1).gather(-1, targets[..., None]).squeeze(-1)
-    got = grpo.token_logprobs(logits, targets, temperature=temperature, chunk_size=4)
-    assert got.shape == (3, 5) and got.dtype == torch.float32
-    assert torch.allclose(got, plain, atol=1e-5)
-    half = grpo.token_logprobs(logits.bfloat16(), targets, temperature=temperature, chunk_size=4)
-    ref = torch.log_softmax(logits.bfloat16().float() / temperature, -1).gather(-1, targets[..., None])
-    assert half.dtype == torch.float32 and torch.allclose(half, ref.squeeze(-1), atol=1e-5)
-
-
 def _gr_hidden_case(dtype=torch.float32, seed=4):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(2, 7, 6, generator=g).to(dtype)
@@ -1454,13 +1413,19 @@ def _gr_hidden_case(dtype=torch.float32, seed=4):
     return hidden, weight, targets, upstream
 
 
+def _gr_plain_logprobs(hidden, weight, targets, temperature=1.0):
+    """The reference: the full logits at once, upcast to float32 (float64 stays) before the softmax."""
+    logits = (hidden @ weight.t()).to(torch.promote_types(hidden.dtype, torch.float32))
+    return torch.log_softmax(logits / temperature, -1).gather(-1, targets[..., None]).squeeze(-1)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_grpo_hidden_logprobs_matches_plain_fp32(temperature):
     hidden, weight, targets, upstream = _gr_hidden_case()
     h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     got = grpo.hidden_logprobs(h1, w1, targets, temperature=temperature, chunk_size=4)  # 14 rows
-    ref = grpo.token_logprobs(h2 @ w2.t(), targets, temperature=temperature)
+    ref = _gr_plain_logprobs(h2, w2, targets, temperature)
     assert got.dtype == torch.float32 and torch.allclose(got, ref, atol=1e-5)
     (got * upstream).sum().backward()
     (ref * upstream).sum().backward()
@@ -1473,12 +1438,12 @@ def test_grpo_hidden_logprobs_one_input_requires_grad():
     h = hidden.clone().requires_grad_()
     (grpo.hidden_logprobs(h, weight, targets, chunk_size=5) * upstream).sum().backward()
     h2 = hidden.clone().requires_grad_()
-    (grpo.token_logprobs(h2 @ weight.t(), targets) * upstream).sum().backward()
+    (_gr_plain_logprobs(h2, weight, targets) * upstream).sum().backward()
     assert torch.allclose(h.grad, h2.grad, atol=1e-5) and weight.grad is None
     w = weight.clone().requires_grad_()
     (grpo.hidden_logprobs(hidden, w, targets, chunk_size=5) * upstream).sum().backward()
     w2 = weight.clone().requires_grad_()
-    (grpo.token_logprobs(hidden @ w2.t(), targets) * upstream).sum().backward()
+    (_gr_plain_logprobs(hidden, w2, targets) * upstream).sum().backward()
     assert torch.allclose(w.grad, w2.grad, atol=1e-5)
     with torch.no_grad():
         assert not grpo.hidden_logprobs(hidden, w, targets).requires_grad
@@ -1499,31 +1464,129 @@ def test_grpo_hidden_logprobs_bf16_close_to_fp32():
     h16, w16 = hidden.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()
     lp32 = grpo.hidden_logprobs(h32, w32, targets, temperature=0.7, chunk_size=4)
     lp16 = grpo.hidden_logprobs(h16, w16, targets, temperature=0.7, chunk_size=4)
-    assert lp16.dtype == torch.float32
+    assert lp16.dtype == torch.float32  # bf16 logits, upcast before the softmax
+    assert torch.allclose(lp16, _gr_plain_logprobs(h16, w16, targets, 0.7), atol=1e-5)
     assert torch.allclose(lp16, lp32, atol=0.1, rtol=0.05)
     (lp32 * upstream).sum().backward()
     (lp16 * upstream).sum().backward()
     assert h16.grad.dtype == torch.bfloat16 and w16.grad.dtype == torch.bfloat16
     assert torch.allclose(h16.grad.float(), h32.grad, atol=0.1, rtol=0.05)
     assert torch.allclose(w16.grad.float(), w32.grad, atol=0.1, rtol=0.05)
-    with pytest.raises(ValueError, match="cast"):
-        grpo.hidden_logprobs(h16, w32, targets)
+    # float32 weights with bfloat16 hidden states (autocast on CUDA): the same bf16 matmul, and the
+    # weight's gradient summed over the chunks in float32
+    h16b, w32b = hidden.bfloat16().requires_grad_(), weight.clone().requires_grad_()
+    lp = grpo.hidden_logprobs(h16b, w32b, targets, temperature=0.7, chunk_size=4)
+    assert torch.equal(lp, lp16)
+    (lp * upstream).sum().backward()
+    assert w32b.grad.dtype == torch.float32 and torch.allclose(w32b.grad, w32.grad, atol=0.1, rtol=0.05)
 
 
 # -----------------------------------------------------------------------------
-# completion masks
+# rows, completion log-probs and the step, on a tiny model
 
 
-def test_grpo_first_stop_mask():
-    ids = torch.tensor([[5, 7, 2, 9, 2],      # first stop at 2: keep 3 tokens, the stop included
-                        [5, 2, 0, 0, 0],      # stop then padding: 2
-                        [5, 7, 8, 9, 6],      # no stop: the full length 5
-                        [3, 7, 8, 9, 6]])     # a second stop id (3) at position 0: 1
-    lengths = grpo.first_stop_lengths(ids, [2, 3])
-    assert lengths.tolist() == [3, 2, 5, 1]
-    assert grpo.first_stop_lengths(ids, 2).tolist() == [3, 2, 5, 5]
-    mask = grpo.completion_mask(lengths, 5)
-    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+def test_grpo_pad_rows_train_each_completion_up_to_its_first_stop():
+    # stops 2 and 3; the pad id is a stop too (pad == eos), and still only real stops count
+    rows = [([5, 6], [7, 8, 2, 9, 2]),    # the first 2 is kept; what follows it is not
+            ([4], [5, 2]),                # stop, nothing after it
+            ([4, 5, 6], [7, 8, 9, 6]),    # no stop: ran into the length limit, all 4 kept
+            ([4], [3, 7])]                # a second stop id (3) first: 1
+    ids, pos, mask = grpo.pad_rows(rows, 2, [2, 3])
+    assert mask.sum(1).tolist() == [3, 2, 4, 1]
+    assert ids.tolist() == [[5, 6, 7, 8, 2, 2, 2], [4, 5, 2, 2, 2, 2, 2], [4, 5, 6, 7, 8, 9, 6], [4, 3, 2, 2, 2, 2, 2]]
+    assert [ids[b, pos[b][mask[b]]].tolist() for b in range(4)] == [[7, 8, 2], [5, 2], [7, 8, 9, 6], [3]]
+    _, pos_empty, mask_empty = grpo.pad_rows([([5, 6, 7], []), ([5], [8])], 0, [2])
+    assert pos_empty.max() < 3 and mask_empty.tolist() == [[0], [1]]  # an empty completion stays in range
+
+
+def test_grpo_completion_logprobs_line_up_with_the_full_forward(tiny):
+    ours, tok = M.load_model(str(tiny))
+    rows = [([5, 6], [7, 8, tok.eos_token_id]), ([9, 10, 11], [12])]
+    ids, pos, mask = grpo.pad_rows(rows, tok.pad_token_id, [tok.eos_token_id])
+    assert ids.tolist()[0][:5] == [5, 6, 7, 8, tok.eos_token_id] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    with torch.no_grad():
+        got = grpo.completion_logprobs(ours, ids, pos, temperature=0.7)
+        full = torch.log_softmax(ours(ids) / 0.7, dim=-1)
+    for b, (p, c) in enumerate(rows):
+        for j, token in enumerate(c):  # the logits at position t predict the token at t + 1
+            assert abs(got[b, j] - full[b, len(p) + j - 1, token]) < 1e-5
+
+
+_GR_ROWS = [([5, 6, 7], [8, 9, 3]), ([5, 6, 7], [10]), ([11, 12], [13, 14, 15, 16]), ([11], [9, 9])]
+
+
+class _GrSGD(torch.optim.SGD):
+    """Plain SGD that keeps the gradient of each step it takes."""
+
+    def step(self, closure=None):
+        self.grads = [p.grad.clone() for group in self.param_groups for p in group["params"]]
+        return super().step(closure)
+
+
+def _gr_step(model, rows, adv, **settings):
+    """grpo.step with SGD at lr 1, pad id 0 and stop id 3 (the tiny model's) -> its stats and the
+    gradient its (last) optimizer step used, one tensor per parameter."""
+    opt = _GrSGD(model.parameters(), lr=1.0)
+    stats = grpo.step(model, opt, rows, adv, 0, [3], **settings)
+    return stats, opt.grads
+
+
+def test_grpo_step_gradient_equals_a_plain_reference(tiny):
+    """The whole update against one written out from the full logits: log_softmax(logits / temperature)
+    at position t scores token t + 1, each completion up to its first stop (the 7 after row 0's stop 3
+    is not trained), loss -A * logp averaged over those tokens (token_mean at ratio 1)."""
+    ours, tok = M.load_model(str(tiny))
+    rows = [([5, 6, 7], [8, 3, 7]), ([5, 6, 7], [10]), ([11, 12], [13, 14, 15, 16]), ([11], [9, 9])]
+    adv = [1.0, -1.0, 0.5, -0.25]
+    ref = copy_model(ours)
+    terms = []
+    for (p, c), a in zip(rows, adv):
+        c = c[:c.index(3) + 1] if 3 in c else c
+        logp = torch.log_softmax(ref(torch.tensor([p + c])) / 0.7, -1)[0, len(p) - 1:-1].gather(1, torch.tensor(c)[:, None])
+        terms.append(-a * logp.sum())
+    (sum(terms) / sum(len(c[:c.index(3) + 1] if 3 in c else c) for _, c in rows)).backward()
+    stats, grads = _gr_step(copy_model(ours), rows, adv, temperature=0.7, micro_batch=3, max_grad_norm=1e9)
+    assert stats["ratio_mean"] == pytest.approx(1.0) and stats["grad_norm"] > 0
+    assert all(torch.allclose(g, p.grad, rtol=1e-4, atol=1e-7) for g, p in zip(grads, ref.parameters()))
+
+
+def test_grpo_step_changes_every_parameter(tiny):
+    ours, tok = M.load_model(str(tiny))
+    before = {n: p.detach().clone() for n, p in ours.named_parameters()}
+    rows = [([5, 6, 7], [8, 9, tok.eos_token_id]), ([5, 6, 7], [10]), ([11, 12], [13, 14]), ([11, 12], [9])]
+    stats = grpo.step(ours, torch.optim.AdamW(ours.parameters(), lr=1e-3), rows, [1.0, -1.0, 0.5, -0.5],
+                      tok.pad_token_id, [tok.eos_token_id])
+    assert stats["loss"] == stats["loss"] and stats["grad_norm"] > 0
+    unchanged = [n for n, p in ours.named_parameters() if torch.equal(p, before[n])]
+    assert unchanged == []
+
+
+def test_grpo_step_micro_batches_give_the_gradient_of_the_whole_batch(tiny):
+    ours, _ = M.load_model(str(tiny))
+    for loss_type in ("token_mean", "seq_mean", "constant"):
+        whole, micro = (_gr_step(copy_model(ours), _GR_ROWS, [1.0, -1.0, 0.5, -0.5], micro_batch=mb,
+                                 loss_type=loss_type, max_tokens=6)[1] for mb in (4, 1))
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(whole, micro))
+
+
+def test_grpo_step_with_grad_checkpoint_gives_the_same_gradients(tiny, monkeypatch):
+    ours, _ = M.load_model(str(tiny))
+    calls = []
+    monkeypatch.setattr(M, "checkpoint", lambda *a, **k: calls.append(1) or torch.utils.checkpoint.checkpoint(*a, **k))
+    grads = []
+    for flag in (False, True):
+        model = copy_model(ours)
+        model.grad_checkpoint = flag
+        grads.append(_gr_step(model, _GR_ROWS[::2], [1.0, -1.0])[1])
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
+    assert len(calls) == ours.cfg.n_layers  # one recomputed block per layer, in the second run only
+
+
+def test_grpo_step_zero_adv_frac_does_not_depend_on_the_micro_batch(tiny):
+    ours, _ = M.load_model(str(tiny))
+    fracs = [_gr_step(copy_model(ours), _GR_ROWS, [1.0, -1.0, 0.0, 0.0], micro_batch=mb)[0]["zero_adv_frac"]
+             for mb in (4, 1)]
+    assert fracs == [0.5, 0.5]
 
 
 # ===================================================================================================

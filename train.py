@@ -75,6 +75,7 @@ import os
 import random
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -94,16 +95,34 @@ import swarm
 
 
 def parse_args(argv=None):
+    """The run's settings: the flags (parser), then the CPU shrink and the silo rule (fill_defaults).
+    A bad flag gets one sentence from argparse and exit status 2."""
+    p = parser()
+    args = p.parse_args(argv, argparse.Namespace(**dict.fromkeys(CPU_SHRINK)))  # None: not given
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device} was asked for, but torch sees no CUDA GPU")
+    if args.resume and not args.out:
+        p.error("--resume needs --out: the run folder to continue")
+    try:
+        args.task_list = resolve_tasks(args.tasks, args.model)
+    except ValueError as e:
+        p.error(str(e))
+    fill_defaults(p, args)
+    return args
+
+
+def parser():
     p = argparse.ArgumentParser(description="SAPO: swarm sampling policy optimization (arXiv 2509.08721)",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
     # what to run
-    a("--peers", type=int, nargs="?", const=4, default=0, help="start a swarm of N peers on this machine (alone: 4)")
-    a("--swarm", default=None, help="URL of a swarm server to join, e.g. http://10.0.0.5:8000")
-    a("--name", default=None, help="this peer's name in the swarm (default: the host name and a random suffix)")
+    a("--peers", type=at_least(0), nargs="?", const=4, default=0, help="start a swarm of N peers on this machine (alone: 4)")
+    a("--swarm", type=matching(r"https?://\S+", "a URL such as http://10.0.0.5:8000"), help="URL of a swarm server to join")
+    a("--name", type=matching(r"[A-Za-z0-9_.-]{1,64}", "1-64 letters, digits, '_', '.' or '-'"),
+      help="this peer's name in the swarm (default: the host name and a random suffix)")
     a("--token", default=os.environ.get("SWARM_TOKEN"),
       help="bearer token of the swarm server, for reads and writes (default: $SWARM_TOKEN, which ps does not show)")
-    a("--plot", default=None, metavar="RUN_DIR", help="write RUN_DIR/reward.svg from its metrics and exit")
+    a("--plot", metavar="RUN_DIR", help="write RUN_DIR/reward.svg from its metrics and exit")
     # model and tasks
     a("--model", default=M.DEFAULT_MODEL, help="model folder or Hugging Face Hub id (Llama, Qwen2, Qwen3)")
     a("--tasks", default="auto",
@@ -114,90 +133,96 @@ def parse_args(argv=None):
     a("--one-shot", action=argparse.BooleanOptionalAction, default=True,
       help="show one worked example of the task family as an earlier chat turn")
     # SAPO (the paper's best: I = 4, J = 4; its baseline in silo: I = 8, J = 0)
-    a("--local", type=int, default=None,
-      help="I: local questions per round (paper: 4; in silo, i.e. J = 0 or no swarm: I + J of the defaults, 8)")
-    a("--external", type=int, default=None, help="J: external groups trained on per round (paper: 4; 0: silo)")
-    a("--generations", type=int, default=None, help="G: completions per question (default 8 on a GPU)")
-    a("--rounds", type=int, default=2000, help="rounds to train")
-    a("--max-new-tokens", type=int, default=None, help="completion length limit in tokens (default 256 on a GPU)")
-    a("--temperature", type=float, default=1.0, help="sampling temperature")
+    a("--local", type=at_least(1), default=4,
+      help="I: local questions per round (in silo, i.e. J = 0 or no swarm: I + J of the defaults, 8)")
+    a("--external", type=at_least(0), default=4, help="J: external groups trained on per round (0: silo)")
+    a("--generations", type=at_least(2), default=8, help="G: completions per question (GRPO compares them)")
+    a("--rounds", type=at_least(1), default=2000, help="rounds to train")
+    a("--max-new-tokens", type=at_least(1), default=256, help="completion length limit in tokens")
+    a("--temperature", type=positive, default=1.0, help="sampling temperature")
     # GRPO
-    a("--lr", type=float, default=1e-5, help="AdamW learning rate (measured, see README)")
-    a("--epsilon", type=float, default=0.2, help="lower clip: ratio >= 1 - epsilon")
-    a("--epsilon-high", type=float, default=0.28, help="upper clip: ratio <= 1 + epsilon_high (DAPO: 0.28)")
-    a("--beta", type=float, default=0.0, help="weight of the k3 KL penalty to the initial model")
+    a("--lr", type=positive, default=1e-5, help="AdamW learning rate (measured, see README)")
+    a("--epsilon", type=fraction, default=0.2, help="lower clip: ratio >= 1 - epsilon")
+    a("--epsilon-high", type=at_least(0.0, float), default=0.28, help="upper clip: ratio <= 1 + epsilon_high (DAPO)")
+    a("--beta", type=at_least(0.0, float), default=0.0, help="weight of the k3 KL penalty to the initial model")
     a("--loss-type", default="token_mean", choices=["token_mean", "seq_mean", "constant"])
     a("--adv-scale", default="group", choices=["group", "batch", "none"], help="advantage normalisation")
-    a("--inner-steps", type=int, default=1, help="optimizer steps on each round's batch (1: one step per round)")
-    a("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
-    a("--micro-batch", type=int, default=None,
-      help="completions per forward/backward, gradients accumulated (default 16 on a GPU, 4 on the CPU)")
-    a("--grad-checkpoint", action=argparse.BooleanOptionalAction, default=None,
-      help="recompute activations in the backward pass (default: on the CPU only)")
+    a("--inner-steps", type=at_least(1), default=1, help="optimizer steps on each round's batch (1: one step per round)")
+    a("--max-grad-norm", type=positive, default=1.0, help="gradient clipping norm")
+    a("--micro-batch", type=at_least(1), default=16, help="completions per forward/backward, gradients accumulated")
+    a("--grad-checkpoint", action=argparse.BooleanOptionalAction, default=False,
+      help="recompute activations in the backward pass")
     # machinery
     a("--seed", type=int, default=0,
       help="this peer's seed (questions, sampling, external draws, init); peer k of --peers gets peer_seed(seed, k)")
-    a("--device", default=None, help="cuda, cpu, cuda:1, ... (default: cuda if available)")
-    a("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+    a("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda, cpu, cuda:1, ...")
+    a("--dtype", choices=["bfloat16", "float16", "float32"],
       help="dtype of the sampling copy of the weights (default: bfloat16 on CUDA, float32 on CPU)")
-    a("--out", default=None, help="run folder (default: runs/<date-time>); each peer writes OUT/<name>/")
-    a("--save-every", type=int, default=50, help="checkpoint every K rounds (0: only at the end)")
-    a("--sample-every", type=int, default=10, help="write some completions to samples.jsonl every K rounds")
+    a("--out", help="run folder (default: runs/<date-time>); each peer writes OUT/<name>/")
+    a("--save-every", type=at_least(0), default=50, help="checkpoint every K rounds (0: only at the end)")
+    a("--sample-every", type=at_least(0), default=10, help="write some completions to samples.jsonl every K rounds")
     a("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     a("--quiet", action="store_true", help="no progress bar (a line per round instead)")
-    a("--peer-settings", default=None, help=argparse.SUPPRESS)  # used by the --peers launcher
-    args = p.parse_args(argv)
-    if args.peer_settings:  # a child of the launcher: every setting comes from the file
-        with open(args.peer_settings) as f:
-            args = argparse.Namespace(**json.load(f))
-    check_args(p, args)
-    return args
+    return p
+
+
+# No GPU: a CPU is ~100x slower at this and several peers share its memory, so on the CPU the flags
+# left unset take these values (main prints which). Micro-batches and checkpointing keep the gradient.
+CPU_SHRINK = dict(local=2, external=2, generations=4, max_new_tokens=64, micro_batch=4, grad_checkpoint=True)
+
+
+def fill_defaults(p, args):
+    """Give the flags left unset (None) their defaults: CPU_SHRINK's on the CPU, the parser's elsewhere.
+    A peer in silo (J = 0, or no swarm to join) takes I + J of those as I: the paper's baseline, 8/0
+    against the swarm's 4/4, trains on as many groups a round. args.shrunk and args.silo say what
+    happened, for main to print."""
+    default = {k: CPU_SHRINK[k] if args.device == "cpu" else p.get_default(k) for k in CPU_SHRINK}
+    if args.external is None and not (args.swarm or args.peers):
+        args.external = 0
+    args.silo = args.local is None and args.external == 0
+    if args.silo:
+        args.local = default["local"] + default["external"]
+    args.shrunk = [k for k in CPU_SHRINK if getattr(args, k) is None and default[k] != p.get_default(k)]
+    for k in CPU_SHRINK:
+        if getattr(args, k) is None:
+            setattr(args, k, default[k])
+
+
+def at_least(low, kind=int):
+    """An argparse type: a number of `kind` that is at least `low`."""
+    def number(text):
+        value = kind(text)  # a ValueError: argparse says "invalid int value"
+        if not value >= low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, not {text}")
+        return value
+    number.__name__ = kind.__name__
+    return number
+
+
+def positive(text):
+    """An argparse type: a float above 0."""
+    if not float(text) > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, not {text}")
+    return float(text)
+
+
+def fraction(text):
+    """An argparse type: a float in [0, 1)."""
+    if not 0 <= float(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, not {text}")
+    return float(text)
+
+
+def matching(pattern, what):
+    """An argparse type: a string that fully matches the regular expression `pattern`."""
+    def string(text):
+        if not re.fullmatch(pattern, text):
+            raise argparse.ArgumentTypeError(f"must be {what}, not {text!r}")
+        return text
+    return string
 
 
 POOL_ROUNDS = 2  # a pooled external group is stale once its producer has published a group this many rounds newer
-
-# a CPU is ~100x slower than a GPU at this, and several peers share its memory: shrink what was not set
-GPU_DEFAULTS = dict(local=4, external=4, generations=8, max_new_tokens=256, micro_batch=16, grad_checkpoint=False)
-CPU_DEFAULTS = dict(local=2, external=2, generations=4, max_new_tokens=64, micro_batch=4, grad_checkpoint=True)
-
-
-def check_args(p, args):
-    """Fill device-dependent defaults and refuse bad flags with one sentence (argparse exits 2)."""
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error(f"--device {args.device} was asked for, but torch sees no CUDA GPU")
-    defaults = CPU_DEFAULTS if args.device == "cpu" else GPU_DEFAULTS
-    if args.external is None and not (args.swarm or args.peers):
-        args.external = 0  # no swarm to join: a peer in silo
-    args.silo = args.local is None and args.external == 0
-    if args.silo:  # the paper's baseline keeps I + J: 8/0 against the swarm's 4/4
-        args.local = defaults["local"] + defaults["external"]
-    args.shrunk = [k for k in defaults if getattr(args, k) is None and defaults[k] != GPU_DEFAULTS[k]]
-    for k, v in defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    for flag in ("local", "generations", "max_new_tokens", "rounds", "micro_batch", "inner_steps"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be at least 1")
-    if args.external < 0 or (args.peers or 0) < 0 or args.save_every < 0 or args.sample_every < 0:
-        p.error("--external, --peers, --save-every and --sample-every cannot be negative")
-    if args.generations < 2:
-        p.error("--generations must be at least 2: GRPO compares completions within a group")
-    if not args.temperature > 0:
-        p.error("--temperature must be positive: GRPO needs sampled completions")
-    if not (0 <= args.epsilon < 1 and args.epsilon_high >= 0 and args.lr > 0 and args.beta >= 0):
-        p.error("need 0 <= --epsilon < 1, --epsilon-high >= 0, --lr > 0 and --beta >= 0")
-    if args.name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", args.name):
-        p.error("--name must be 1-64 characters of letters, digits, '_', '.' or '-'")
-    if args.swarm and not re.match(r"https?://", args.swarm):
-        p.error("--swarm must be a URL such as http://10.0.0.5:8000")
-    if args.resume and not args.out:
-        p.error("--resume needs --out: the run folder to continue")
-    try:
-        args.task_list = resolve_tasks(args.tasks, args.model)
-    except ValueError as e:
-        p.error(str(e))
 
 
 def resolve_tasks(spec, model_name):
@@ -292,91 +317,6 @@ def external_group(tokenizer, g, stop_id, max_new_tokens, one_shot, log, system=
     return Group(g, prompt_ids(tokenizer, g, one_shot, system), [d[0] for d in done], [d[1] for d in done],
                  [d[2] for d in done], rewards)
 
-
-def cut_at_stop(ids, stop_ids):
-    """A completion up to and including its first stop token: nothing after a stop is ever trained on."""
-    for k, token in enumerate(ids):
-        if token in stop_ids:
-            return ids[:k + 1]
-    return ids
-
-
-# -----------------------------------------------------------------------------
-# the GRPO step
-
-
-def pad_rows(rows, pad_id, device):
-    """rows: list of (prompt_ids, completion_ids). Returns ids (B, T) right-padded, and for the
-    completion tokens: their positions in ids (B, Tc) and a mask (B, Tc), Tc = longest completion.
-
-    Example, prompts [a b] and [c d e], completions [x y EOS] and [z]:
-      ids  = [[a b x y EOS], [c d e z pad]]
-      pos  = [[2 3 4], [3 3 3]]        (index of each completion token; padding repeats a valid one)
-      mask = [[1 1 1], [1 0 0]]
-    The hidden state at position pos - 1 predicts the token at pos."""
-    T = max(len(p) + len(c) for p, c in rows)
-    Tc = max(1, max(len(c) for _, c in rows))
-    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    pos = torch.zeros(len(rows), Tc, dtype=torch.long)
-    mask = torch.zeros(len(rows), Tc, dtype=torch.bool)
-    for b, (p, c) in enumerate(rows):
-        ids[b, :len(p) + len(c)] = torch.tensor(p + c)
-        pos[b] = (len(p) + torch.arange(Tc).clamp(max=max(len(c) - 1, 0))).clamp(max=T - 1)
-        mask[b, :len(c)] = True
-    return ids.to(device), pos.to(device), mask.to(device)
-
-
-def completion_logprobs(model, ids, pos, temperature, autocast_dtype=None):
-    """Log-probs (B, Tc) of the completion tokens ids[b, pos[b, j]] under the model. Only the completion
-    positions go through the output layer, chunk by chunk (grpo.hidden_logprobs): the (B, T, vocab)
-    logits are never held."""
-    with torch.autocast(ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        h = model.hidden(ids)  # (B, T, dim)
-    h = h.gather(1, (pos - 1)[:, :, None].expand(-1, -1, h.shape[-1]))  # states that predict them
-    w = model.lm_head.weight
-    if autocast_dtype is not None:
-        h, w = h.to(autocast_dtype), w.to(autocast_dtype)
-    return grpo.hidden_logprobs(h.to(w.dtype), w, ids.gather(1, pos), temperature)
-
-
-def train_step(model, opt, rows, advantages, args, pad_id, ref_model=None):
-    """GRPO on one round's rows: --inner-steps optimizer steps, each over micro-batches with gradient
-    accumulation so that the loss equals one pass over the whole batch. Returns stats."""
-    device = model.lm_head.weight.device
-    amp = torch.bfloat16 if device.type == "cuda" else None
-    adv = torch.tensor(advantages, dtype=torch.float32, device=device)
-    chunks = [list(range(i, min(i + args.micro_batch, len(rows)))) for i in range(0, len(rows), args.micro_batch)]
-    batches = [pad_rows([rows[i] for i in c], pad_id, device) for c in chunks]
-    total_tokens = sum(int(m.sum()) for _, _, m in batches)
-    old, ref = [None] * len(chunks), [None] * len(chunks)
-    stats = {}
-    model.train()
-    for step in range(args.inner_steps):
-        opt.zero_grad(set_to_none=True)
-        agg = {}
-        for k, (c, (ids, pos, mask)) in enumerate(zip(chunks, batches)):
-            logp = completion_logprobs(model, ids, pos, args.temperature, amp)
-            if old[k] is None:  # the policy that sampled, as far as this peer knows: itself, now
-                old[k] = logp.detach()
-            if args.beta > 0 and ref[k] is None:
-                with torch.no_grad():
-                    ref[k] = completion_logprobs(ref_model, ids, pos, args.temperature, amp)
-            loss, s = grpo.grpo_loss(logp, old[k], adv[c], mask, args.epsilon, args.epsilon_high, args.beta,
-                                     ref[k], args.loss_type, max_tokens=args.max_new_tokens)
-            # weight each micro-batch so the sum of their losses is the whole batch's loss
-            share = mask.sum().item() / max(total_tokens, 1) if args.loss_type == "token_mean" else len(c) / len(rows)
-            (loss * share).backward()
-            for key, v in dict(s, loss=loss.item()).items():
-                agg[key] = agg.get(key, 0.0) + v * share
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)  # gradients live only during a step: between rounds, memory is free
-        # the share of completions with no advantage, counted over the batch (the loss's token-weighted
-        # count per micro-batch would change with --micro-batch)
-        stats = dict(agg, grad_norm=float(grad_norm), zero_adv_frac=float((adv == 0).float().mean()))
-    model.eval()
-    return stats
-
 # -----------------------------------------------------------------------------
 # one peer
 
@@ -385,7 +325,7 @@ class Peer:
     """One SAPO peer: its model, optimizer, swarm client and round loop.
 
     client: a swarm client to use instead of one made from --swarm (a driver that runs several peers in
-    one process passes its own). args are taken as they are: check_args treats a peer without --swarm
+    one process passes its own). args are taken as they are: parse_args treats a peer without --swarm
     as one in silo, so with an injected client give --local and --external explicitly.
     round(r) is collect(r) then learn(r, ...): a synchronous swarm calls collect on every peer, lets
     the groups reach the server, then calls learn on every peer."""
@@ -396,16 +336,14 @@ class Peer:
         self.dir = os.path.join(args.out, self.name)
         self.device = torch.device(args.device)
         self.sample_dtype = getattr(torch, args.dtype) if args.dtype else M.default_dtype(self.device)
-        # the last checkpoint; "checkpoint.old" only exists if a stop came in the middle of replacing it
-        ckpt = next((c for c in (os.path.join(self.dir, "checkpoint"), os.path.join(self.dir, "checkpoint.old"))
-                     if os.path.exists(os.path.join(c, "trainer_state.pt"))), None)
+        ckpt = last_checkpoint(self.dir)
         resuming = args.resume and ckpt is not None
         if os.path.exists(os.path.join(self.dir, "metrics.jsonl")) and not args.resume:
             raise SystemExit(f"{self.dir} already holds a run: pass --resume to continue it, or another --out")
         os.makedirs(self.dir, exist_ok=True)
         torch.manual_seed(args.seed)
         try:
-            self.model, self.tok = M.load_model(ckpt if resuming else args.model, self.device, torch.float32, log=log)
+            self.model, self.tok = M.load_model(ckpt["path"] if resuming else args.model, self.device, torch.float32, log=log)
         except (OSError, ValueError, RuntimeError) as e:  # a model that cannot be found or read
             raise SystemExit(f"train.py: {e}") from None
         self.model.grad_checkpoint = args.grad_checkpoint
@@ -429,7 +367,7 @@ class Peer:
             open(os.path.join(self.dir, "metrics.jsonl"), "w").close()  # those rounds will run again
         self.client = client
         if client is None and args.swarm:  # with J = 0 a peer still shares its rollouts
-            self.client = connect(args.swarm, self.name, args.token, cursor)
+            self.client = swarm.SwarmClient(args.swarm, self.name, token=args.token, cursor=cursor)
         with open(os.path.join(self.dir, "settings.json"), "w") as f:
             json.dump(vars(args), f, indent=2)
 
@@ -440,20 +378,10 @@ class Peer:
         return self.learn(r, self.collect(r))
 
     def collect(self, r):
-        """Steps 1-3: draw I questions, sample G completions of each, score them with the local verifier,
-        publish them. Returns what learn() needs: the local groups and the time taken."""
-        t0, args, G = time.time(), self.args, self.args.generations
-        items = self.questions(r)
-        prompts = [prompt_ids(self.tok, it, args.one_shot, args.system_prompt) for it in items]
-        outs = sample.generate(self.sampler, prompts, num_samples=G, max_new_tokens=args.max_new_tokens,
-                               temperature=args.temperature, eos_token_ids=self.stop_ids, seed=self.sampling_seed(r))
-        sample_seconds = time.time() - t0
-        groups = []
-        for i, (item, prompt) in enumerate(zip(items, prompts)):
-            ids = outs[i * G:(i + 1) * G]
-            stopped = [len(o) > 0 and o[-1] in self.stop_ids for o in ids]
-            texts = [self.tok.decode(o[:-1] if s else o, skip_special_tokens=True) for o, s in zip(ids, stopped)]
-            groups.append(Group(item, prompt, ids, texts, stopped, [reward.score(item, t) for t in texts]))
+        """Steps 1-3: sample and score this round's local groups, publish them. Returns what learn()
+        needs: the local groups and the time taken."""
+        t0 = time.time()
+        groups, sample_seconds = self.sample_local(r)
         self.publish(r, groups)
         return dict(groups=groups, sample_seconds=sample_seconds, seconds=time.time() - t0)
 
@@ -461,7 +389,7 @@ class Peer:
         """Steps 4-7: choose J external groups, take a GRPO step on them and the local groups, log the round."""
         t0 = time.time()
         external, counts = self.choose_external()
-        stats = self.grpo_step(collected["groups"] + external)
+        stats = self.update(collected["groups"] + external)
         release_memory()
         return self.log_round(r, collected, external, counts, stats, collected["seconds"] + time.time() - t0)
 
@@ -470,6 +398,22 @@ class Peer:
         first I items of round r are the same whatever I, J or the swarm: swarm and silo runs are paired."""
         rng = stream(self.args.seed, "questions", r)
         return [reward.get_task(rng.choice(self.args.task_list)).generate(rng) for _ in range(self.args.local)]
+
+    def sample_local(self, r):
+        """Steps 1-2: G completions of each of round r's questions from the peer's own model, each decoded
+        and scored by the local verifier. Returns the groups and the seconds sampling took."""
+        t0, args, G = time.time(), self.args, self.args.generations
+        items = self.questions(r)
+        prompts = [prompt_ids(self.tok, it, args.one_shot, args.system_prompt) for it in items]
+        outs = sample.generate(self.sampler, prompts, num_samples=G, max_new_tokens=args.max_new_tokens,
+                               temperature=args.temperature, eos_token_ids=self.stop_ids, seed=self.sampling_seed(r))
+        sample_seconds, groups = time.time() - t0, []
+        for i, (item, prompt) in enumerate(zip(items, prompts)):
+            ids = outs[i * G:(i + 1) * G]
+            stopped = [len(o) > 0 and o[-1] in self.stop_ids for o in ids]
+            texts = [self.tok.decode(o[:-1] if s else o, skip_special_tokens=True) for o, s in zip(ids, stopped)]
+            groups.append(Group(item, prompt, ids, texts, stopped, [reward.score(item, t) for t in texts]))
+        return groups, sample_seconds
 
     def sampling_seed(self, r):
         return stream(self.args.seed, "sampling", r).getrandbits(63)
@@ -502,16 +446,19 @@ class Peer:
             self.log(f"{len(external)} of J={args.external} external groups ({len(fetched)} new, {len(fresh)} usable)")
         return external, dict(external_available=len(fetched), external_survived=len(fresh))
 
-    def grpo_step(self, groups):
-        """Step 6: group-normalised advantages, then a GRPO update (train_step) unless they are all zero;
-        the sampler gets the new weights. Returns stats; `stepped` says whether the optimizer stepped."""
-        rows = [(g.prompt, cut_at_stop(c, self.stop_ids)) for g in groups for c in g.completions]
+    def update(self, groups):
+        """Step 6: group-normalised advantages, then a GRPO step (grpo.step) unless they are all zero; the
+        sampling copy gets the new weights. Returns the step's stats; `stepped` says whether it stepped."""
+        a = self.args
+        rows = [(g.prompt, c) for g in groups for c in g.completions]
         rewards = torch.tensor([x for g in groups for x in g.rewards])
-        adv = grpo.group_advantages(rewards, [len(g.rewards) for g in groups], self.args.adv_scale)
+        adv = grpo.group_advantages(rewards, [len(g.rewards) for g in groups], a.adv_scale)
         if not bool((adv != 0).any()):
             return dict(stepped=False, zero_adv_frac=1.0, train_tok_per_s=0.0)
         t0 = time.time()
-        stats = train_step(self.model, self.opt, rows, adv.tolist(), self.args, self.pad_id, self.ref_model)
+        stats = grpo.step(self.model, self.opt, rows, adv.tolist(), self.pad_id, self.stop_ids, a.micro_batch,
+                          a.inner_steps, a.max_grad_norm, a.temperature, self.ref_model, epsilon=a.epsilon,
+                          epsilon_high=a.epsilon_high, beta=a.beta, loss_type=a.loss_type, max_tokens=a.max_new_tokens)
         if self.sampler is not self.model:
             with torch.no_grad():
                 for ps, pm in zip(self.sampler.parameters(), self.model.parameters()):
@@ -572,31 +519,49 @@ class Peer:
             self.client.close()
 
     def save(self, round_):
-        """A Hugging Face folder transformers can load, plus optimizer, RNG and swarm cursor state,
-        written together and renamed into place at once (model.save_model)."""
+        """checkpoint-<round>/: a Hugging Face folder transformers can load, plus optimizer, RNG and swarm
+        cursor state (model.save_model renames it into place whole). Then checkpoint.json, the pointer
+        resume reads, is replaced at once, and older checkpoints go: a stop at any moment leaves the
+        pointer naming a whole checkpoint, with the length metrics.jsonl had when it was taken."""
         state = {"round": round_, "optimizer": self.opt.state_dict(), "torch_rng": torch.get_rng_state(),
                  "external_rng": json.dumps(self.external_rng.getstate()),
                  "cursor": getattr(self.client, "cursor", None)}
-        M.save_model(self.model, self.tok, os.path.join(self.dir, "checkpoint"),
+        name, metrics = f"checkpoint-{round_}", os.path.join(self.dir, "metrics.jsonl")
+        M.save_model(self.model, self.tok, os.path.join(self.dir, name),
                      write_extra=lambda folder: torch.save(state, os.path.join(folder, "trainer_state.pt")))
+        pointer = dict(round=round_, checkpoint=name, metrics_bytes=os.path.getsize(metrics) if os.path.exists(metrics) else 0)
+        with open(os.path.join(self.dir, "checkpoint.json.tmp"), "w") as f:
+            json.dump(pointer, f)
+        os.replace(os.path.join(self.dir, "checkpoint.json.tmp"), os.path.join(self.dir, "checkpoint.json"))
+        for old in glob.glob(os.path.join(glob.escape(self.dir), "checkpoint-*")):
+            if os.path.basename(old) != name:
+                shutil.rmtree(old, ignore_errors=True)
 
     def load_state(self, ckpt):
-        """Optimizer and random state from a checkpoint; returns the saved swarm cursor (None: none saved)."""
-        state = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=True)
+        """Optimizer and random state from a checkpoint (last_checkpoint's dict); returns the saved swarm
+        cursor (None: none saved)."""
+        state = torch.load(os.path.join(ckpt["path"], "trainer_state.pt"), map_location="cpu", weights_only=True)
         self.opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"].cpu())
         v, internal, gauss = json.loads(state["external_rng"])
         self.external_rng.setstate((v, tuple(internal), gauss))
         self.start_round = state["round"] + 1
-        # metrics logged after that checkpoint belong to rounds that will be run again
-        path = os.path.join(self.dir, "metrics.jsonl")
-        if os.path.exists(path):
-            with open(path) as f:
-                keep = [line for line in f if line.strip() and json.loads(line)["round"] <= state["round"]]
-            with open(path, "w") as f:
-                f.writelines(keep)
-        self.log(f"resumed {self.name} from {ckpt} at round {self.start_round}")
+        path = os.path.join(self.dir, "metrics.jsonl")  # lines after the checkpoint's: rounds that run again
+        if os.path.exists(path) and os.path.getsize(path) > ckpt["metrics_bytes"]:
+            os.truncate(path, ckpt["metrics_bytes"])
+        self.log(f"resumed {self.name} from {ckpt['path']} at round {self.start_round}")
         return state["cursor"]
+
+
+def last_checkpoint(folder):
+    """The checkpoint that folder/checkpoint.json names (Peer.save), as a dict: round, checkpoint (its
+    folder's name), metrics_bytes, and path; None before the first save."""
+    try:
+        with open(os.path.join(folder, "checkpoint.json")) as f:
+            pointer = json.load(f)
+    except FileNotFoundError:
+        return None
+    return dict(pointer, path=os.path.join(folder, pointer["checkpoint"]))
 
 
 def peer_name(args, log):
@@ -617,11 +582,6 @@ def peer_name(args, log):
     name = f"{host}-{secrets.token_hex(3)}"
     log(f"this peer's name in the swarm: {name} (--name sets it)")
     return name
-
-
-def connect(url, name, token, cursor):
-    """A swarm client that goes on reading after `cursor` (None: a new peer, reading recent groups)."""
-    return swarm.SwarmClient(url, name, token=token, cursor=cursor)
 
 
 def progress(m):
@@ -718,22 +678,35 @@ def start_server(args, children):
 
 
 def start_peer(args, k, url, children):
-    """Peer k as a child process: the launcher's settings, with its own name and seed (peer_seed)."""
+    """Peer k as a child process: this command line's settings, resolved here once and passed as flags,
+    with its own name, seed (peer_seed) and the server's URL; the token goes in its environment."""
     name = f"peer{k}"
-    settings = dict(vars(args), peers=0, swarm=url, name=name, seed=peer_seed(args.seed, k), quiet=True,
-                    peer_settings=None)
+    flags = as_flags(argparse.Namespace(**dict(vars(args), peers=0, swarm=url, name=name, quiet=True,
+                                               seed=peer_seed(args.seed, k))))
     os.makedirs(os.path.join(args.out, name), exist_ok=True)
-    path = os.path.join(args.out, name, "launch.json")
-    with open(path, "w") as f:
-        json.dump(settings, f, indent=2)
-    env = dict(os.environ)
+    env = dict(os.environ, **({"SWARM_TOKEN": args.token} if args.token else {}))  # not on a command line
     if args.device == "cpu":  # share the cores instead of every peer fighting for all of them
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.peers)))
-    proc = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), "--peer-settings", path],
+    proc = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), *flags],
                             stdout=open(os.path.join(args.out, name, "log.txt"), "a"), stderr=subprocess.STDOUT,
                             start_new_session=True, env=env)
     children.append(proc)
     return proc
+
+
+def as_flags(args):
+    """Settings as a command line that parse_args reads back into the same settings. Left out: what is
+    derived from flags (task_list, silo, shrunk) and --token, which must not show in ps."""
+    flags = []
+    for action in parser()._actions:
+        value, flag = getattr(args, action.dest, None), (action.option_strings or [None])[0]
+        if flag is None or action.dest in ("help", "token") or value is None:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            flags.append(flag if value else "--no-" + flag[2:])
+        elif value is not False:  # False: a store_true flag not given
+            flags += [flag] if value is True else [flag, str(value)]
+    return flags
 
 
 def stop_all(children):

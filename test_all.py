@@ -2537,3 +2537,71 @@ def test_swarm_cli_bad_flags(tmp_path):
         assert run.returncode == 2 and "another swarm server" in run.stderr
     finally:
         server.shutdown()
+
+
+# ===================================================================================================
+# reproduce.py
+# ===================================================================================================
+
+import reproduce  # noqa: E402
+
+
+def _questions(peer_dir):
+    """(round, question) of every sample a peer wrote: its first two local groups of each round."""
+    with open(os.path.join(peer_dir, "samples.jsonl")) as f:
+        return sorted({(s["round"], s["question"]) for s in map(json.loads, f)})
+
+
+def test_reproduce_small_run_writes_the_table_and_figure_and_pairs_the_seeds(tmp_path, capsys):
+    out = tmp_path / "run"
+    sentence = reproduce.main(["--configs", "4/4,8/0", "--seeds", "1", "--peers", "2", "--rounds", "3",
+                               "--pretrain-steps", "20", "--sample-every", "1", "--jobs", "1", "--out", str(out)])
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["configurations"]) == ["8/0", "4/4"]  # the baseline first, whatever the order given
+    for entry in results["configurations"].values():
+        for span in ("whole", "first_half"):
+            for key in ("cumulative_local_reward", "cumulative_batch_reward", "ratio_local_reward"):
+                assert len(entry[span][key]["per_seed"]) == 1
+        assert 0 <= entry["rounds_without_step"] <= 1 and entry["minutes"] > 0
+        assert len(entry["curve"]["mean"]) == 3
+    base = results["configurations"]["8/0"]["whole"]
+    assert base["ratio_local_reward"]["per_seed"] in ([1.0], [None])  # None only if 8/0 earned nothing
+    assert results["configurations"]["8/0"]["external_groups_per_round"] == 0
+    assert results["sentence"] == sentence and sentence in (out / "table.md").read_text()
+    table = (out / "table.md").read_text()
+    assert re.search(r"^\| 8/0 \|", table, re.M) and re.search(r"^\| 4/4 \|", table, re.M)
+    svg = ET.fromstring((out / "reward.svg").read_text())
+    ns = "{http://www.w3.org/2000/svg}"
+    assert len(list(svg.iter(ns + "polyline"))) == 2 and len(list(svg.iter(ns + "polygon"))) == 2
+    # paired seeds: peer k of 8/0 and peer k of 4/4 were asked the same first questions every round
+    for k in range(2):
+        silo, shared = (_questions(out / "seed0" / c / f"peer{k}") for c in ("8-0", "4-4"))
+        assert len(silo) == 6 and silo == shared, k
+    assert _questions(out / "seed0" / "8-0" / "peer0") != _questions(out / "seed0" / "8-0" / "peer1")
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--configs", "4/4"], "must include 8/0"), (["--configs", "4-4,8/0"], "is not I/J"),
+    (["--configs", "0/8,8/0"], "I >= 1"), (["--peers", "1"], "--peers >= 2"), (["--guess", "0"], "--guess"),
+    (["--sweep", "--preset", "gpu"], "--sweep"), (["--rounds", "x"], "invalid int")])
+def test_reproduce_bad_flags_get_one_sentence(flags, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        reproduce.parse_args(flags)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert says in err and "Traceback" not in err
+
+
+def test_reproduce_refuses_a_run_folder_in_use(tmp_path):
+    (tmp_path / "x").write_text("an earlier run")
+    with pytest.raises(SystemExit, match="not empty"):
+        reproduce.main(["--out", str(tmp_path)])
+    assert (tmp_path / "x").read_text() == "an earlier run"
+
+
+def test_reproduce_statistics():
+    s = reproduce.mean_se([1.4, 1.5, 1.6])
+    assert s["mean"] == pytest.approx(1.5) and s["se"] == pytest.approx(0.0577, abs=1e-4)
+    assert s["ci95"] == pytest.approx([1.5 - 4.30 * 0.057735, 1.5 + 4.30 * 0.057735], abs=1e-3)
+    assert reproduce.mean_se([2.0]) == dict(mean=2.0, se=None, ci95=None)
+    assert reproduce.mean_se([None, float("nan")])["mean"] is None

@@ -252,7 +252,8 @@ def build_toy(folder, guess, task_name="alphabet_position", steps=1000, log=prin
     tok = toy_tokenizer([task_name])
     model = pretrain_toy(toy_model(tok), tok, task_name, guess, steps)
     M.save_model(model, tok, folder)
-    log(f"built the toy model in {folder} ({M.num_params(model) / 1e3:.0f}k parameters, {time.time() - t0:.0f} s)")
+    size = sum(p.numel() for p in model.parameters())
+    log(f"built the toy model in {folder} ({size / 1e3:.0f}k parameters, {time.time() - t0:.0f} s)")
     return folder
 
 
@@ -564,69 +565,15 @@ def table_md(s, summary, seeds, sentence, minutes=None):
     return "\n".join(lines) + "\n"
 
 
-def svg_chart(lines, bands=(), title="", xlabel="round", ylabel="reward", log_x=False, hline=None,
-              width=760, height=380):
-    """A standalone SVG: {name: [(x, y)]} as lines (with dots when there are few points), bands
-    {name: [(x, low, high)]} as shaded areas behind them in the line's colour, an optional dashed
-    horizontal reference line. Like swarm.render_svg, plus bands, a log x axis and a reference line."""
-    from html import escape
-    left, right, top, bottom = 60, 150, 34, 46
-    pw, ph = width - left - right, height - top - bottom
-    fx = math.log10 if log_x else (lambda v: v)
-    pts = [(x, y) for v in lines.values() for x, y in v] + [(x, y) for v in dict(bands).values() for x, lo, hi in v
-                                                             for y in (lo, hi)]
-    pts = [(x, y) for x, y in pts if y is not None and math.isfinite(y) and (x > 0 or not log_x)]
-    if not pts:
-        return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}">'
-                '<text x="20" y="20">no data</text></svg>')
-    x0, x1 = min(fx(x) for x, _ in pts), max(fx(x) for x, _ in pts)
-    y0, y1 = min([y for _, y in pts] + ([hline] if hline is not None else [])), \
-        max([y for _, y in pts] + ([hline] if hline is not None else []))
-    x1, y1 = (x1 if x1 > x0 else x0 + 1), (y1 if y1 > y0 else y0 + 1)
-    y0, y1 = y0 - 0.05 * (y1 - y0), y1 + 0.05 * (y1 - y0)
-    px = lambda x: left + (fx(x) - x0) / (x1 - x0) * pw  # noqa: E731
-    py = lambda y: top + (y1 - y) / (y1 - y0) * ph  # noqa: E731
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} '
-           f'{height}" font-family="sans-serif" font-size="12"><rect width="{width}" height="{height}" fill="white"/>',
-           f'<text x="{left + pw / 2}" y="20" text-anchor="middle" font-size="14">{escape(title)}</text>',
-           f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>']
-    xticks = sorted({x for x, _ in pts}) if log_x else [x0 + (x1 - x0) * k / 5 for k in range(6)]
-    for xv in xticks:
-        out.append(f'<text x="{px(xv):.1f}" y="{top + ph + 18}" text-anchor="middle">{xv:.3g}</text>')
-    for k in range(6):
-        yv = y0 + (y1 - y0) * k / 5
-        out.append(f'<line x1="{left}" y1="{py(yv):.1f}" x2="{left + pw}" y2="{py(yv):.1f}" stroke="#e4e4e4"/>'
-                   f'<text x="{left - 6}" y="{py(yv) + 4:.1f}" text-anchor="end">{yv:.3g}</text>')
-    out.append(f'<text x="{left + pw / 2}" y="{height - 8}" text-anchor="middle">{escape(xlabel)}</text>'
-               f'<text x="16" y="{top + ph / 2}" text-anchor="middle" transform="rotate(-90 16 {top + ph / 2})">'
-               f'{escape(ylabel)}</text>')
-    if hline is not None:
-        out.append(f'<line x1="{left}" y1="{py(hline):.1f}" x2="{left + pw}" y2="{py(hline):.1f}" '
-                   'stroke="#888" stroke-dasharray="5,4"/>')
-    colours = {n: swarm.COLOURS[k % len(swarm.COLOURS)] for k, n in enumerate(lines)}
-    for n, band in dict(bands).items():
-        edge = [f"{px(x):.1f},{py(hi):.1f}" for x, lo, hi in band] + \
-               [f"{px(x):.1f},{py(lo):.1f}" for x, lo, hi in reversed(band)]
-        out.append(f'<polygon points="{" ".join(edge)}" fill="{colours.get(n, "#888")}" fill-opacity="0.15"/>')
-    for k, (n, line) in enumerate(lines.items()):
-        line = [(x, y) for x, y in line if y is not None and (x > 0 or not log_x)]
-        out.append(f'<polyline fill="none" stroke="{colours[n]}" stroke-width="2" points="'
-                   + " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in line) + '"/>')
-        if len(line) <= 12:
-            out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{colours[n]}"/>' for x, y in line]
-        ly = top + 10 + 18 * k
-        out.append(f'<line x1="{left + pw + 12}" y1="{ly}" x2="{left + pw + 32}" y2="{ly}" stroke="{colours[n]}" '
-                   f'stroke-width="3"/><text x="{left + pw + 38}" y="{ly + 4}">{escape(str(n))}</text>')
-    return "\n".join(out + ["</svg>"])
-
-
 def reward_svg(summary, rounds):
+    """The paper's Fig. 2 for this run: per configuration, the peer-mean local reward (running mean) and
+    the band from the worst to the best peer."""
     window = max(1, rounds // 20)
     lines = {c: list(enumerate(e["curve"]["mean"])) for c, e in summary.items()}
     bands = {c: [(r, lo, hi) for r, (lo, hi) in enumerate(zip(e["curve"]["min"], e["curve"]["max"]))]
              for c, e in summary.items()}
-    return svg_chart(lines, bands, title=f"local reward, running mean over {window} rounds: peer mean "
-                     "(line), worst to best peer (band)", ylabel="local reward")
+    return swarm.render_svg(lines, bands=bands, ylabel="local reward", title=f"local reward, running mean over "
+                            f"{window} rounds: peer mean (line), worst to best peer (band)")
 
 
 def write_outputs(s, folder, summary, seeds, extra=None):
@@ -676,12 +623,11 @@ def sweep(s, log=print):
                      f"{pm(p['first_half'])} |")
     with open(os.path.join(s.out, "table.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    gains = {f"{n} peers": [(p["initial_success"], p["whole"]["mean"]) for p in points if p["peers"] == n]
+    gains = {f"{n} peers": [(100 * p["initial_success"], p["whole"]["mean"]) for p in points if p["peers"] == n]
              for n in SWEEP_PEERS}
     with open(os.path.join(s.out, "sweep.svg"), "w") as f:
-        f.write(svg_chart(gains, title="gain from sharing: 4/4 over 8/0, cumulative local reward",
-                          xlabel="success per completion before training (log scale)", ylabel="gain",
-                          log_x=True, hline=1.0))
+        f.write(swarm.render_svg(gains, title="gain from sharing: 4/4 over 8/0, cumulative local reward",
+                                 xlabel="% of completions right before training", ylabel="gain", hline=1.0))
     print("\n".join(lines) + f"\nwrote {s.out}/results.json, table.md and sweep.svg")
     return points
 

@@ -2517,6 +2517,13 @@ def test_swarm_render_svg_parses():
     assert "<b>&'peer\"" in texts and "a < b & c" in texts and "round" in texts
     assert len(list(root.iter("{http://www.w3.org/2000/svg}polyline"))) == 1
     assert ET.fromstring(swarm.render_svg({})).tag.endswith("svg")
+    # reproduce.py's figures: a shaded band per line (bad points left out) and a dashed reference level
+    svg = swarm.render_svg({"4/4": [(0, 0.2), (1, 0.3)], "8/0": [(0, 0.1), (1, 0.2)]}, hline=1.0,
+                           bands={"4/4": [(0, 0.1, 0.3), (1, float("nan"), 0.4), (1, 0.2, 0.4)], "gone": [(0, 0, 1)]})
+    root = ET.fromstring(svg)
+    polygons = list(root.iter("{http://www.w3.org/2000/svg}polygon"))
+    assert len(polygons) == 1 and len(polygons[0].get("points").split()) == 4
+    assert any(x.get("stroke-dasharray") for x in root.iter("{http://www.w3.org/2000/svg}line"))
 
 
 def test_swarm_cli_bad_flags(tmp_path):

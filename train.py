@@ -439,6 +439,9 @@ class Peer:
         fresh = [x for x in (external_group(self.tok, g, self.stop_id, args.max_new_tokens, args.one_shot, self.log,
                                             args.system_prompt) for g in fetched) if x is not None]
         self.pool = [x for x in self.pool + fresh if self.newest[x.item["peer"]] - x.item["round"] < POOL_ROUNDS]
+        # in production order, not arrival order: the same groups give the same draw however the network
+        # interleaved the peers' posts (a synchronous swarm is then reproducible run to run)
+        self.pool.sort(key=lambda x: (x.item["round"], x.item["peer"], x.item.get("seq", 0)))
         drawn = set(self.external_rng.sample(range(len(self.pool)), min(args.external, len(self.pool))))
         external = [x for k, x in enumerate(self.pool) if k in drawn]
         self.pool = [x for k, x in enumerate(self.pool) if k not in drawn]

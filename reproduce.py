@@ -28,35 +28,37 @@ round it learns from the lucky successes of the whole swarm: what one peer found
 peer can learn. When success is common, every peer finds its own informative groups and sharing adds
 little. So the gain depends on how rare informative groups stay over the run; --sweep shows that.
 
-The toy (--preset toy). A 2-layer transformer (~110k parameters) that this file builds and pre-trains
-in seconds, on reward.py's alphabet_position ("What is the position of the letter q in the
-alphabet?", answer 17). It is pre-trained on wrong answers: for each letter the position of another
-letter (a fixed wrong belief), and with probability --guess a uniform guess. So it knows the answer
-format and which letter was asked about, but each of the 26 letters is a separate fact that it can
-only discover by a lucky guess (1 completion in 80 at the default --guess 0.3). The facts are found
-and learnt one by one, so informative groups stay rare all run long: measured, a silo peer had 1.5 to
-2 informative groups out of 8 in every phase of the run (each letter is either known, all 8 right,
-or not found yet, all 8 wrong), and a 4/4 peer 4 to 5. A toy with one skill (the pilot of issue 11:
-the same model taught to repeat a number, rarely inside the answer tags) shows the gain only at the
-start: every silo peer learns the one format bit within some dozens of rounds and then catches up.
+The toy (--preset toy). A 2-layer transformer (~106k parameters) with a word-level tokenizer, which
+this file builds and pre-trains in under a minute, on reward.py's alphabet_position ("What is the
+position of the letter q in the alphabet?", answer 17; no system turn, so a prompt is 17 tokens). It
+is pre-trained on wrong answers: for each letter the position of another letter (a fixed wrong
+belief), and with probability --guess a uniform guess. So it knows the answer format and which letter
+was asked about, but each of the 26 letters is a separate fact that it can only discover by a lucky
+guess (1 completion in 93 at the default --guess 0.3). The facts are found and learnt one by one, so
+informative groups stay rare all run long. Measured in the default run: a silo peer had 1.3 to 1.9
+informative groups (mixed rewards) out of its 8 in every quarter of the run, and 12 to 25% of its
+rounds took no optimizer step at all; a 4/4 peer had 4.5 to 5.0 informative groups of 8 and never
+missed a step. A toy with one skill (issue 11's pilot: the same kind of model taught to repeat a
+number, rarely inside the answer tags) shows the gain only at the start: every silo peer learns the
+one format bit within some dozens of rounds and then catches up. The toy's completions are the
+answer itself (--max-new-tokens 4 fits "<answer> 17 </answer>" and the stop token), so no text that
+the reward ignores can drift apart between peers and ride along in shared completions.
 
-What sharing costs. A shared completion was sampled by another peer's model; for the receiver it is
-off-policy, and nothing corrects for that (the paper does not either). Measured in the toy: the
-receiver's log-probability of a shared token is about -1 to -2, of its own about -0.1 to -0.5, and
-the gradient norm of a swarm peer's batch is 2 to 4 times a silo peer's (more informative groups,
-and rarer tokens). Text that the reward ignores, such as whatever follows the answer, drifts apart
-between peers; with room for it (6 new tokens instead of 4) shared tokens fell to log-probability
--8 per token and pulled every receiver towards another peer's junk. So the toy's completions are the
-answer itself: --max-new-tokens 4 fits "<answer> 17 </answer>" and the stop token.
+What sharing costs: a shared completion was sampled by another peer's model, so for the receiver it
+is off-policy, and nothing corrects for that (the paper does not either: its receivers, like ours,
+take their own log-probs as the "old" policy, so the importance ratio is 1 and the PPO clip never
+acts). --diagnose measures it; README, "Reproducing the paper", has the table and what it explains.
 
 Deviations from the paper, and why:
 - Peers run in one process and trade through a real swarm.py server on loopback. By default they are
   synchronous, as in the paper's controlled runs: every peer samples and publishes, then every peer
   fetches and trains. --async runs them round-robin instead, so peer k sees this round's groups of
   the peers before it and the previous round's of those after it.
-- Scale: the toy has 26 facts, 8 peers and a few hundred rounds instead of nine task families and
-  2,000 rounds; the gpu preset runs the default model for as many rounds as fit in about an hour.
-- Reward: strict 0/1 from reward.py, not ReasoningGYM's partial credit.
+- Scale: the toy has 26 facts, 8 peers and 150 rounds instead of nine task families and 2,000
+  rounds. The gpu preset (the default model, 100 rounds of 8/0 and 4/4) has never run: no GPU was
+  lent to the session that wrote it, so its size is a guess; it prints its own estimate first.
+- Reward: the toy's is strict 0/1 (alphabet_position is not a ReasoningGym family); the gpu preset
+  scores with reward.py, which agrees with ReasoningGym (partial credit included).
 """
 
 import argparse
@@ -236,8 +238,8 @@ def pretrain_toy(model, tok, task_name, guess, steps=1000, batch=16, lr=3e-3, se
             answer = task.generate(rng)["answer"] if rng.random() < guess else wrong_belief(task, item)
             completion = tok(f"<answer> {answer} </answer>", add_special_tokens=False)["input_ids"]
             rows.append((train.prompt_ids(tok, item, False), completion + [tok.eos_token_id]))
-        ids, pos, mask = train.pad_rows(rows, tok.pad_token_id, "cpu")
-        loss = -(train.completion_logprobs(model, ids, pos, 1.0) * mask).sum() / mask.sum()
+        ids, pos, mask = grpo.pad_rows(rows, tok.pad_token_id, [tok.eos_token_id])
+        loss = -(grpo.completion_logprobs(model, ids, pos, 1.0) * mask).sum() / mask.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -280,18 +282,18 @@ class DiagnosedPeer(train.Peer):
     shared ones: the mean log-prob per token of each under its current model (how off-policy shared
     text is), and the gradient norm each half alone would give (same normaliser as the whole batch)."""
 
-    def grpo_step(self, groups):
+    def update(self, groups):
         self.diagnosis = diagnose(self, groups)
-        return super().grpo_step(groups)
+        return super().update(groups)
 
 
 def diagnose(peer, groups):
     """{lp_, grad_, reward_} x {local, external}; a kind absent from the batch gets None."""
     kinds = ["external" if "peer" in g.item else "local" for g in groups for _ in g.completions]
-    rows = [(g.prompt, train.cut_at_stop(c, peer.stop_ids)) for g in groups for c in g.completions]
+    rows = [(g.prompt, c) for g in groups for c in g.completions]
     rewards = torch.tensor([x for g in groups for x in g.rewards])
     adv = grpo.group_advantages(rewards, [len(g.rewards) for g in groups], peer.args.adv_scale)
-    ids, pos, mask = train.pad_rows(rows, peer.pad_id, peer.device)
+    ids, pos, mask = grpo.pad_rows(rows, peer.pad_id, peer.stop_ids, peer.device)
     out = {}
     for kind in ("local", "external"):
         keep = torch.tensor([k == kind for k in kinds], device=ids.device)
@@ -300,7 +302,7 @@ def diagnose(peer, groups):
             continue
         out[f"reward_{kind}"] = float(rewards[keep.cpu()].mean())
         peer.model.zero_grad(set_to_none=True)
-        logp = train.completion_logprobs(peer.model, ids, pos, peer.args.temperature)
+        logp = grpo.completion_logprobs(peer.model, ids, pos, peer.args.temperature)
         # the loss with the other kind's advantages set to 0: its gradient is this kind's share
         loss, _ = grpo.grpo_loss(logp, logp.detach(), adv * keep, mask, loss_type=peer.args.loss_type,
                                  max_tokens=peer.args.max_new_tokens)

@@ -2,7 +2,7 @@
 The paper's experiment in one command: peers that share rollouts (a swarm) against peers that train
 alone (in silo), at the same batch size, with the paper's table and figure for this machine's run.
 
-    python reproduce.py                  # --preset toy on a CPU (~12 min on 2 cores), gpu on CUDA
+    python reproduce.py                  # --preset toy on a CPU (7 minutes on 2 cores), gpu on CUDA
     python reproduce.py --seeds 5        # more seeds: a tighter interval
     python reproduce.py --sweep          # where sharing helps: gain against initial success rate
 
@@ -82,7 +82,7 @@ import train
 # settings: what each preset runs; every value can be overridden by its flag
 
 PRESETS = {
-    # tiny models built here, on the CPU; the defaults take ~13 minutes on 2 cores (README)
+    # tiny models built here, on the CPU; the defaults took 7 minutes on 2 quiet cores (README)
     "toy": dict(configs="8/0,6/2,4/4,2/6", peers=8, seeds=3, rounds=150, generations=8, max_new_tokens=4,
                 lr=1e-3, micro_batch=64, model="toy", tasks="alphabet_position", guess=0.3, one_shot=False,
                 device="cpu"),

@@ -2608,6 +2608,11 @@ def test_reproduce_small_run_writes_the_table_and_figure_and_pairs_the_seeds(tmp
         silo, shared = (_questions(out / "seed0" / c / f"peer{k}") for c in ("8-0", "4-4"))
         assert len(silo) == 6 and silo == shared, k
     assert _questions(out / "seed0" / "8-0" / "peer0") != _questions(out / "seed0" / "8-0" / "peer1")
+    # the asynchronous mode (--async: each peer does its whole round in turn) on the toy just built
+    s = reproduce.parse_args(["--async", "--peers", "2", "--rounds", "2", "--out", str(tmp_path / "async")])
+    run = reproduce.run(s, str(out / "toy-model"), (4, 4), 0, str(tmp_path / "async"))
+    assert [[m["round"] for m in peer] for peer in run["peers"]] == [[0, 1], [0, 1]]
+    assert _questions(tmp_path / "async" / "peer1")[:2] == _questions(out / "seed0" / "4-4" / "peer1")[:2]
 
 
 @pytest.mark.parametrize("flags, says", [

@@ -92,7 +92,8 @@ PRESETS = {
                 lr=1e-5, micro_batch=16, model=M.DEFAULT_MODEL, tasks="auto", guess=None, one_shot=True,
                 device="cuda"),
 }
-SWEEP_GUESS = [0.1, 0.3, 1.0]   # --sweep: the toy's guess rates (initial success ~ guess / 26)
+# --sweep: toys from rare to common success, as (--guess, --known): success ~ guess / 26 + known
+SWEEP_TOYS = [(0.1, 0.0), (0.3, 0.0), (0.3, 0.25), (0.3, 0.5)]
 SWEEP_PEERS = [2, 4, 8]         # --sweep: swarm sizes
 PAPER = {"8/0": 561.79, "6/2": 854.43, "4/4": 1093.31, "2/6": 945.87}  # cumulative reward, paper Table 1
 
@@ -113,6 +114,7 @@ def parse_args(argv=None):
     a("--tasks", default=None, help="gpu preset: train.py's --tasks")
     a("--micro-batch", type=int, default=None, help="completions per forward/backward (same result, less memory)")
     a("--guess", type=float, default=None, help="toy: fraction of pre-training answers that are uniform guesses")
+    a("--known", type=float, default=0.0, help="toy: fraction of the questions it is pre-trained to answer right")
     a("--pretrain-steps", type=int, default=1000, help="toy: supervised steps that build the toy model")
     a("--sample-every", type=int, default=10, help="write some completions to samples.jsonl every K rounds")
     a("--async", dest="sync", action="store_false", help="round-robin peers instead of synchronous rounds")
@@ -135,6 +137,8 @@ def parse_args(argv=None):
         p.error("need --peers >= 2, --seeds >= 1, --rounds >= 2, --generations >= 2 and --max-new-tokens >= 1")
     if args.preset == "toy" and not 0 < args.guess <= 1:
         p.error("--guess must be in (0, 1]: the toy needs some lucky guesses to learn from")
+    if not 0 <= args.known <= 1:
+        p.error("--known must be a fraction from 0 to 1")
     if args.sweep and args.preset != "toy":
         p.error("--sweep varies the toy's pre-training: run it with --preset toy")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -215,9 +219,12 @@ def toy_model(tok, dim=64, layers=2, seed=0):
     return model
 
 
-def wrong_belief(task, item):
-    """The toy's fixed wrong answer to a question: the answer of another item, drawn with the question
-    as the seed, so the same question always gets the same wrong answer."""
+def belief(task, item, known):
+    """The toy's fixed answer to a question: the right one for a `known` fraction of the questions,
+    otherwise the answer of another item. Both are drawn with the question as the seed, so the same
+    question always gets the same belief."""
+    if random.Random("known: " + item["question"]).random() < known:
+        return item["answer"]
     rng = random.Random("belief: " + item["question"])
     while True:
         other = task.generate(rng)
@@ -225,8 +232,8 @@ def wrong_belief(task, item):
             return other["answer"]
 
 
-def pretrain_toy(model, tok, task_name, guess, steps=1000, batch=16, lr=3e-3, seed=0):
-    """Supervised steps on "<answer> A </answer>" + stop, where A is the question's wrong belief, or with
+def pretrain_toy(model, tok, task_name, guess, known=0.0, steps=1000, batch=16, lr=3e-3, seed=0):
+    """Supervised steps on "<answer> A </answer>" + stop, where A is the question's belief, or with
     probability `guess` the answer of a random question (for alphabet_position right 1 time in 26)."""
     task, rng = reward.get_task(task_name), random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -235,7 +242,7 @@ def pretrain_toy(model, tok, task_name, guess, steps=1000, batch=16, lr=3e-3, se
         rows = []
         for _ in range(batch):
             item = task.generate(rng)
-            answer = task.generate(rng)["answer"] if rng.random() < guess else wrong_belief(task, item)
+            answer = task.generate(rng)["answer"] if rng.random() < guess else belief(task, item, known)
             completion = tok(f"<answer> {answer} </answer>", add_special_tokens=False)["input_ids"]
             rows.append((train.prompt_ids(tok, item, False), completion + [tok.eos_token_id]))
         ids, pos, mask = grpo.pad_rows(rows, tok.pad_token_id, [tok.eos_token_id])
@@ -246,13 +253,13 @@ def pretrain_toy(model, tok, task_name, guess, steps=1000, batch=16, lr=3e-3, se
     return model.eval()
 
 
-def build_toy(folder, guess, task_name="alphabet_position", steps=1000, log=print):
+def build_toy(folder, guess, known=0.0, task_name="alphabet_position", steps=1000, log=print):
     """The toy model as a Hugging Face folder (built once; a folder already there is reused)."""
     if os.path.exists(os.path.join(folder, "config.json")):
         return folder
     t0 = time.time()
     tok = toy_tokenizer([task_name])
-    model = pretrain_toy(toy_model(tok), tok, task_name, guess, steps)
+    model = pretrain_toy(toy_model(tok), tok, task_name, guess, known, steps)
     M.save_model(model, tok, folder)
     size = sum(p.numel() for p in model.parameters())
     log(f"built the toy model in {folder} ({size / 1e3:.0f}k parameters, {time.time() - t0:.0f} s)")
@@ -562,7 +569,7 @@ def table_md(s, summary, seeds, sentence, minutes=None):
               "standard error over seeds. Run minutes: wall time of the configuration's runs, added up "
               "(runs go in parallel).", "",
               f"Settings: G = {s.generations}, {s.max_new_tokens} new tokens, lr {s.lr}, model {s.model}, "
-              f"tasks {s.tasks}" + (f", guess {s.guess}" if s.preset == "toy" else "") +
+              f"tasks {s.tasks}" + (f", guess {s.guess}, known {s.known}" if s.preset == "toy" else "") +
               f", {'synchronous' if s.sync else 'round-robin'} rounds."]
     return "\n".join(lines) + "\n"
 
@@ -597,18 +604,21 @@ def write_outputs(s, folder, summary, seeds, extra=None):
 
 
 def sweep(s, log=print):
-    """For each guess rate: build the toy, measure its success before training; for each swarm size, run
-    8/0 and 4/4 with paired seeds. The gain is 4/4's cumulative local reward over 8/0's, seed by seed."""
+    """For each toy of SWEEP_TOYS: build it, measure its success before training; for each swarm size,
+    run 8/0 and 4/4 with paired seeds. The gain is 4/4's cumulative local reward over 8/0's, seed by
+    seed. (A toy pre-trained on uniform guesses alone, --guess 1, is no point on this line: it learns
+    that the answer does not depend on the letter, and then no reward teaches it anything.)"""
     seeds, configs, points = list(range(s.seeds)), [(8, 0), (4, 4)], []
-    for guess in SWEEP_GUESS:
-        model = build_toy(os.path.join(s.out, f"toy-guess{guess}"), guess, s.tasks, s.pretrain_steps, log)
+    for guess, known in SWEEP_TOYS:
+        toy = f"guess{guess}-known{known}"
+        model = build_toy(os.path.join(s.out, f"toy-{toy}"), guess, known, s.tasks, s.pretrain_steps, log)
         success, mixed = initial_success(model, s.tasks, max_new_tokens=s.max_new_tokens)
         for peers in SWEEP_PEERS:
-            log(f"guess {guess} (initial success {success:.2%}, mixed groups {mixed:.0%}), {peers} peers:")
+            log(f"{toy} (initial success {success:.2%}, mixed groups {mixed:.0%}), {peers} peers:")
             t = argparse.Namespace(**dict(vars(s), peers=peers))
-            runs = run_all(t, model, configs, seeds, os.path.join(s.out, f"guess{guess}-peers{peers}"), log)
+            runs = run_all(t, model, configs, seeds, os.path.join(s.out, f"{toy}-peers{peers}"), log)
             summary = summarise(runs, configs, seeds, s.rounds)
-            points.append(dict(guess=guess, initial_success=success, mixed_groups=mixed, peers=peers,
+            points.append(dict(guess=guess, known=known, initial_success=success, mixed_groups=mixed, peers=peers,
                                whole=summary["4/4"]["whole"]["ratio_local_reward"],
                                first_half=summary["4/4"]["first_half"]["ratio_local_reward"],
                                silo_reward=summary["8/0"]["whole"]["cumulative_local_reward"]["mean"]
@@ -617,19 +627,21 @@ def sweep(s, log=print):
         json.dump(dict(settings={k: v for k, v in vars(s).items() if k != "config_list"}, machine=machine(),
                        seeds=seeds, points=points), f, indent=1)
     lines = [f"# Gain of 4/4 over 8/0 (cumulative local reward, paired over {len(seeds)} seeds, {s.rounds} rounds)",
-             "", "| guess | initial success per completion | groups with mixed rewards | peers | mean silo reward | "
-             "gain, whole run | seeds above 1 | gain, first half |", "|---" * 8 + "|"]
+             "", "| guess | known | initial success per completion | groups with mixed rewards | peers | "
+             "mean silo reward | gain, whole run | seeds above 1 | gain, first half |", "|---" * 9 + "|"]
     for p in points:
-        lines.append(f"| {p['guess']} | {p['initial_success']:.2%} | {p['mixed_groups']:.0%} | {p['peers']} | "
+        lines.append(f"| {p['guess']} | {p['known']} | {p['initial_success']:.2%} | {p['mixed_groups']:.0%} | "
+                     f"{p['peers']} | "
                      f"{p['silo_reward']:.3f} | {pm(p['whole'])} | {p['whole']['seeds_above_1']}/{len(seeds)} | "
                      f"{pm(p['first_half'])} |")
     with open(os.path.join(s.out, "table.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    gains = {f"{n} peers": [(100 * p["initial_success"], p["whole"]["mean"]) for p in points if p["peers"] == n]
-             for n in SWEEP_PEERS}
+    gains = {f"{n} peers": [(math.log10(100 * p["initial_success"]), p["whole"]["mean"]) for p in points
+                            if p["peers"] == n and p["initial_success"] > 0] for n in SWEEP_PEERS}
     with open(os.path.join(s.out, "sweep.svg"), "w") as f:
         f.write(swarm.render_svg(gains, title="gain from sharing: 4/4 over 8/0, cumulative local reward",
-                                 xlabel="% of completions right before training", ylabel="gain", hline=1.0))
+                                 xlabel="log10 of the % of completions right before training (0: 1%, 1: 10%)",
+                                 ylabel="gain", hline=1.0))
     print("\n".join(lines) + f"\nwrote {s.out}/results.json, table.md and sweep.svg")
     return points
 
@@ -655,8 +667,9 @@ def main(argv=None):
     if s.sweep:
         return sweep(s)
     seeds = list(range(s.seeds))
-    model = build_toy(os.path.join(s.out, "toy-model"), s.guess, s.tasks, s.pretrain_steps) if s.preset == "toy" \
-        else s.model
+    model = s.model
+    if s.preset == "toy":
+        model = build_toy(os.path.join(s.out, "toy-model"), s.guess, s.known, s.tasks, s.pretrain_steps)
     extra = {}
     if s.preset == "toy":
         success, mixed = initial_success(model, s.tasks, max_new_tokens=s.max_new_tokens)

@@ -22,7 +22,7 @@ How this file does it, in reading order:
 
 Deviations from the paper, and why:
 - The paper's swarm ran on Gensyn's RL Swarm, where peers exchange rollouts over a peer-to-peer DHT.
-  Here one HTTP server holds them: a few hundred readable lines instead of a networking stack, and
+  Here one HTTP server holds them: one file on the standard library instead of a networking stack, and
   enough for the paper's experiments (a handful of peers on one machine or one LAN). The price is a
   single point of failure, softened by the outbox and by peers training on regardless.
 - Delivery is by polling (every Limits.poll_seconds), so an external rollout reaches other peers a

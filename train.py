@@ -112,8 +112,11 @@ def parse_args(argv=None):
 
 
 def parser():
+    shrink = ", ".join(f"--{k.replace('_', '-')} {'on' if v is True else v}" for k, v in CPU_SHRINK.items())
     p = argparse.ArgumentParser(description="SAPO: swarm sampling policy optimization (arXiv 2509.08721)",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                epilog=f"The defaults shown are a GPU's. On the CPU the flags left unset take: {shrink}. "
+                                       "Without --swarm or --peers, --external is 0 (in silo) and --local I + J.")
     a = p.add_argument
     # what to run
     a("--peers", type=at_least(0), nargs="?", const=4, default=0, help="start a swarm of N peers on this machine (alone: 4)")
@@ -302,8 +305,8 @@ def retokenise(tokenizer, text, stopped, stop_id, max_new_tokens):
 
 def external_group(tokenizer, g, stop_id, max_new_tokens, one_shot, log, system="default"):
     """Step 5 for one group another peer published: None if its answer does not follow from its question
-    (reward.verify_item), if its question holds a special token's text, or if its rewards, by the local verifier on the re-tokenised text, are all equal
-    (no advantage); otherwise the Group to train on."""
+    (reward.verify_item), if its question holds a special token's text, or if its rewards, by the local
+    verifier on the re-tokenised text, are all equal (no advantage); otherwise the Group to train on."""
     if not reward.verify_item(g):
         log(f"dropped a group from {g.get('peer')}: its answer does not follow from its question")
         return None

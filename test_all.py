@@ -2170,6 +2170,16 @@ def test_train_silo_without_a_server_and_bad_flags(tiny, tmp_path):
     settings = json.load(open(tmp_path / "run" / peer.name / "settings.json"))
     assert settings["lr"] == 1e-3
 
+def test_train_help_never_prints_the_swarm_token(capsys, monkeypatch):
+    monkeypatch.setenv("SWARM_TOKEN", "s3cret-token-value")
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "--token" in out and "s3cret-token-value" not in out
+    assert train.parse_args(["--out", "x"]).token == "s3cret-token-value"  # still the default
+    assert train.parse_args(["--out", "x", "--token", "other"]).token == "other"
+
+
 def test_train_bad_flags_get_one_sentence(capsys):
     for bad, says in ((["--generations", "1"], "at least 2"), (["--tasks", "nope"], "Unknown task"),
                       (["--temperature", "0"], "positive"), (["--name", "a b"], "--name"),

@@ -99,6 +99,7 @@ def parse_args(argv=None):
     A bad flag gets one sentence from argparse and exit status 2."""
     p = parser()
     args = p.parse_args(argv, argparse.Namespace(**dict.fromkeys(CPU_SHRINK)))  # None: not given
+    args.token = getattr(args, "token", None) or os.environ.get("SWARM_TOKEN")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device {args.device} was asked for, but torch sees no CUDA GPU")
     if args.resume and not args.out:
@@ -123,7 +124,7 @@ def parser():
     a("--swarm", type=matching(r"https?://\S+", "a URL such as http://10.0.0.5:8000"), help="URL of a swarm server to join")
     a("--name", type=matching(r"[A-Za-z0-9_.-]{1,64}", "1-64 letters, digits, '_', '.' or '-'"),
       help="this peer's name in the swarm (default: the host name and a random suffix)")
-    a("--token", default=os.environ.get("SWARM_TOKEN"),
+    a("--token", default=argparse.SUPPRESS,  # never shown: --help would print the secret of $SWARM_TOKEN
       help="bearer token of the swarm server, for reads and writes (default: $SWARM_TOKEN, which ps does not show)")
     a("--plot", metavar="RUN_DIR", help="write RUN_DIR/reward.svg from its metrics and exit")
     # model and tasks

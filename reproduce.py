@@ -32,17 +32,19 @@ The toy (--preset toy). A 2-layer transformer (~106k parameters) with a word-lev
 this file builds and pre-trains in under a minute, on reward.py's alphabet_position ("What is the
 position of the letter q in the alphabet?", answer 17; no system turn, so a prompt is 17 tokens). It
 is pre-trained on wrong answers: for each letter the position of another letter (a fixed wrong
-belief), and with probability --guess a uniform guess. So it knows the answer format and which letter
-was asked about, but each of the 26 letters is a separate fact that it can only discover by a lucky
-guess (1 completion in 93 at the default --guess 0.3). The facts are found and learnt one by one, so
-informative groups stay rare all run long. Measured in the default run: a silo peer had 1.3 to 1.9
-informative groups (mixed rewards) out of its 8 in every quarter of the run, and 12 to 25% of its
-rounds took no optimizer step at all; a 4/4 peer had 4.5 to 5.0 informative groups of 8 and never
-missed a step. A toy with one skill (issue 11's pilot: the same kind of model taught to repeat a
-number, rarely inside the answer tags) shows the gain only at the start: every silo peer learns the
-one format bit within some dozens of rounds and then catches up. The toy's completions are the
-answer itself (--max-new-tokens 4 fits "<answer> 17 </answer>" and the stop token), so no text that
-the reward ignores can drift apart between peers and ride along in shared completions.
+belief), and with probability --guess a uniform guess. So it knows the answer format and which
+letter was asked about, but each of the 26 letters is a separate fact that it can only discover by a
+lucky guess (1 completion in 93 at the default --guess 0.3; --known F pre-trains it to know a
+fraction F of the questions already, which --sweep uses for toys where success is common). The facts
+are found and learnt one by one, so informative groups stay rare all run long. Measured in the
+default run: a silo peer had 1.3 to 1.9 informative groups (mixed rewards) out of its 8 in every
+quarter of the run, and 12 to 25% of its rounds took no optimizer step at all; a 4/4 peer had 4.5 to
+5.0 informative groups of 8 and never missed a step. A toy with one skill (issue 11's pilot: the
+same kind of model taught to repeat a number, rarely inside the answer tags) shows the gain only at
+the start: every silo peer learns the one format bit within some dozens of rounds and then catches
+up. The toy's completions are the answer itself (--max-new-tokens 4 fits "<answer> 17 </answer>" and
+the stop token), so no text that the reward ignores can drift apart between peers and ride along in
+shared completions.
 
 What sharing costs: a shared completion was sampled by another peer's model, so for the receiver it
 is off-policy, and nothing corrects for that (the paper does not either: its receivers, like ours,

@@ -101,8 +101,11 @@ PAPER = {"8/0": 561.79, "6/2": 854.43, "4/4": 1093.31, "2/6": 945.87}  # cumulat
 
 
 def parse_args(argv=None):
+    presets = "; ".join(f"{n}: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in d.items()
+                                      if v is not None and k not in ("one_shot", "device"))
+                        for n, d in PRESETS.items())
     p = argparse.ArgumentParser(description="swarm against silo: the SAPO paper's comparison (arXiv 2509.08721)",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                epilog=f"A flag left out takes its preset's value. Presets: {presets}.")
     a = p.add_argument
     a("--preset", choices=sorted(PRESETS), default=None, help="toy on a CPU, gpu on CUDA (default: by device)")
     a("--configs", default=None, help="comma list of I/J configurations; 8/0 (the silo) is the baseline")
@@ -116,9 +119,9 @@ def parse_args(argv=None):
     a("--tasks", default=None, help="gpu preset: train.py's --tasks")
     a("--micro-batch", type=int, default=None, help="completions per forward/backward (same result, less memory)")
     a("--guess", type=float, default=None, help="toy: fraction of pre-training answers that are uniform guesses")
-    a("--known", type=float, default=0.0, help="toy: fraction of the questions it is pre-trained to answer right")
-    a("--pretrain-steps", type=int, default=1000, help="toy: supervised steps that build the toy model")
-    a("--sample-every", type=int, default=10, help="write some completions to samples.jsonl every K rounds")
+    a("--known", type=float, default=0.0, help="toy: fraction of the questions it is pre-trained to answer right (0)")
+    a("--pretrain-steps", type=int, default=1000, help="toy: supervised steps that build the toy model (1000)")
+    a("--sample-every", type=int, default=10, help="write some completions to samples.jsonl every K rounds (10)")
     a("--async", dest="sync", action="store_false", help="round-robin peers instead of synchronous rounds")
     a("--diagnose", action="store_true", help="also measure, per round, log-probs and gradient norms of own vs "
       "shared completions (slower; results.json and table.md get a diagnosis by quarter of the run)")

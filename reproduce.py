@@ -611,8 +611,9 @@ def write_outputs(s, folder, summary, seeds, extra=None):
 def sweep(s, log=print):
     """For each toy of SWEEP_TOYS: build it, measure its success before training; for each swarm size,
     run 8/0 and 4/4 with paired seeds. The gain is 4/4's cumulative local reward over 8/0's, seed by
-    seed. (A toy pre-trained on uniform guesses alone, --guess 1, is no point on this line: it learns
-    that the answer does not depend on the letter, and then no reward teaches it anything.)"""
+    seed. (A toy pre-trained on uniform guesses alone, --guess 1, is no point on this line: it did not
+    learn at all in 100 rounds, most likely because it learnt that the answer does not depend on the
+    letter.)"""
     seeds, configs, points = list(range(s.seeds)), [(8, 0), (4, 4)], []
     for guess, known in SWEEP_TOYS:
         toy = f"guess{guess}-known{known}"

@@ -6,6 +6,7 @@ ReasoningGym's.
     python bench.py                     # sampling: our generate() vs transformers' generate()
     python bench.py --train             # one GRPO training step's forward + backward: tokens/s, peak memory
     python bench.py --swarm             # the rollout server under 32 simulated peers on loopback
+    python bench.py --attack            # what the server and the client survive (README's reliability table)
     python bench.py --parity 200        # reward.py vs reasoning_gym 0.1.25, 200 items per family
     python bench.py --device cuda --model qwen2.5-0.5b --batch 64 256 --json
 
@@ -24,8 +25,12 @@ peak resident memory above the process's size after imports on the CPU; each sid
 process of its own, so neither sees the other's memory.
 
 Swarm: a server in a subprocess and --peers simulated peers (threads) that each publish one batch
-of groups and fetch the others' every round, for --rounds rounds: posts per second, p50/p99 fetch
-latency, and acknowledged groups missing from a final full read (must be 0).
+of groups and fetch the others' every round, for --rounds rounds: posts per second, p50/p99 sync and
+fetch latency (bench_swarm says which is which), acknowledged groups missing from a final full read,
+and groups a peer never received (both must be 0).
+
+Attack: a flood of slow connections, crafted hostile requests, kill -9 under concurrent writers, a
+client facing servers that misbehave, and a server filled far past --keep-bytes (the attack_* functions).
 
 Parity (needs reasoning_gym installed): for each of the paper's nine families, N of ReasoningGym's
 items with the paper's config and N of ours, each scored by both scorers on its reference answer and

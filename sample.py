@@ -143,10 +143,9 @@ def generate(model: Transformer, prompts, num_samples=1, max_new_tokens=256, tem
                         device=w.device, dtype=w.dtype)
     logits, pads = prefill(model, prompts, num_samples, cache)
 
-    def step(tokens, t):  # eager: read only the filled slots 0..t
+    def eager_step(tokens, t):  # read only the filled slots 0..t
         return decode_step(model, cache, tokens, torch.tensor(t, device=w.device), pads, t + 1)
-    if cuda_graph and w.device.type == "cuda":
-        step = GraphedDecode(model, cache, pads)
+    step = GraphedDecode(model, cache, pads) if cuda_graph and w.device.type == "cuda" else eager_step
     out = torch.zeros(B, max_new_tokens, dtype=torch.long, device=w.device)
     done = torch.zeros(B, dtype=torch.bool, device=w.device)
     check_every = 8 if w.device.type == "cuda" else 1  # asking "all done?" costs a GPU -> CPU sync

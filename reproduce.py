@@ -1,0 +1,700 @@
+"""
+The paper's experiment in one command: peers that share rollouts (a swarm) against peers that train
+alone (in silo), at the same batch size, with the paper's table and figure for this machine's run.
+
+    python reproduce.py                  # --preset toy on a CPU (7 minutes on 2 cores), gpu on CUDA
+    python reproduce.py --seeds 5        # more seeds: a tighter interval
+    python reproduce.py --sweep          # where sharing helps: gain against initial success rate
+
+The experiment (SAPO, arXiv 2509.08721, Sec. 4, Table 1 and Fig. 2). Each configuration I/J runs N
+peers (--peers, 8 as in the paper) for the same number of rounds. Every round every peer trains on
+I + J = 8 groups of G completions: I groups for questions it drew itself and J groups drawn from
+what the other peers shared. 8/0 is the silo baseline: eight local groups, nothing shared. 6/2, 4/4
+and 2/6 swap local groups for shared ones. The measure is the paper's: cumulative reward, the sum
+of every peer's reward over every round. The paper found 1.00 / 1.52 / 1.95 / 1.68 for 8/0, 6/2,
+4/4 and 2/6 (561.79 / 854.43 / 1093.31 / 945.87, eight Qwen2.5-0.5B peers, 2,000 rounds).
+
+Seeds are paired: within one seed, peer k of every configuration has the same seed, so it is asked
+the same questions with the same sampling seeds (its first I questions of a round do not depend on
+I, J or what arrived). The ratio of a configuration to 8/0 is taken seed by seed, which removes most
+of the luck of the draw; results.json and table.md give it as mean +- standard error over seeds.
+
+Why sharing can help, in plain words. GRPO learns only from a group whose completions got different
+rewards: if all 8 are wrong (or all right), every advantage is 0 and the group teaches nothing. When
+the model rarely succeeds, most groups are all wrong, and a peer in silo spends most of its batch,
+and many whole rounds, without any signal. A peer in a swarm also trains on J groups that other
+peers found informative (the receiver drops shared groups whose rewards are all equal), so every
+round it learns from the lucky successes of the whole swarm: what one peer found by chance, every
+peer can learn. When success is common, every peer finds its own informative groups and sharing adds
+little. So the gain depends on how rare informative groups stay over the run; --sweep shows that.
+
+The toy (--preset toy). A 2-layer transformer (~106k parameters) with a word-level tokenizer, which
+this file builds and pre-trains in under a minute, on reward.py's alphabet_position ("What is the
+position of the letter q in the alphabet?", answer 17; no system turn, so a prompt is 17 tokens). It
+is pre-trained on wrong answers: for each letter the position of another letter (a fixed wrong
+belief), and with probability --guess a uniform guess. So it knows the answer format and which
+letter was asked about, but each of the 26 letters is a separate fact that it can only discover by a
+lucky guess (1 completion in 93 at the default --guess 0.3; --known F pre-trains it to know a
+fraction F of the questions already, which --sweep uses for toys where success is common). The facts
+are found and learnt one by one, so informative groups stay rare all run long. Measured in the
+default run: a silo peer had 1.3 to 1.9 informative groups (mixed rewards) out of its 8 in every
+quarter of the run, and 12 to 25% of its rounds took no optimizer step at all; a 4/4 peer had 4.5 to
+5.0 informative groups of 8 and never missed a step. A toy with one skill (issue 11's pilot: the
+same kind of model taught to repeat a number, rarely inside the answer tags) shows the gain only at
+the start: every silo peer learns the one format bit within some dozens of rounds and then catches
+up. The toy's completions are the answer itself (--max-new-tokens 4 fits "<answer> 17 </answer>" and
+the stop token), so no text that the reward ignores can drift apart between peers and ride along in
+shared completions.
+
+What sharing costs: a shared completion was sampled by another peer's model, so for the receiver it
+is off-policy, and nothing corrects for that (the paper does not either: its receivers, like ours,
+take their own log-probs as the "old" policy, so the importance ratio is 1 and the PPO clip never
+acts). --diagnose measures it; README, "Reproducing the paper", has the table and what it explains.
+
+Deviations from the paper, and why:
+- Peers run in one process and trade through a real swarm.py server on loopback. By default they are
+  synchronous, as in the paper's controlled runs: every peer samples and publishes, then every peer
+  fetches and trains. --async runs them round-robin instead, so peer k sees this round's groups of
+  the peers before it and the previous round's of those after it.
+- Scale: the toy has 26 facts, 8 peers and 150 rounds instead of nine task families and 2,000
+  rounds. The gpu preset (the default model, 100 rounds of 8/0 and 4/4) has never run: no GPU was
+  lent to the session that wrote it, so its size is a guess; it prints its own estimate first.
+- Reward: the toy's is strict 0/1 (alphabet_position is not a ReasoningGym family); the gpu preset
+  scores with reward.py, which agrees with ReasoningGym (partial credit included).
+"""
+
+import argparse
+import concurrent.futures
+import json
+import math
+import multiprocessing
+import os
+import random
+import time
+
+import torch
+
+import grpo
+import model as M
+import reward
+import swarm
+import train
+
+# -----------------------------------------------------------------------------
+# settings: what each preset runs; every value can be overridden by its flag
+
+PRESETS = {
+    # tiny models built here, on the CPU; the defaults took 7 minutes on 2 quiet cores (README)
+    "toy": dict(configs="8/0,6/2,4/4,2/6", peers=8, seeds=3, rounds=150, generations=8, max_new_tokens=4,
+                lr=1e-3, micro_batch=64, model="toy", tasks="alphabet_position", guess=0.3, one_shot=False,
+                device="cpu"),
+    # the default model (or --model) on one GPU; the size is a guess until measured: the estimate
+    # printed before the run starts says how long it will take on this machine
+    "gpu": dict(configs="8/0,4/4", peers=8, seeds=1, rounds=100, generations=8, max_new_tokens=256,
+                lr=1e-5, micro_batch=16, model=M.DEFAULT_MODEL, tasks="auto", guess=None, one_shot=True,
+                device="cuda"),
+}
+# --sweep: toys from rare to common success, as (--guess, --known): success ~ guess / 26 + known
+SWEEP_TOYS = [(0.1, 0.0), (0.3, 0.0), (0.3, 0.25), (0.3, 0.5)]
+SWEEP_PEERS = [2, 4, 8]         # --sweep: swarm sizes
+PAPER = {"8/0": 561.79, "6/2": 854.43, "4/4": 1093.31, "2/6": 945.87}  # cumulative reward, paper Table 1
+
+
+def parse_args(argv=None):
+    presets = "; ".join(f"{n}: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in d.items()
+                                      if v is not None and k not in ("one_shot", "device"))
+                        for n, d in PRESETS.items())
+    p = argparse.ArgumentParser(description="swarm against silo: the SAPO paper's comparison (arXiv 2509.08721)",
+                                epilog=f"A flag left out takes its preset's value. Presets: {presets}.")
+    a = p.add_argument
+    a("--preset", choices=sorted(PRESETS), default=None, help="toy on a CPU, gpu on CUDA (default: by device)")
+    a("--configs", default=None, help="comma list of I/J configurations; 8/0 (the silo) is the baseline")
+    a("--peers", type=int, default=None, help="peers per configuration (paper: 8)")
+    a("--seeds", type=int, default=None, help="paired seeds per configuration")
+    a("--rounds", type=int, default=None, help="rounds per run")
+    a("--generations", type=int, default=None, help="G: completions per question")
+    a("--max-new-tokens", type=int, default=None, help="completion length limit in tokens")
+    a("--lr", type=float, default=None, help="learning rate of every peer")
+    a("--model", default=None, help="gpu preset: model folder or Hub id (toy: built here)")
+    a("--tasks", default=None, help="gpu preset: train.py's --tasks")
+    a("--micro-batch", type=int, default=None, help="completions per forward/backward (same result, less memory)")
+    a("--guess", type=float, default=None, help="toy: fraction of pre-training answers that are uniform guesses")
+    a("--known", type=float, default=0.0, help="toy: fraction of the questions it is pre-trained to answer right (0)")
+    a("--pretrain-steps", type=int, default=1000, help="toy: supervised steps that build the toy model (1000)")
+    a("--sample-every", type=int, default=10, help="write some completions to samples.jsonl every K rounds (10)")
+    a("--async", dest="sync", action="store_false", help="round-robin peers instead of synchronous rounds")
+    a("--diagnose", action="store_true", help="also measure, per round, log-probs and gradient norms of own vs "
+      "shared completions (slower; results.json and table.md get a diagnosis by quarter of the run)")
+    a("--sweep", action="store_true", help="toy: gain of 4/4 over 8/0 against initial success, per swarm size")
+    a("--jobs", type=int, default=None, help="runs in parallel (default: CPU cores for toy, 1 on a GPU)")
+    a("--out", default=None, help="run folder (default: runs/reproduce-<date-time>)")
+    args = p.parse_args(argv)
+    if args.preset is None:
+        args.preset = "gpu" if torch.cuda.is_available() else "toy"
+    for k, v in PRESETS[args.preset].items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    try:
+        args.config_list = parse_configs(args.configs)
+    except ValueError as e:
+        p.error(str(e))
+    if args.peers < 2 or args.seeds < 1 or args.rounds < 2 or args.generations < 2 or args.max_new_tokens < 1:
+        p.error("need --peers >= 2, --seeds >= 1, --rounds >= 2, --generations >= 2 and --max-new-tokens >= 1")
+    if args.preset == "toy" and not 0 < args.guess <= 1:
+        p.error("--guess must be in (0, 1]: the toy needs some lucky guesses to learn from")
+    if not 0 <= args.known <= 1:
+        p.error("--known must be a fraction from 0 to 1")
+    if args.sweep and args.preset != "toy":
+        p.error("--sweep varies the toy's pre-training: run it with --preset toy")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--preset gpu needs a CUDA GPU; use --preset toy on a CPU")
+    args.jobs = args.jobs or ((os.cpu_count() or 1) if args.device == "cpu" else 1)
+    args.out = args.out or os.path.join("runs", time.strftime("reproduce-%Y%m%d-%H%M%S"))
+    return args
+
+
+def parse_configs(text):
+    """'8/0,4/4' -> [(8, 0), (4, 4)]: 8/0 first (the baseline), I >= 1, J >= 0."""
+    configs = []
+    for part in text.split(","):
+        try:
+            I, J = (int(x) for x in part.strip().split("/"))
+        except ValueError:
+            raise ValueError(f"--configs: {part.strip()!r} is not I/J, e.g. 4/4") from None
+        if I < 1 or J < 0:
+            raise ValueError(f"--configs: {part.strip()} needs I >= 1 and J >= 0")
+        configs.append((I, J))
+    if (8, 0) not in configs:
+        raise ValueError("--configs must include 8/0: every ratio is taken against the silo baseline")
+    return [(8, 0)] + [c for c in configs if c != (8, 0)]
+
+
+def name(config):
+    return f"{config[0]}/{config[1]}"
+
+# -----------------------------------------------------------------------------
+# the toy: a word-level tokenizer and a 2-layer model, pre-trained here in seconds
+
+SPECIALS = ["<pad>", "[UNK]", "<|im_start|>", "<|im_end|>"]
+# the toy's chat template leaves out the system turn: its pre-training taught it the answer format, and
+# a prompt of ~15 tokens instead of ~55 makes every round three times cheaper
+CHAT_TEMPLATE = ("{% for m in messages if m['role'] != 'system' %}<|im_start|> {{ m['role'] }} {{ m['content'] }} "
+                 "<|im_end|> {% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+
+
+def toy_tokenizer(tasks=("alphabet_position",)):
+    """A word-level tokenizer for the toy: every word of the tasks' questions and worked solutions, the
+    numbers 0-199, <answer> and </answer> as single tokens, a chat template without a system turn: a
+    few hundred tokens. Text round-trips exactly (decode, then encode, gives the same ids), except
+    for special tokens sampled inside a completion, which decoding drops."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    split = pre_tokenizers.Whitespace()
+    texts = []
+    for task in tasks:
+        for i in range(200):
+            item = reward.get_task(task).generate(random.Random(i))
+            texts.append(item["question"] + " " + reward.solution(item))
+    words = {w for t in texts for w, _ in split.pre_tokenize_str(t.replace("<answer>", " ").replace("</answer>", " "))}
+    words = sorted(words | {str(i) for i in range(200)} | {"system", "user", "assistant"})
+    vocab = {t: i for i, t in enumerate(SPECIALS + ["<answer>", "</answer>"] + words)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = split
+    tk.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS])
+    tk.add_tokens([AddedToken("<answer>", special=False), AddedToken("</answer>", special=False)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<pad>",
+                                   unk_token="[UNK]", chat_template=CHAT_TEMPLATE)
+
+
+def toy_model(tok, dim=64, layers=2, seed=0):
+    """A Llama-family transformer for `tok` (~110k parameters for alphabet_position), weights N(0, 0.02),
+    output layer untied from the embedding (tied, the noise of rare-reward steps on the output rows
+    also moves the inputs, and the toy's answer format broke more often)."""
+    hf = dict(model_type="llama", vocab_size=len(tok), hidden_size=dim, num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2, intermediate_size=2 * dim, hidden_act="silu",
+              max_position_embeddings=512, rope_theta=1000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    model = M.Transformer(M.config_from_hf(hf), hf)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.02)
+    model.stop_ids = [tok.eos_token_id]
+    return model
+
+
+def belief(task, item, known):
+    """The toy's fixed answer to a question: the right one for a `known` fraction of the questions,
+    otherwise the answer of another item. Both are drawn with the question as the seed, so the same
+    question always gets the same belief."""
+    if random.Random("known: " + item["question"]).random() < known:
+        return item["answer"]
+    rng = random.Random("belief: " + item["question"])
+    while True:
+        other = task.generate(rng)
+        if other["answer"] != item["answer"]:
+            return other["answer"]
+
+
+def pretrain_toy(model, tok, task_name, guess, known=0.0, steps=1000, batch=16, lr=3e-3, seed=0):
+    """Supervised steps on "<answer> A </answer>" + stop, where A is the question's belief, or with
+    probability `guess` the answer of a random question (for alphabet_position right 1 time in 26)."""
+    task, rng = reward.get_task(task_name), random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        rows = []
+        for _ in range(batch):
+            item = task.generate(rng)
+            answer = task.generate(rng)["answer"] if rng.random() < guess else belief(task, item, known)
+            completion = tok(f"<answer> {answer} </answer>", add_special_tokens=False)["input_ids"]
+            rows.append((train.prompt_ids(tok, item, False), completion + [tok.eos_token_id]))
+        ids, pos, mask = grpo.pad_rows(rows, tok.pad_token_id, [tok.eos_token_id])
+        loss = -(grpo.completion_logprobs(model, ids, pos, 1.0) * mask).sum() / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+def build_toy(folder, guess, known=0.0, task_name="alphabet_position", steps=1000, log=print):
+    """The toy model as a Hugging Face folder (built once; a folder already there is reused)."""
+    if os.path.exists(os.path.join(folder, "config.json")):
+        return folder
+    t0 = time.time()
+    tok = toy_tokenizer([task_name])
+    model = pretrain_toy(toy_model(tok), tok, task_name, guess, known, steps)
+    M.save_model(model, tok, folder)
+    size = sum(p.numel() for p in model.parameters())
+    log(f"built the toy model in {folder} ({size / 1e3:.0f}k parameters, {time.time() - t0:.0f} s)")
+    return folder
+
+
+@torch.no_grad()
+def initial_success(folder, task_name, one_shot=False, questions=256, G=8, max_new_tokens=4, seed=12345):
+    """(reward per completion, fraction of groups with mixed rewards) of a model before any RL step."""
+    import sample
+    model, tok = M.load_model(folder, "cpu", torch.float32, log=lambda *a: None)
+    rng = random.Random(seed)
+    items = [reward.get_task(task_name).generate(rng) for _ in range(questions)]
+    outs = sample.generate(model, [train.prompt_ids(tok, it, one_shot) for it in items], num_samples=G,
+                           max_new_tokens=max_new_tokens, eos_token_ids=model.stop_ids or [tok.eos_token_id],
+                           seed=seed)
+    rewards = [reward.score(items[i // G], tok.decode(o, skip_special_tokens=True)) for i, o in enumerate(outs)]
+    groups = [rewards[i:i + G] for i in range(0, len(rewards), G)]
+    return sum(rewards) / len(rewards), sum(len(set(g)) > 1 for g in groups) / len(groups)
+
+# -----------------------------------------------------------------------------
+# --diagnose: what a shared completion does to its receiver (the stall question of issue 11)
+
+
+class DiagnosedPeer(train.Peer):
+    """A peer that, before each GRPO step, also measures its batch split into its own groups and the
+    shared ones: the mean log-prob per token of each under its current model (how off-policy shared
+    text is), and the gradient norm each half alone would give (same normaliser as the whole batch)."""
+
+    def update(self, groups):
+        self.diagnosis = diagnose(self, groups)
+        return super().update(groups)
+
+
+def diagnose(peer, groups):
+    """{lp_, grad_, reward_} x {local, external}; a kind absent from the batch gets None."""
+    kinds = ["external" if "peer" in g.item else "local" for g in groups for _ in g.completions]
+    rows = [(g.prompt, c) for g in groups for c in g.completions]
+    rewards = torch.tensor([x for g in groups for x in g.rewards])
+    adv = grpo.group_advantages(rewards, [len(g.rewards) for g in groups], peer.args.adv_scale)
+    ids, pos, mask = grpo.pad_rows(rows, peer.pad_id, peer.stop_ids, peer.device)
+    out = {}
+    for kind in ("local", "external"):
+        keep = torch.tensor([k == kind for k in kinds], device=ids.device)
+        if not keep.any():
+            out.update({f"lp_{kind}": None, f"grad_{kind}": None, f"reward_{kind}": None})
+            continue
+        out[f"reward_{kind}"] = float(rewards[keep.cpu()].mean())
+        peer.model.zero_grad(set_to_none=True)
+        logp = grpo.completion_logprobs(peer.model, ids, pos, peer.args.temperature)
+        # the loss with the other kind's advantages set to 0: its gradient is this kind's share
+        loss, _ = grpo.grpo_loss(logp, logp.detach(), adv * keep, mask, loss_type=peer.args.loss_type,
+                                 max_tokens=peer.args.max_new_tokens)
+        loss.backward()
+        out[f"grad_{kind}"] = float(torch.sqrt(sum((p.grad ** 2).sum() for p in peer.model.parameters()
+                                                   if p.grad is not None)))
+        out[f"lp_{kind}"] = float(logp.detach()[keep][mask[keep]].mean())
+    peer.model.zero_grad(set_to_none=True)
+    return out
+
+
+# -----------------------------------------------------------------------------
+# one run: one configuration and one seed, N peers in this process trading through a real server
+
+
+def peer_args(s, model, I, J, seed, k, folder, url):
+    """train.py's settings for peer k of a run: its seed depends only on (seed, k), never on I or J."""
+    argv = ["--model", model, "--tasks", s.tasks, "--out", folder, "--name", f"peer{k}",
+            "--seed", str(train.peer_seed(seed, k)), "--local", str(I), "--external", str(J),
+            "--generations", str(s.generations), "--max-new-tokens", str(s.max_new_tokens), "--lr", str(s.lr),
+            "--rounds", str(s.rounds), "--device", s.device, "--quiet", "--save-every", "0",
+            "--micro-batch", str(s.micro_batch), "--sample-every", str(s.sample_every),
+            "--one-shot" if s.one_shot else "--no-one-shot"]
+    argv += ["--no-grad-checkpoint"] if s.preset == "toy" else []  # train.py's CPU default; the toy is tiny
+    return train.parse_args(argv + (["--swarm", url] if J > 0 else []))
+
+
+def run(s, model, config, seed, folder):
+    """Train s.peers peers of configuration (I, J) for s.rounds rounds. Synchronous (s.sync): every peer
+    samples and publishes, then every peer fetches and trains. Otherwise round-robin: each peer does its
+    whole round in turn. Silo peers (J = 0) get no server. Returns per-peer lists of round metrics."""
+    I, J = config
+    os.makedirs(folder, exist_ok=True)
+    server, url = swarm.start_server(os.path.join(folder, "swarm")) if J > 0 else (None, None)
+    log_file = open(os.path.join(folder, "log.txt"), "a")
+    peers, t0, cpu0 = [], time.time(), time.process_time()
+    try:
+        for k in range(s.peers):
+            log = lambda *a, k=k: print(f"peer{k}:", *a, file=log_file, flush=True)  # noqa: E731
+            Peer = DiagnosedPeer if s.diagnose else train.Peer
+            peers.append(Peer(peer_args(s, model, I, J, seed, k, folder, url), log=log))
+        history, seconds = [[] for _ in peers], []
+        for r in range(s.rounds):
+            t = time.time()
+            if s.sync:
+                collected = [p.collect(r) for p in peers]
+                for _ in range(2):  # 1st pass: every batch acknowledged; 2nd: every inbox has them all
+                    for p in peers:
+                        if p.client is not None and not p.client.flush(timeout=60):
+                            print(f"round {r}: {p.name} did not catch up with the server in 60 s", file=log_file)
+                for k, p in enumerate(peers):
+                    history[k].append(dict(p.learn(r, collected[k]), **getattr(p, "diagnosis", {})))
+            else:
+                for k, p in enumerate(peers):
+                    history[k].append(dict(p.round(r), **getattr(p, "diagnosis", {})))
+            seconds.append(time.time() - t)
+    finally:
+        for p in peers:
+            if p.client is not None:
+                p.client.close()
+        if server is not None:
+            server.shutdown()
+        log_file.close()
+    return {"peers": history, "seconds": time.time() - t0, "cpu_seconds": time.process_time() - cpu0,
+            "round_seconds": seconds}
+
+
+def _run_job(job):
+    """One (configuration, seed) run in a worker process, with its share of the cores."""
+    s, model, config, seed, folder, threads = job
+    torch.set_num_threads(threads)
+    return config, seed, run(s, model, config, seed, folder)
+
+
+def run_all(s, model, configs, seeds, folder, log=print):
+    """Every configuration for every seed, s.jobs runs at a time. Returns {(config, seed): run}."""
+    workers = min(s.jobs, len(configs) * len(seeds))
+    jobs = [(s, model, c, seed, os.path.join(folder, f"seed{seed}", f"{c[0]}-{c[1]}"),
+             max(1, (os.cpu_count() or 1) // workers)) for seed in seeds for c in configs]
+    results, t0 = {}, time.time()
+
+    def report(config, seed, result):
+        results[(config, seed)] = result
+        cum = sum(m["local_reward"] for peer in result["peers"] for m in peer)
+        log(f"  {name(config):>4} seed {seed}: cumulative local reward {cum:7.1f}  ({result['seconds']:.0f} s; "
+            f"{len(results)}/{len(jobs)} runs done, {(time.time() - t0) / 60:.1f} min)")
+    if workers == 1:
+        for job in jobs:
+            report(*_run_job(job))
+        return results
+    # spawn, not fork: a forked child inherits the parent's OpenMP threads in an unusable state
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for future in concurrent.futures.as_completed([pool.submit(_run_job, j) for j in jobs]):
+            report(*future.result())
+    return results
+
+# -----------------------------------------------------------------------------
+# statistics: the paper's cumulative reward, paired over seeds
+
+# two-sided 95% quantiles of Student's t with 1..20 degrees of freedom (more: 2.0 is close enough)
+T95 = [12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14, 2.13, 2.12, 2.11,
+       2.10, 2.09, 2.09]
+
+
+def mean_se(xs):
+    """Mean, standard error of the mean and 95% interval of a few numbers (None where undefined).
+    [1.4, 1.5, 1.6] -> mean 1.5, se 0.0577, ci95 [1.25, 1.75] (t with 2 degrees of freedom: 4.30)."""
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    if not xs:
+        return dict(mean=None, se=None, ci95=None)
+    m = sum(xs) / len(xs)
+    if len(xs) == 1:
+        return dict(mean=m, se=None, ci95=None)
+    se = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
+    t = T95[len(xs) - 2] if len(xs) - 1 <= len(T95) else 2.0
+    return dict(mean=m, se=se, ci95=[m - t * se, m + t * se])
+
+
+def cumulative(result, key, rounds):
+    """The paper's measure: `key` summed over every peer and the first `rounds` rounds."""
+    return sum(m[key] for peer in result["peers"] for m in peer[:rounds])
+
+
+def curve(result, window):
+    """Per round: the mean over peers of each peer's running-mean local reward, and its min and max."""
+    out = []
+    for r in range(len(result["peers"][0])):
+        values = [sum(m["local_reward"] for m in peer[max(0, r - window + 1):r + 1]) / min(window, r + 1)
+                  for peer in result["peers"]]
+        out.append((sum(values) / len(values), min(values), max(values)))
+    return out
+
+
+def summarise(runs, configs, seeds, rounds):
+    """results.json's per-configuration figures: cumulative local and batch reward (whole run and first
+    half) as mean +- s.e. over seeds and as ratios to 8/0 of the same seed; external groups used per
+    round; the fraction of peer-rounds without an optimizer step; wall time; the curve for the figure."""
+    base, window, summary = (8, 0), max(1, rounds // 20), {}
+    for c in configs:
+        entry = {}
+        for span, n in (("whole", rounds), ("first_half", rounds // 2)):
+            for key in ("local_reward", "batch_reward"):
+                values = [cumulative(runs[c, s], key, n) for s in seeds]
+                bases = [cumulative(runs[base, s], key, n) for s in seeds]
+                ratios = [v / b if b > 0 else None for v, b in zip(values, bases)]
+                entry.setdefault(span, {})[f"cumulative_{key}"] = dict(mean_se(values), per_seed=values)
+                entry[span][f"ratio_{key}"] = dict(mean_se(ratios), per_seed=ratios,
+                                                   seeds_above_1=sum(r is not None and r > 1 for r in ratios))
+        rows = [m for s in seeds for peer in runs[c, s]["peers"] for m in peer]
+        entry["external_groups_per_round"] = sum(m["external_used"] for m in rows) / len(rows)
+        entry["rounds_without_step"] = sum(not m["stepped"] for m in rows) / len(rows)
+        entry["minutes"] = sum(runs[c, s]["seconds"] for s in seeds) / 60
+        entry["cpu_minutes"] = sum(runs[c, s]["cpu_seconds"] for s in seeds) / 60
+        curves = [curve(runs[c, s], window) for s in seeds]
+        entry["curve"] = {what: [sum(cv[r][i] for cv in curves) / len(curves) for r in range(rounds)]
+                          for i, what in enumerate(("mean", "min", "max"))}
+        if "lp_local" in rows[0]:
+            entry["diagnosis"] = diagnosis(runs, c, seeds, rounds)
+        summary[name(c)] = entry
+    return summary
+
+
+DIAGNOSIS = ("reward_local", "reward_external", "lp_local", "lp_external", "grad_local", "grad_external",
+             "grad_norm", "clip_low", "clip_high")
+
+
+def diagnosis(runs, c, seeds, rounds):
+    """--diagnose: the mean of each DIAGNOSIS key over peers and seeds, in each quarter of the run."""
+    quarters = []
+    for q in range(4):
+        rows = [m for s in seeds for peer in runs[c, s]["peers"] for m in peer[q * rounds // 4:(q + 1) * rounds // 4]]
+        values = {k: [m[k] for m in rows if m.get(k) is not None] for k in DIAGNOSIS}
+        quarters.append({k: sum(v) / len(v) if v else None for k, v in values.items()})
+    return quarters
+
+
+def fmt(x, digits=2):
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def pm(stat, digits=2):
+    """'1.30 ± 0.12' from mean_se's dict; just the mean when there is no standard error (one seed)."""
+    return fmt(stat["mean"], digits) + (f" ± {fmt(stat['se'], digits)}" if stat["se"] is not None else "")
+
+
+def closing_sentence(summary, seeds):
+    """One sentence: did sharing help here, by how much, how sure; against the paper's figure."""
+    c = "4/4" if "4/4" in summary else max((k for k in summary if k != "8/0"),
+                                           key=lambda k: summary[k]["whole"]["ratio_local_reward"]["mean"] or 0,
+                                           default=None)
+    if c is None:
+        return "Only the silo configuration ran, so there is no comparison."
+    r = summary[c]["whole"]["ratio_local_reward"]
+    paper = f" The paper reports {PAPER[c] / PAPER['8/0']:.2f} for {c}." if c in PAPER else ""
+    if r["mean"] is None:
+        return f"The 8/0 peers earned no reward at all, so there is no ratio to report.{paper}"
+    said = (f"{c} peers earned {r['mean']:.2f} times the cumulative reward of 8/0 peers with the same seeds"
+            + (f" (± {r['se']:.2f} s.e.; 95% interval {r['ci95'][0]:.2f}–{r['ci95'][1]:.2f}; "
+               f"{r['seeds_above_1']} of {len(seeds)} seeds above 1)" if r["ci95"] else " (one seed, so no interval)"))
+    if r["ci95"] and r["ci95"][0] > 1:
+        verdict = "Sharing helped here: "
+    elif r["ci95"] and r["ci95"][1] < 1:
+        verdict = "Sharing hurt here: "
+    else:
+        verdict = "No clear effect of sharing here: "
+    return verdict + said + "." + paper
+
+# -----------------------------------------------------------------------------
+# outputs: results.json, table.md, reward.svg (the paper's Fig. 2 for this run)
+
+
+def machine():
+    import platform
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(), gpu=gpu,
+                torch=torch.__version__, python=platform.python_version())
+
+
+def table_md(s, summary, seeds, sentence, minutes=None):
+    """The paper's Table 1 for this run, then the per-seed values, the sentence and the settings."""
+    m = machine()
+    where = m["gpu"] or f"{m['cores']} CPU cores ({m['cpu']})"
+    took = f" in {minutes:.1f} minutes" if minutes is not None else ""
+    lines = [f"# Swarm against silo: {s.peers} peers, {s.rounds} rounds, {len(seeds)} paired seeds "
+             f"({s.preset} preset){took} on {where}", "",
+             "| I/J | cumulative local reward | ratio to 8/0 | seeds above 1 | first half: ratio | "
+             "cumulative batch reward | ratio | external groups per round | rounds without a step | run minutes | "
+             "paper's ratio |", "|---" * 11 + "|"]
+    for c, e in summary.items():
+        w, h = e["whole"], e["first_half"]
+        cum, bat = w["cumulative_local_reward"], w["cumulative_batch_reward"]
+        lines.append(f"| {c} | {pm(cum, 1)} | {pm(w['ratio_local_reward'])} | "
+                     f"{w['ratio_local_reward']['seeds_above_1'] if c != '8/0' else '–'} | "
+                     f"{pm(h['ratio_local_reward'])} | {pm(bat, 1)} | "
+                     f"{pm(w['ratio_batch_reward'])} | {e['external_groups_per_round']:.2f} | "
+                     f"{e['rounds_without_step']:.0%} | {e['minutes']:.1f} | "
+                     f"{fmt(PAPER[c] / PAPER['8/0']) if c in PAPER else '–'} |")
+    lines += ["", "Per seed: cumulative local reward (ratio to 8/0 of the same seed).", "",
+              "| I/J | " + " | ".join(f"seed {x}" for x in seeds) + " |", "|---" * (len(seeds) + 1) + "|"]
+    for c, e in summary.items():
+        w = e["whole"]
+        cells = [f"{v:.1f}" + (f" ({r:.2f})" if c != "8/0" and r is not None else "")
+                 for v, r in zip(w["cumulative_local_reward"]["per_seed"], w["ratio_local_reward"]["per_seed"])]
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    if any("diagnosis" in e for e in summary.values()):
+        lines += ["", "Diagnosis (--diagnose), by quarter of the run, mean over peers and seeds: reward, the peer's "
+                  "own log-prob per token and the gradient norm of the loss on its own (local) and on shared "
+                  "(external) groups alone, the whole step's gradient norm (clipped to 1 after) and clip fractions.",
+                  "", "| I/J | quarter | " + " | ".join(DIAGNOSIS) + " |", "|---" * (len(DIAGNOSIS) + 2) + "|"]
+        for c, e in summary.items():
+            for q, d in enumerate(e.get("diagnosis", [])):
+                lines.append(f"| {c} | {q + 1} | " + " | ".join(fmt(d[k]) for k in DIAGNOSIS) + " |")
+    lines += ["", sentence, "",
+              "Cumulative reward: summed over every peer and round (the paper's measure); local reward is the "
+              "mean reward of a peer's own completions, batch reward that of its whole training batch (the "
+              "paper's figure; it counts the shared groups, which always have mixed rewards). ± is one "
+              "standard error over seeds. Run minutes: wall time of the configuration's runs, added up "
+              "(runs go in parallel).", "",
+              f"Settings: G = {s.generations}, {s.max_new_tokens} new tokens, lr {s.lr}, model {s.model}, "
+              f"tasks {s.tasks}" + (f", guess {s.guess}, known {s.known}" if s.preset == "toy" else "") +
+              f", {'synchronous' if s.sync else 'round-robin'} rounds."]
+    return "\n".join(lines) + "\n"
+
+
+def reward_svg(summary, rounds):
+    """The paper's Fig. 2 for this run: per configuration, the peer-mean local reward (running mean) and
+    the band from the worst to the best peer."""
+    window = max(1, rounds // 20)
+    lines = {c: list(enumerate(e["curve"]["mean"])) for c, e in summary.items()}
+    bands = {c: [(r, lo, hi) for r, (lo, hi) in enumerate(zip(e["curve"]["min"], e["curve"]["max"]))]
+             for c, e in summary.items()}
+    return swarm.render_svg(lines, bands=bands, ylabel="local reward", title=f"local reward, running mean over "
+                            f"{window} rounds: peer mean (line), worst to best peer (band)")
+
+
+def write_outputs(s, folder, summary, seeds, extra=None):
+    """results.json, table.md and reward.svg into folder; returns the closing sentence."""
+    sentence = closing_sentence(summary, seeds)
+    results = dict(settings={k: v for k, v in vars(s).items() if k != "config_list"}, machine=machine(),
+                   seeds=seeds, configurations=summary, sentence=sentence,
+                   paper_ratio={c: PAPER[c] / PAPER["8/0"] for c in PAPER}, **(extra or {}))
+    with open(os.path.join(folder, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(folder, "table.md"), "w") as f:
+        f.write(table_md(s, summary, seeds, sentence, (extra or {}).get("minutes")))
+    with open(os.path.join(folder, "reward.svg"), "w") as f:
+        f.write(reward_svg(summary, s.rounds))
+    return sentence
+
+# -----------------------------------------------------------------------------
+# --sweep: where sharing helps and where it does not
+
+
+def sweep(s, log=print):
+    """For each toy of SWEEP_TOYS: build it, measure its success before training; for each swarm size,
+    run 8/0 and 4/4 with paired seeds. The gain is 4/4's cumulative local reward over 8/0's, seed by
+    seed. (A toy pre-trained on uniform guesses alone, --guess 1, is no point on this line: it did not
+    learn at all in 100 rounds, most likely because it learnt that the answer does not depend on the
+    letter.)"""
+    seeds, configs, points = list(range(s.seeds)), [(8, 0), (4, 4)], []
+    for guess, known in SWEEP_TOYS:
+        toy = f"guess{guess}-known{known}"
+        model = build_toy(os.path.join(s.out, f"toy-{toy}"), guess, known, s.tasks, s.pretrain_steps, log)
+        success, mixed = initial_success(model, s.tasks, max_new_tokens=s.max_new_tokens)
+        for peers in SWEEP_PEERS:
+            log(f"{toy} (initial success {success:.2%}, mixed groups {mixed:.0%}), {peers} peers:")
+            t = argparse.Namespace(**dict(vars(s), peers=peers))
+            runs = run_all(t, model, configs, seeds, os.path.join(s.out, f"{toy}-peers{peers}"), log)
+            summary = summarise(runs, configs, seeds, s.rounds)
+            points.append(dict(guess=guess, known=known, initial_success=success, mixed_groups=mixed, peers=peers,
+                               whole=summary["4/4"]["whole"]["ratio_local_reward"],
+                               first_half=summary["4/4"]["first_half"]["ratio_local_reward"],
+                               silo_reward=summary["8/0"]["whole"]["cumulative_local_reward"]["mean"]
+                               / (peers * s.rounds)))
+    with open(os.path.join(s.out, "results.json"), "w") as f:
+        json.dump(dict(settings={k: v for k, v in vars(s).items() if k != "config_list"}, machine=machine(),
+                       seeds=seeds, points=points), f, indent=1)
+    lines = [f"# Gain of 4/4 over 8/0 (cumulative local reward, paired over {len(seeds)} seeds, {s.rounds} rounds)",
+             "", "| guess | known | initial success per completion | groups with mixed rewards | peers | "
+             "mean silo reward | gain, whole run | seeds above 1 | gain, first half |", "|---" * 9 + "|"]
+    for p in points:
+        lines.append(f"| {p['guess']} | {p['known']} | {p['initial_success']:.2%} | {p['mixed_groups']:.0%} | "
+                     f"{p['peers']} | "
+                     f"{p['silo_reward']:.3f} | {pm(p['whole'])} | {p['whole']['seeds_above_1']}/{len(seeds)} | "
+                     f"{pm(p['first_half'])} |")
+    with open(os.path.join(s.out, "table.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    gains = {f"{n} peers": [(math.log10(100 * p["initial_success"]), p["whole"]["mean"]) for p in points
+                            if p["peers"] == n and p["initial_success"] > 0] for n in SWEEP_PEERS}
+    with open(os.path.join(s.out, "sweep.svg"), "w") as f:
+        f.write(swarm.render_svg(gains, title="gain from sharing: 4/4 over 8/0, cumulative local reward",
+                                 xlabel="log10 of the % of completions right before training (0: 1%, 1: 10%)",
+                                 ylabel="gain", hline=1.0))
+    print("\n".join(lines) + f"\nwrote {s.out}/results.json, table.md and sweep.svg")
+    return points
+
+
+# -----------------------------------------------------------------------------
+# main
+
+
+def estimate_minutes(s, model, configs, n_runs):
+    """Run 3 rounds of the last configuration (a swarm one, whose peers train every round) and scale the
+    time of its last 2 rounds to every run."""
+    trial = argparse.Namespace(**dict(vars(s), rounds=3))
+    seconds = run(trial, model, configs[-1], 0, os.path.join(s.out, "calibration"))["round_seconds"][1:]
+    return sum(seconds) / len(seconds) * s.rounds * n_runs / s.jobs / 60
+
+
+def main(argv=None):
+    s = parse_args(argv)
+    if os.path.isdir(s.out) and os.listdir(s.out):
+        raise SystemExit(f"reproduce.py: {s.out} is not empty; choose another --out")
+    os.makedirs(s.out, exist_ok=True)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // s.jobs))  # as each of the parallel runs will
+    if s.sweep:
+        return sweep(s)
+    seeds = list(range(s.seeds))
+    model = s.model
+    if s.preset == "toy":
+        model = build_toy(os.path.join(s.out, "toy-model"), s.guess, s.known, s.tasks, s.pretrain_steps)
+    extra = {}
+    if s.preset == "toy":
+        success, mixed = initial_success(model, s.tasks, max_new_tokens=s.max_new_tokens)
+        extra = dict(initial_success=success, initial_mixed_groups=mixed)
+        print(f"the toy model before training: {success:.2%} of completions right, {mixed:.0%} of groups mixed")
+    n_runs = len(s.config_list) * len(seeds)
+    about = f": about {estimate_minutes(s, model, s.config_list, n_runs):.0f} minutes here" if s.rounds >= 10 else ""
+    print(f"{n_runs} runs ({', '.join(map(name, s.config_list))} x {len(seeds)} seeds) of {s.peers} peers x "
+          f"{s.rounds} rounds, {s.jobs} at a time{about}")
+    t0 = time.time()
+    runs = run_all(s, model, s.config_list, seeds, s.out)
+    summary = summarise(runs, s.config_list, seeds, s.rounds)
+    sentence = write_outputs(s, s.out, summary, seeds, dict(extra, minutes=(time.time() - t0) / 60))
+    print(open(os.path.join(s.out, "table.md")).read())
+    print(f"wrote {s.out}/results.json, table.md and reward.svg in {(time.time() - t0) / 60:.1f} minutes")
+    return sentence
+
+
+
+
+if __name__ == "__main__":
+    main()

@@ -140,6 +140,12 @@ def parse_args(argv=None):
         p.error(str(e))
     if args.peers < 2 or args.seeds < 1 or args.rounds < 2 or args.generations < 2 or args.max_new_tokens < 1:
         p.error("need --peers >= 2, --seeds >= 1, --rounds >= 2, --generations >= 2 and --max-new-tokens >= 1")
+    if args.peers > 64 or args.seeds > 100:  # every peer of a run lives in this one process
+        p.error("--peers is at most 64 and --seeds at most 100 (the paper's swarm has 8 peers)")
+    if not (args.lr > 0 and args.micro_batch >= 1 and args.pretrain_steps >= 1 and args.sample_every >= 0
+            and (args.jobs is None or args.jobs >= 1)):
+        p.error("--lr must be positive, --micro-batch, --pretrain-steps and --jobs at least 1, "
+                "--sample-every at least 0")
     if args.preset == "toy" and not 0 < args.guess <= 1:
         p.error("--guess must be in (0, 1]: the toy needs some lucky guesses to learn from")
     if not 0 <= args.known <= 1:
@@ -161,9 +167,10 @@ def parse_configs(text):
             I, J = (int(x) for x in part.strip().split("/"))
         except ValueError:
             raise ValueError(f"--configs: {part.strip()!r} is not I/J, e.g. 4/4") from None
-        if I < 1 or J < 0:
-            raise ValueError(f"--configs: {part.strip()} needs I >= 1 and J >= 0")
-        configs.append((I, J))
+        if I < 1 or J < 0 or I + J > 64:
+            raise ValueError(f"--configs: {part.strip()} needs I >= 1, J >= 0 and I + J <= 64")
+        if (I, J) not in configs:
+            configs.append((I, J))
     if (8, 0) not in configs:
         raise ValueError("--configs must include 8/0: every ratio is taken against the silo baseline")
     return [(8, 0)] + [c for c in configs if c != (8, 0)]
@@ -668,7 +675,10 @@ def main(argv=None):
     s = parse_args(argv)
     if os.path.isdir(s.out) and os.listdir(s.out):
         raise SystemExit(f"reproduce.py: {s.out} is not empty; choose another --out")
-    os.makedirs(s.out, exist_ok=True)
+    try:
+        os.makedirs(s.out, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"reproduce.py: cannot make the run folder {s.out} ({e.strerror or e}); choose another --out")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // s.jobs))  # as each of the parallel runs will
     if s.sweep:
         return sweep(s)

@@ -2632,8 +2632,10 @@ def test_reproduce_small_run_writes_the_table_and_figure_and_pairs_the_seeds(tmp
 
 @pytest.mark.parametrize("flags, says", [
     (["--configs", "4/4"], "must include 8/0"), (["--configs", "4-4,8/0"], "is not I/J"),
-    (["--configs", "0/8,8/0"], "I >= 1"), (["--peers", "1"], "--peers >= 2"), (["--guess", "0"], "--guess"),
-    (["--sweep", "--preset", "gpu"], "--sweep"), (["--rounds", "x"], "invalid int")])
+    (["--configs", "0/8,8/0"], "I >= 1"), (["--configs", "8/0,500/500"], "I + J <= 64"),
+    (["--peers", "1"], "--peers >= 2"), (["--peers", "100000"], "at most 64"), (["--guess", "0"], "--guess"),
+    (["--sweep", "--preset", "gpu"], "--sweep"), (["--rounds", "x"], "invalid int"), (["--jobs", "-1"], "--jobs"),
+    (["--lr", "-1"], "--lr"), (["--known", "2"], "--known")])
 def test_reproduce_bad_flags_get_one_sentence(flags, says, capsys):
     with pytest.raises(SystemExit) as e:
         reproduce.parse_args(flags)
@@ -2647,6 +2649,9 @@ def test_reproduce_refuses_a_run_folder_in_use(tmp_path):
     with pytest.raises(SystemExit, match="not empty"):
         reproduce.main(["--out", str(tmp_path)])
     assert (tmp_path / "x").read_text() == "an earlier run"
+    with pytest.raises(SystemExit, match="cannot make the run folder"):  # a file where a folder must go
+        reproduce.main(["--out", str(tmp_path / "x" / "run")])
+    assert reproduce.parse_configs("8/0,4/4,4/4,8/0") == [(8, 0), (4, 4)]
 
 
 def test_reproduce_statistics():

@@ -453,13 +453,18 @@ class Peer:
             self.log(f"{len(external)} of J={args.external} external groups ({len(fetched)} new, {len(fresh)} usable)")
         return external, dict(external_available=len(fetched), external_survived=len(fresh))
 
+    def batch(self, groups):
+        """The groups as GRPO's batch: rows (prompt ids, completion ids), rewards, and group-normalised
+        advantages, one per row."""
+        rows = [(g.prompt, c) for g in groups for c in g.completions]
+        rewards = torch.tensor([x for g in groups for x in g.rewards])
+        return rows, rewards, grpo.group_advantages(rewards, [len(g.rewards) for g in groups], self.args.adv_scale)
+
     def update(self, groups):
         """Step 6: group-normalised advantages, then a GRPO step (grpo.step) unless they are all zero; the
         sampling copy gets the new weights. Returns the step's stats; `stepped` says whether it stepped."""
         a = self.args
-        rows = [(g.prompt, c) for g in groups for c in g.completions]
-        rewards = torch.tensor([x for g in groups for x in g.rewards])
-        adv = grpo.group_advantages(rewards, [len(g.rewards) for g in groups], a.adv_scale)
+        rows, _, adv = self.batch(groups)
         if not bool((adv != 0).any()):
             return dict(stepped=False, zero_adv_frac=1.0, train_tok_per_s=0.0)
         t0 = time.time()
@@ -670,10 +675,15 @@ def launch(args):
         stop_all(children)
 
 
+def child_env(args):
+    """The launcher's environment for a child: the token goes there, never on a command line (ps)."""
+    return dict(os.environ, **({"SWARM_TOKEN": args.token} if args.token else {}))
+
+
 def start_server(args, children):
     """The rollout server as a child process on a free loopback port; returns its URL."""
     server_log = open(os.path.join(args.out, "server.log"), "a")
-    env = dict(os.environ, **({"SWARM_TOKEN": args.token} if args.token else {}))  # not on a command line
+    env = child_env(args)
     server = subprocess.Popen([sys.executable, "-u", os.path.join(HERE, "swarm.py"), "--port", "0",
                                "--dir", os.path.join(args.out, "swarm")],
                               stdout=subprocess.PIPE, stderr=server_log, text=True, start_new_session=True, env=env)
@@ -691,7 +701,7 @@ def start_peer(args, k, url, children):
     flags = as_flags(argparse.Namespace(**dict(vars(args), peers=0, swarm=url, name=name, quiet=True,
                                                seed=peer_seed(args.seed, k))))
     os.makedirs(os.path.join(args.out, name), exist_ok=True)
-    env = dict(os.environ, **({"SWARM_TOKEN": args.token} if args.token else {}))  # not on a command line
+    env = child_env(args)
     if args.device == "cpu":  # share the cores instead of every peer fighting for all of them
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.peers)))
     proc = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), *flags],

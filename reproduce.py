@@ -309,10 +309,9 @@ class DiagnosedPeer(train.Peer):
 def diagnose(peer, groups):
     """{lp_, grad_, reward_} x {local, external}; a kind absent from the batch gets None."""
     kinds = ["external" if "peer" in g.item else "local" for g in groups for _ in g.completions]
-    rows = [(g.prompt, c) for g in groups for c in g.completions]
-    rewards = torch.tensor([x for g in groups for x in g.rewards])
-    adv = grpo.group_advantages(rewards, [len(g.rewards) for g in groups], peer.args.adv_scale)
+    rows, rewards, adv = peer.batch(groups)
     ids, pos, mask = grpo.pad_rows(rows, peer.pad_id, peer.stop_ids, peer.device)
+    logp = grpo.completion_logprobs(peer.model, ids, pos, peer.args.temperature)  # one forward, two backward
     out = {}
     for kind in ("local", "external"):
         keep = torch.tensor([k == kind for k in kinds], device=ids.device)
@@ -321,11 +320,10 @@ def diagnose(peer, groups):
             continue
         out[f"reward_{kind}"] = float(rewards[keep.cpu()].mean())
         peer.model.zero_grad(set_to_none=True)
-        logp = grpo.completion_logprobs(peer.model, ids, pos, peer.args.temperature)
         # the loss with the other kind's advantages set to 0: its gradient is this kind's share
         loss, _ = grpo.grpo_loss(logp, logp.detach(), adv * keep, mask, loss_type=peer.args.loss_type,
                                  max_tokens=peer.args.max_new_tokens)
-        loss.backward()
+        loss.backward(retain_graph=True)
         out[f"grad_{kind}"] = float(torch.sqrt(sum((p.grad ** 2).sum() for p in peer.model.parameters()
                                                    if p.grad is not None)))
         out[f"lp_{kind}"] = float(logp.detach()[keep][mask[keep]].mean())
@@ -359,9 +357,9 @@ def run(s, model, config, seed, folder):
     log_file = open(os.path.join(folder, "log.txt"), "a")
     peers, t0, cpu0 = [], time.time(), time.process_time()
     try:
+        Peer = DiagnosedPeer if s.diagnose else train.Peer
         for k in range(s.peers):
             log = lambda *a, k=k: print(f"peer{k}:", *a, file=log_file, flush=True)  # noqa: E731
-            Peer = DiagnosedPeer if s.diagnose else train.Peer
             peers.append(Peer(peer_args(s, model, I, J, seed, k, folder, url), log=log))
         history, seconds = [[] for _ in peers], []
         for r in range(s.rounds):
@@ -533,6 +531,11 @@ def closing_sentence(summary, seeds):
 # outputs: results.json, table.md, reward.svg (the paper's Fig. 2 for this run)
 
 
+def settings(s):
+    """The run's settings as results.json records them (the parsed --configs list left out)."""
+    return {k: v for k, v in vars(s).items() if k != "config_list"}
+
+
 def machine():
     import platform
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
@@ -600,7 +603,7 @@ def reward_svg(summary, rounds):
 def write_outputs(s, folder, summary, seeds, extra=None):
     """results.json, table.md and reward.svg into folder; returns the closing sentence."""
     sentence = closing_sentence(summary, seeds)
-    results = dict(settings={k: v for k, v in vars(s).items() if k != "config_list"}, machine=machine(),
+    results = dict(settings=settings(s), machine=machine(),
                    seeds=seeds, configurations=summary, sentence=sentence,
                    paper_ratio={c: PAPER[c] / PAPER["8/0"] for c in PAPER}, **(extra or {}))
     with open(os.path.join(folder, "results.json"), "w") as f:
@@ -637,7 +640,7 @@ def sweep(s, log=print):
                                silo_reward=summary["8/0"]["whole"]["cumulative_local_reward"]["mean"]
                                / (peers * s.rounds)))
     with open(os.path.join(s.out, "results.json"), "w") as f:
-        json.dump(dict(settings={k: v for k, v in vars(s).items() if k != "config_list"}, machine=machine(),
+        json.dump(dict(settings=settings(s), machine=machine(),
                        seeds=seeds, points=points), f, indent=1)
     lines = [f"# Gain of 4/4 over 8/0 (cumulative local reward, paired over {len(seeds)} seeds, {s.rounds} rounds)",
              "", "| guess | known | initial success per completion | groups with mixed rewards | peers | "

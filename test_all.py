@@ -1505,7 +1505,8 @@ def test_swarm_protocol_abuse_gets_a_prompt_json_4xx(_sw_server):
     server, url, folder = _sw_server
     for name, data, expected in _SW_PROTOCOL:
         status, reply, seconds = _sw_bytes(url, data)
-        assert status == expected and seconds < 4, name
+        # answered at once, not after the request deadline (10 s) has run out
+        assert status == expected and seconds < swarm.Limits.request_seconds - 1, name
         if expected is None:
             assert reply is None, name  # no HTML page, no status line: a clean close
         elif not data.startswith(b"HEAD"):

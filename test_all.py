@@ -335,7 +335,9 @@ def test_reward_garbage_completions_score_zero_fast():
         # at most ReasoningGym's floor: 0.01 for no fraction, 0.05 for a formula that does not follow
         for g in _RW_GARBAGE:
             assert reward.score(item, g) <= 0.05, (item["task"], repr(g)[:40])
-    assert time.perf_counter() - start < 2.0
+    # a guard against a scorer that blows up on garbage (a backtracking regex, 9**9**9 evaluated): it
+    # takes well under a second; speed itself is bench.py's business
+    assert time.perf_counter() - start < 30
 
 
 def test_reward_malformed_items():
@@ -362,7 +364,16 @@ def test_reward_malformed_items():
         for meta in garbage_meta:
             forged = {**item, "metadata": meta}
             assert reward.verify_item(forged) is False, (name, meta)
-            assert 0.0 <= reward.score(forged, f"<answer>{item['answer']}</answer>") <= 1.0
+            # the family's own scorer, before reward.score's clamp: it reads the forged metadata and must
+            # either give a reward in [0, 1] or raise (reward.score then gives 0), never a number beyond
+            completion = f"<answer>{item['answer']}</answer>"
+            try:
+                raw = float(reward.TASKS[name].score(forged, completion))
+            except Exception:
+                raw = None
+            assert raw is None or 0.0 <= raw <= 1.0, (name, meta, raw)
+            well_formed = isinstance(meta, dict) and raw is not None  # else reward.score gives 0
+            assert reward.score(forged, completion) == (raw if well_formed else 0.0)
 
 
 def test_reward_forged_consistent_question_is_checked():
@@ -399,7 +410,7 @@ def test_reward_bf_step_limit():
     item = {**item, "question": item["question"].replace(item["metadata"]["program"], "+[]"),
             "metadata": {**item["metadata"], "program": "+[]"}}
     assert reward.verify_item(item) is False
-    assert time.perf_counter() - start < 2.0
+    assert time.perf_counter() - start < 30  # the step limit ends the endless program, not a clock
 
 
 def test_reward_get_task_and_constants():
@@ -633,19 +644,23 @@ def test_sample_greedy_equals_transformers_batch_of_different_lengths():
 
 def test_sample_fixed_shape_decode_step_equals_the_eager_one():
     """The step the CUDA graph captures reads the whole preallocated cache under a mask; on the CPU it
-    must give the same logits as the eager step that reads only the filled slots."""
+    must give the same logits as the eager step that reads only the filled slots, and both the same as
+    the uncached forward over each row's whole sequence (a cache-slot bug shared by both steps shows)."""
     ours = ours_from(hf_model("qwen2", std=0.3))
-    cfg, L, new = ours.cfg, 6, 5
+    cfg, L, new, prompts = ours.cfg, 6, 5, [[5, 6, 7], [1, 2, 3, 4, 5, 6]]
     caches = [torch.zeros(cfg.n_layers, 2, 2, cfg.n_kv_heads, L + new, cfg.head_dim) for _ in range(2)]
     with torch.no_grad():
         for cache in caches:
-            logits, pads = sample.prefill(ours, [[5, 6, 7], [1, 2, 3, 4, 5, 6]], 1, cache)
+            logits, pads = sample.prefill(ours, prompts, 1, cache)
         assert pads.tolist() == [3, 0]
-        tokens = logits.argmax(-1)
+        tokens, seqs = logits.argmax(-1), [list(p) for p in prompts]
         for t in range(L, L + new - 1):
             a = sample.decode_step(ours, caches[0], tokens, torch.tensor(t), pads, t + 1)  # eager
             b = sample.decode_step(ours, caches[1], tokens, torch.tensor(t), pads, L + new)  # fixed shape
             assert (a - b).abs().max() < 1e-5
+            for row, seq in enumerate(seqs):  # no cache, no padding: the row's sequence so far
+                seq.append(int(tokens[row]))
+                assert (ours(torch.tensor([seq]))[0, -1] - a[row]).abs().max() < 1e-4, (t, row)
             tokens = a.argmax(-1)
 
 
@@ -1090,12 +1105,23 @@ def test_grpo_step_gradient_equals_a_plain_reference(tiny):
 
 
 def test_grpo_step_changes_every_parameter(tiny):
+    """Every trainable parameter gets a non-zero gradient and moves, and the loss is the surrogate's value
+    at ratio 1: minus the token-mean of the advantages (AdamW alone would move a parameter whose gradient
+    is present but zero, so the gradients are checked where the optimizer sees them)."""
     ours, tok = M.load_model(str(tiny))
     before = {n: p.detach().clone() for n, p in ours.named_parameters()}
     rows = [([5, 6, 7], [8, 9, tok.eos_token_id]), ([5, 6, 7], [10]), ([11, 12], [13, 14]), ([11, 12], [9])]
-    stats = grpo.step(ours, torch.optim.AdamW(ours.parameters(), lr=1e-3), rows, [1.0, -1.0, 0.5, -0.5],
-                      tok.pad_token_id, [tok.eos_token_id])
-    assert stats["loss"] == stats["loss"] and stats["grad_norm"] > 0
+    opt, grads = torch.optim.AdamW(ours.parameters(), lr=1e-3), {}
+    real_step = opt.step
+    def step_and_look(*a, **k):  # noqa: E306
+        grads.update({n: None if p.grad is None else p.grad.detach().clone() for n, p in ours.named_parameters()})
+        return real_step(*a, **k)
+    opt.step = step_and_look
+    stats = grpo.step(ours, opt, rows, [1.0, -1.0, 0.5, -0.5], tok.pad_token_id, [tok.eos_token_id])
+    assert stats["loss"] == pytest.approx(-(1.0 * 3 - 1.0 * 1 + 0.5 * 2 - 0.5 * 1) / 7, abs=1e-6)  # 7 tokens
+    assert stats["grad_norm"] > 0
+    no_grad = [n for n, g in grads.items() if g is None or not bool(g.abs().sum() > 0)]
+    assert sorted(grads) == sorted(before) and no_grad == []
     unchanged = [n for n, p in ours.named_parameters() if torch.equal(p, before[n])]
     assert unchanged == []
 
@@ -1479,7 +1505,8 @@ def test_swarm_protocol_abuse_gets_a_prompt_json_4xx(_sw_server):
     server, url, folder = _sw_server
     for name, data, expected in _SW_PROTOCOL:
         status, reply, seconds = _sw_bytes(url, data)
-        assert status == expected and seconds < 4, name
+        # answered at once, not after the request deadline (10 s) has run out
+        assert status == expected and seconds < swarm.Limits.request_seconds - 1, name
         if expected is None:
             assert reply is None, name  # no HTML page, no status line: a clean close
         elif not data.startswith(b"HEAD"):
@@ -1789,16 +1816,24 @@ def test_swarm_hangups_are_not_logged(_sw_server, capsys):
     for r in range(60):  # 7 MB: more than a socket buffer holds
         _sw_post(url, "alice", r, [_sw_group(r, completions=["x" * 30_000] * 4, stopped=[True] * 4)])
     u = urlsplit(url)
-    for request in (b"GET /rollouts?limit=1024 HTTP/1.1\r\nHost: x\r\n\r\n", b"POST /rollouts HTTP/1.1\r\nContent-Le",
-                    b"GET /health HTTP/1.1\r\n" + b"X: y\r\n" * 100 + b"\r\n"):  # ... and one refused with a 431
+    for request, answered in ((b"GET /rollouts?limit=1024 HTTP/1.1\r\nHost: x\r\n\r\n", True),  # mid-reply
+                              (b"POST /rollouts HTTP/1.1\r\nContent-Le", False),  # mid-request
+                              (b"GET /health HTTP/1.1\r\n" + b"X: y\r\n" * 100 + b"\r\n", True)):  # a 431
         s = socket.socket()
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         s.connect((u.hostname, u.port))
         s.sendall(request)
-        time.sleep(0.2)
+        s.settimeout(30)
+        if answered:
+            assert s.recv(1024).startswith(b"HTTP/1.1 ")  # the server is writing its reply
+        else:  # the server has read past our bytes once it answers a request sent after them
+            assert requests.get(url + "/health", timeout=30).status_code == 200
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # hang up with a reset
         s.close()
-    time.sleep(0.3)
+    deadline = time.time() + 30
+    while len(server.open) > 0 and time.time() < deadline:  # until the server has noticed every hang-up
+        time.sleep(0.05)
+    assert len(server.open) == 0
     assert requests.get(url + "/health", timeout=5).status_code == 200
     assert capsys.readouterr().err == ""
 
@@ -1831,8 +1866,8 @@ def test_swarm_slow_connections_get_a_deadline_and_honest_ones_get_through(_sw_s
         assert _sw_post(url, "honest", k, [_sw_group(k)]).status_code == 200
         time.sleep(0.3)
     closed = 0
-    for s in slow + [liar]:
-        s.settimeout(max(0.1, t0 + 6 - time.time()))
+    for s in slow + [liar]:  # each must get its 408 one deadline (1 s) after its last byte: wait generously
+        s.settimeout(max(1.0, t0 + 60 - time.time()))
         try:
             reply = s.recv(65536)
             closed += reply.startswith(b"HTTP/1.1 408 ") and b'"error"' in reply
@@ -1931,20 +1966,18 @@ def test_swarm_client_never_stalls_and_delivers_once_the_server_is_back(tmp_path
     clients = {kind: swarm.SwarmClient(f"http://127.0.0.1:{h.port}", f"peer-{kind}") for kind, h in hostile.items()}
     servers = []
     try:
-        slowest, t_start = 0.0, time.time()
-        gc.disable()  # time the calls, not a garbage collection that happens to land in one
-        try:
-            for r in range(3):
-                for client in clients.values():
-                    for call in (lambda: client.publish(r, [_sw_group(r)]), client.fetch,
-                                 lambda: client.post_metrics(r, {"local_reward": 0.5})):
-                        t0 = time.perf_counter()
-                        assert call() in (None, [])
-                        slowest = max(slowest, time.perf_counter() - t0)
-                time.sleep(0.4)
-        finally:
-            gc.enable()
-        assert slowest < 0.1, slowest
+        in_calls, t_start = 0.0, time.time()
+        for r in range(3):
+            for client in clients.values():
+                for call in (lambda: client.publish(r, [_sw_group(r)]), client.fetch,
+                             lambda: client.post_metrics(r, {"local_reward": 0.5})):
+                    t0 = time.perf_counter()
+                    assert call() in (None, [])
+                    in_calls += time.perf_counter() - t0
+            time.sleep(0.4)
+        # 36 calls; a client whose calls waited for the network would spend the 1 s deadline in each of
+        # the 18 against the black hole and the trickle: 18 s or more. Queue-only calls take microseconds.
+        assert in_calls < 9, in_calls
         while hostile["trickle"].accepted < 2 and time.time() < t_start + 10:
             time.sleep(0.1)
         assert hostile["trickle"].accepted >= 2  # the thread gave up on the trickle and tried again
@@ -2156,19 +2189,32 @@ def test_train_poisoned_and_uniform_external_groups_are_dropped():
     assert usable[1:] == [None, None] and usable[0].rewards == [1.0, 0.0] and usable[0].item is good
 
 
-def test_train_silo_without_a_server_and_bad_flags(tiny, tmp_path):
+def test_train_silo_without_a_server_and_bad_flags(tiny, tmp_path, capsys):
+    for bad, says in ((["--external", "-1"], "--external"), (["--local", "0"], "--local"),
+                      (["--rounds", "0"], "--rounds"), (["--lr", "-1e-3"], "--lr")):
+        with pytest.raises(SystemExit) as e:
+            tiny_args(tmp_path, *bad)
+        assert e.value.code == 2 and says in capsys.readouterr().err.strip().splitlines()[-1]
     args = tiny_args(tmp_path, "--external", "0", "--rounds", "3")
     peer = train.Peer(args, log=lambda *a: None)
     assert peer.client is None
+    assert peer.opt.param_groups[0]["lr"] == 1e-3  # the flag reached the optimizer, not just settings.json
+    before = [p.detach().clone() for p in peer.model.parameters()]
     peer.run()
     rows = [json.loads(line) for line in open(tmp_path / "run" / peer.name / "metrics.jsonl")]
-    assert [r["round"] for r in rows] == [0, 1, 2] and all(r["external_used"] == 0 for r in rows)
-    for key in ("stepped", "local_reward", "batch_reward", "external_available", "external_survived",
-                "frac_zero_std_local", "frac_zero_std_batch", "zero_adv_frac", "completion_len", "truncated_frac",
-                "sample_tok_per_s", "train_tok_per_s", "round_seconds"):
-        assert key in rows[0]
+    assert [r["round"] for r in rows] == [0, 1, 2]
+    for r in rows:  # in silo the batch is the local groups: nothing external, the two rewards one figure
+        assert r["external_used"] == r["external_available"] == r["external_survived"] == 0
+        assert r["batch_reward"] == r["local_reward"] and 0.0 <= r["local_reward"] <= 1.0
+        assert r["frac_zero_std_batch"] == r["frac_zero_std_local"]
+        assert 1 <= r["completion_len"] <= 6 and 0.0 <= r["truncated_frac"] <= 1.0  # --max-new-tokens 6
+        assert r["round_seconds"] > 0 and r["sample_tok_per_s"] > 0 and isinstance(r["stepped"], bool)
+        assert (r["zero_adv_frac"] == 1.0) == (not r["stepped"])  # a step whenever some advantage is not 0
+    changed = any(not torch.equal(a, b) for a, b in zip(before, peer.model.parameters()))
+    assert changed == any(r["stepped"] for r in rows)  # the weights move exactly when a round stepped
     settings = json.load(open(tmp_path / "run" / peer.name / "settings.json"))
-    assert settings["lr"] == 1e-3
+    assert (settings["local"], settings["external"], settings["generations"]) == (2, 0, 4)
+
 
 def test_train_help_never_prints_the_swarm_token(capsys, monkeypatch):
     monkeypatch.setenv("SWARM_TOKEN", "s3cret-token-value")
@@ -2190,16 +2236,45 @@ def test_train_bad_flags_get_one_sentence(capsys):
         assert says in capsys.readouterr().err.strip().splitlines()[-1]
 
 
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_train_goes_on_when_the_server_is_absent_or_killed(tiny, tmp_path):
+    """Peer a's server is killed after two rounds; peer b's server is not there at first. Both train in
+    silo meanwhile (every round steps, none waits), and what they published while it was down reaches
+    the server once it is back, each batch once."""
     import swarm
-    server, url = swarm.start_server(str(tmp_path / "swarm"))
-    a = train.Peer(tiny_args(tmp_path, "--swarm", url, "--name", "a"), log=lambda *x: None)
-    b = train.Peer(tiny_args(tmp_path, "--swarm", "http://127.0.0.1:9", "--name", "b"), log=lambda *x: None)
-    for r in range(2):
-        a.round(r), b.round(r)
-    server.shutdown()
-    for r in range(2, 4):
-        assert a.round(r)["round"] == r and b.round(r)["round"] == r
+    ports = [_free_port(), _free_port()]
+    server, url = swarm.start_server(str(tmp_path / "swarm-a"), port=ports[0])
+    a = train.Peer(tiny_args(tmp_path, "--swarm", url, "--name", "a"), log=quiet)
+    b = train.Peer(tiny_args(tmp_path, "--swarm", f"http://127.0.0.1:{ports[1]}", "--name", "b"), log=quiet)
+    try:
+        for r in range(2):
+            a.round(r), b.round(r)
+        assert a.client.flush(30)  # a published its rounds 0 and 1 while the server was up
+        assert sorted({(g["peer"], g["round"]) for g in _sw_read_all(url)}) == [("a", 0), ("a", 1)]
+        server.shutdown()
+        for r in range(2, 4):  # no server for either: each trains on its own groups
+            for peer in (a, b):
+                m = peer.round(r)
+                assert m["round"] == r and m["external_used"] == 0
+        servers = [swarm.start_server(str(tmp_path / "swarm-a"), port=ports[0]),
+                   swarm.start_server(str(tmp_path / "swarm-b"), port=ports[1])]
+        try:
+            assert a.client.flush(30) and b.client.flush(30)
+            for (_, u), name in zip(servers, "ab"):
+                got = [(g["peer"], g["round"]) for g in _sw_read_all(u)]
+                want = sorted((name, r) for r in range(4) for _ in range(2))  # I = 2 groups a round
+                assert sorted(got) == want, name  # everything, once: what waited arrived
+        finally:
+            for s, _ in servers:
+                s.shutdown()
+    finally:
+        a.client.close(), b.client.close()
 
 
 @pytest.fixture(scope="session")
@@ -2536,9 +2611,11 @@ def test_train_metrics_separate_local_from_batch(tiny, tmp_path):
     group = lambda rewards: train.Group(item, [1], [[5]] * len(rewards), ["x"] * len(rewards), [True] * len(rewards),
                                         rewards)
     collected = dict(groups=[group([0.0, 0.0]), group([1.0, 1.0])], sample_seconds=1.0, seconds=1.0)
-    m = peer.log_round(0, collected, [group([1.0, 0.0])], dict(external_available=1, external_survived=1),
+    # local rollouts: 2 of 4 right; the batch adds an external group of four with 3 right: 5 of 8
+    m = peer.log_round(0, collected, [group([1.0, 0.0, 1.0, 1.0])], dict(external_available=1, external_survived=1),
                        dict(stepped=True, zero_adv_frac=1 / 3), 2.0)
-    assert m["local_reward"] == 0.5 and m["batch_reward"] == 3 / 6 + 0 * m["local_reward"]
+    assert m["local_reward"] == 0.5  # the local groups only: 2/4
+    assert m["batch_reward"] == 5 / 8  # every rollout trained on, counted per completion (not 0.5, nor 2/3)
     assert m["frac_zero_std_local"] == 1.0 and m["frac_zero_std_batch"] == 2 / 3 and m["stepped"] is True
     assert peer.client.metrics[0][1]["frac_zero_std_local"] == 1.0
     assert list(train.progress(m))[0] == "reward" and train.progress(m)["reward"] == "0.50"

@@ -8,6 +8,7 @@ ReasoningGym's.
     python bench.py --swarm             # the rollout server under 32 simulated peers on loopback
     python bench.py --attack            # what the server and the client survive (README's reliability table)
     python bench.py --parity 200        # reward.py vs reasoning_gym 0.1.25, 200 items per family
+    python bench.py --lines             # the reading path (each file up to its marker line) against its budget
     python bench.py --device cuda --model qwen2.5-0.5b --batch 64 256 --json
 
 Sampling: both samplers draw at temperature 1 with no top-k/top-p, exactly --new-tokens tokens per
@@ -786,6 +787,43 @@ def print_parity(n):
     for name, whose, v, a, b in diffs:
         print(f"differs: {name}, {whose} item: answer {v!r}: ours {a:.4g}, rg {b:.4g}")
 
+# -----------------------------------------------------------------------------
+# the reading path: how much a student reads before each component file's marker line
+
+COMPONENTS = ["reward.py", "model.py", "sample.py", "grpo.py", "swarm.py", "train.py"]  # the README's order
+MARKER = "# ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----"
+BUDGETS = dict(reading=1700, whole=3800, function=60)  # lines: the reading path, the six files, one function
+
+
+def line_counts(folder=HERE):
+    """Per component file: lines up to its marker (the reading path, docstrings included; the whole file
+    when it has no marker), whole lines, and its longest function (name, lines)."""
+    import ast
+    rows = []
+    for name in COMPONENTS:
+        text = open(os.path.join(folder, name), encoding="utf-8").read()
+        lines = text.splitlines()
+        reading = next((k for k, line in enumerate(lines) if line.strip() == MARKER), len(lines))
+        funcs = [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(text))
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        rows.append(dict(file=name, reading=reading, whole=len(lines), markers=lines.count(MARKER),
+                         longest=max(funcs, key=lambda f: f[1], default=("-", 0))))
+    return rows
+
+
+def print_lines():
+    rows = line_counts()
+    print("| file | reading path | whole file | longest function |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['file']} | {r['reading']} | {r['whole']} | {r['longest'][0]} ({r['longest'][1]}) |")
+    reading, whole = sum(r["reading"] for r in rows), sum(r["whole"] for r in rows)
+    longest = max(r["longest"][1] for r in rows)
+    print(f"| all six | {reading} (budget {BUDGETS['reading']}) | {whole} (budget {BUDGETS['whole']}) | "
+          f"{longest} (budget {BUDGETS['function']}) |")
+    missing = [r["file"] for r in rows if r["markers"] != 1]
+    if missing:
+        print(f"no single marker line in: {', '.join(missing)}")
+
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -804,11 +842,14 @@ def main():
     p.add_argument("--slow", type=int, default=500, help="--attack: slow connections held open")
     p.add_argument("--cycles", type=int, default=10, help="--attack: kill -9 cycles")
     p.add_argument("--parity", type=int, metavar="N", help="reward.py's scorers vs reasoning_gym's, N items per family")
+    p.add_argument("--lines", action="store_true", help="the reading path and file sizes against their budgets")
     p.add_argument("--json", action="store_true", help="one JSON object per measurement")
     p.add_argument("--train-side", choices=["ours", "hf"], help=argparse.SUPPRESS)  # one side of --train
     args = p.parse_args()
     if args.train_side:
         return train_side(args)
+    if args.lines:
+        return print_lines()
     if args.parity is not None:
         if reward.reasoning_gym is None:
             p.error("--parity needs reasoning_gym: pip install reasoning-gym==0.1.25")

@@ -1108,6 +1108,43 @@ def test_grpo_step_micro_batches_give_the_gradient_of_the_whole_batch(tiny):
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(whole, micro))
 
 
+@pytest.mark.parametrize("loss_type", ["token_mean", "seq_mean", "constant"])
+def test_grpo_step_gradient_and_stats_do_not_depend_on_the_micro_batch(tiny, loss_type):
+    """Rows of 1 to 5 completion tokens in micro-batches of 1, 3 and all 7: the same gradient (to 1e-6,
+    relative) and the same stats, per token, for every loss type; "constant" without max_tokens too.
+    A second inner step (SGD at lr 1) moves the ratios, so the clip bites, and a perturbed reference
+    model gives the KL a value. In float64, so that the first step's rounding does not blur the second."""
+    ours = M.load_model(str(tiny))[0].double()
+    ref = copy_model(ours)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    rows = [([5, 6], [7]), ([5], [8, 9, 10, 11, 12]), ([11, 12, 13], [9, 9]), ([6], [10, 12, 8]),
+            ([7, 8], [13, 14, 15, 16]), ([9], [5, 6]), ([10, 11], [12, 13, 14])]
+    adv = [1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.0]
+    runs = [_gr_step(copy_model(ours), rows, adv, micro_batch=mb, loss_type=loss_type, inner_steps=2,
+                     max_grad_norm=1e9, beta=0.1, ref_model=ref) for mb in (1, 3, 7)]
+    (stats, grads), others = runs[-1], runs[:-1]
+    assert 0 < stats["clip_low"] + stats["clip_high"] < 1 and stats["kl"] > 0
+    norm = torch.cat([g.flatten() for g in grads]).norm()
+    for other_stats, other_grads in others:
+        assert torch.cat([(a - b).flatten() for a, b in zip(grads, other_grads)]).norm() <= 1e-6 * norm
+        assert other_stats == pytest.approx(stats, rel=1e-5, abs=1e-7)
+
+
+def test_grpo_one_token_prompts_with_empty_completions(tiny):
+    """A micro-batch whose rows are all a one-token prompt and an empty completion: nothing to train,
+    no crash, and the step's gradient is the other rows' alone."""
+    ours, _ = M.load_model(str(tiny))
+    ids, pos, mask = grpo.pad_rows([([5], []), ([6], [])], 0, [3])
+    with torch.no_grad():
+        assert grpo.completion_logprobs(ours, ids, pos, 1.0).shape == (2, 1) and not mask.any()
+    rows, adv = [([5, 6], [7, 8]), ([5], []), ([6], [])], [1.0, -1.0, 0.5]
+    _, with_empty = _gr_step(copy_model(ours), rows, adv, micro_batch=1, max_grad_norm=1e9)
+    _, alone = _gr_step(copy_model(ours), rows[:1], adv[:1], max_grad_norm=1e9)
+    assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(with_empty, alone))
+
+
 def test_grpo_step_with_grad_checkpoint_gives_the_same_gradients(tiny, monkeypatch):
     ours, _ = M.load_model(str(tiny))
     calls = []

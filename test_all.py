@@ -103,6 +103,23 @@ def ours_from(hf):
 FAMILIES = [("llama", True), ("llama", False), ("qwen2", False), ("qwen2", True), ("qwen3", False)]
 
 
+def test_the_project_speaks_of_itself_only():
+    """The prose of every .py file (docstrings, comments, messages) and of the README says what is true
+    of the project: it cites no file outside the repository and speaks of no one who wrote or ran it."""
+    import tokenize
+    here, found = os.path.dirname(os.path.abspath(__file__)), []
+    banned = re.compile(r"(?<![.\w])(?<!HTTP\x20)(?<!requests\x20)session(s|'s)?\b|\blent\b|DESIGN\.md|\.\./shared", re.I)
+    for name in sorted(n for n in os.listdir(here) if n.endswith(".py") or n == "README.md"):
+        with open(os.path.join(here, name)) as f:
+            if name.endswith(".py"):  # strings with a space are prose; a one-word string is code
+                prose = [(t.start[0], t.string) for t in tokenize.generate_tokens(f.readline)
+                         if t.type in (tokenize.STRING, tokenize.COMMENT) and " " in t.string]
+            else:
+                prose = list(enumerate(f, 1))
+        found += [f"{name}:{line}: {m.group(0)}" for line, text in prose for m in banned.finditer(text)]
+    assert found == []
+
+
 # ===================================================================================================
 # reward.py
 # ===================================================================================================

@@ -46,8 +46,8 @@ Deviations from the paper, and why:
 - Learning rate: the paper's text says Adam at 0.001, its code 1e-5 or 1e-6. We use AdamW at
   --lr 1e-5 with gradient clipping at 1.0: measured against 1e-6 on SmolLM2-135M (see README).
 - Tasks: the paper's nine ReasoningGYM families are rewritten from scratch in reward.py. With the
-  default 135M model they give ~0 reward, so `--tasks auto` picks an easy mix for that model
-  (DESIGN.md, "Prompts for small models") and the paper's nine for any other model.
+  default 135M model they give ~0 reward, so `--tasks auto` picks an easy mix for that model and
+  the paper's nine for any other model.
 - One-shot prompt: with --one-shot (on by default) the prompt holds one worked example of the same
   task family as an earlier chat turn; without it a 135M model almost never uses the answer tags.
 - Old log-probs: peers share text, never probabilities, so the ratio's "old" policy is the local

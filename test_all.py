@@ -2144,10 +2144,15 @@ def test_swarm_cli_bad_flags(tmp_path):
 # ===================================================================================================
 
 def tiny_args(tmp_path, *extra, model=None):
-    return train.parse_args(["--model", str(model or tmp_path / "tiny"), "--tasks", "repeat_number", "--no-one-shot",
+    """A tiny peer's settings, parsed as a swarm peer's (J = 2), but with no --swarm unless extra gives one:
+    the test injects its client (FakeClient) or runs the peer without one."""
+    swarm_url = [] if "--swarm" in extra else ["--swarm", "http://127.0.0.1:9"]
+    args = train.parse_args(["--model", str(model or tmp_path / "tiny"), "--tasks", "repeat_number", "--no-one-shot",
                              "--out", str(tmp_path / "run"), "--local", "2", "--external", "2", "--generations", "4",
                              "--max-new-tokens", "6", "--lr", "1e-3", "--quiet", "--save-every", "0",
-                             "--micro-batch", "16", "--no-grad-checkpoint", *extra])
+                             "--micro-batch", "16", "--no-grad-checkpoint", *swarm_url, *extra])
+    args.swarm = args.swarm if "--swarm" in extra else None
+    return args
 
 
 def quiet(*args):
@@ -2234,10 +2239,27 @@ def test_train_help_never_prints_the_swarm_token(capsys, monkeypatch):
     assert train.parse_args(["--out", "x", "--token", "other"]).token == "other"
 
 
+def test_train_the_swarm_token_is_never_written_to_disk(tiny, tmp_path, monkeypatch):
+    secret = "s3cret-" + "token-value"
+    monkeypatch.setenv("SWARM_TOKEN", secret)
+    monkeypatch.setattr(swarm, "SwarmClient", FakeClient)
+    spread_rewards(monkeypatch)
+    args = tiny_args(tmp_path, "--swarm", "http://127.0.0.1:9", "--name", "t", "--rounds", "2", "--save-every", "1",
+                     "--sample-every", "1")
+    assert args.token == secret
+    logs = []
+    peer = train.Peer(args, log=logs.append)
+    peer.run()
+    files = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
+    assert len(files) > 5 and not [p for p in files if secret.encode() in p.read_bytes()]
+    assert secret not in json.dumps([logs, peer.client.metrics, peer.client.published])
+
+
 def test_train_bad_flags_get_one_sentence(capsys):
     for bad, says in ((["--generations", "1"], "at least 2"), (["--tasks", "nope"], "Unknown task"),
                       (["--temperature", "0"], "positive"), (["--name", "a b"], "--name"),
-                      (["--resume"], "--out"), (["--swarm", "localhost:1"], "URL")):
+                      (["--resume"], "--out"), (["--swarm", "localhost:1"], "URL"),
+                      (["--external", "2"], "--swarm")):  # J external groups, but no swarm to take them from
         with pytest.raises(SystemExit) as e:
             train.parse_args(bad)
         assert e.value.code == 2
@@ -2367,6 +2389,24 @@ def test_train_a_stop_while_saving_resumes_from_the_checkpoint_before(tiny, tmp_
     assert [json.loads(line)["round"] for line in open(folder / "metrics.jsonl")] == [0, 1, 2, 3]
     assert sorted(p.name for p in folder.glob("checkpoint-*")) == ["checkpoint-3"]
     M.load_model(str(folder / "checkpoint-3"))
+
+
+def test_train_resume_with_kl_keeps_the_initial_model_as_reference(tiny, tmp_path, monkeypatch):
+    """--beta > 0: stopped after round 1 and resumed, a peer ends with the weights of one that never
+    stopped; the KL's reference is the initial model, not the checkpoint it resumed from."""
+    spread_rewards(monkeypatch)
+    kl = ["--beta", "0.5", "--lr", "1e-2", "--save-every", "2"]
+    whole = train.Peer(tiny_args(tmp_path, "--name", "w", "--rounds", "4", *kl), log=quiet)
+    whole.run()
+    train.Peer(tiny_args(tmp_path, "--name", "s", "--rounds", "2", *kl), log=quiet).run()
+    again = train.Peer(tiny_args(tmp_path, "--name", "s", "--rounds", "4", "--resume", *kl), log=quiet)
+    initial, _ = M.load_model(str(tiny))
+    assert all(torch.equal(a, b) for a, b in zip(again.ref_model.parameters(), initial.parameters()))
+    again.run()
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(again.model.parameters(), whole.model.parameters()))
+    assert not all(torch.allclose(a, b) for a, b in zip(again.model.parameters(), initial.parameters()))
+    with pytest.raises(SystemExit, match="started from --model"):  # another --model: another reference
+        train.Peer(tiny_args(tmp_path, "--name", "s", "--resume", *kl, model=str(tiny) + "/"), log=quiet)
 
 
 def _processes_mentioning(*texts):

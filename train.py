@@ -108,6 +108,8 @@ def parse_args(argv=None):
         args.task_list = resolve_tasks(args.tasks, args.model)
     except ValueError as e:
         p.error(str(e))
+    if args.external and not (args.swarm or args.peers):  # explicit J > 0 with nothing to take groups from
+        p.error("--external needs --swarm URL or --peers N; without a swarm leave it out (in silo I takes I + J)")
     fill_defaults(p, args)
     return args
 
@@ -346,8 +348,14 @@ class Peer:
             raise SystemExit(f"{self.dir} already holds a run: pass --resume to continue it, or another --out")
         os.makedirs(self.dir, exist_ok=True)
         torch.manual_seed(args.seed)
+        settings = os.path.join(self.dir, "settings.json")
         try:
+            started = json.load(open(settings)).get("model") if resuming and args.beta > 0 else args.model
+            if started != args.model:
+                raise ValueError(f"{self.dir} started from --model {started} (the KL's reference): resume with it")
             self.model, self.tok = M.load_model(ckpt["path"] if resuming else args.model, self.device, torch.float32, log=log)
+            # beta > 0: the KL's reference is the initial model, --model, also after a resume (not the checkpoint)
+            self.ref_model = M.load_model(args.model, self.device, torch.float32, log=log)[0] if args.beta > 0 else None
         except (OSError, ValueError, RuntimeError) as e:  # a model that cannot be found or read
             raise SystemExit(f"train.py: {e}") from None
         self.model.grad_checkpoint = args.grad_checkpoint
@@ -359,7 +367,6 @@ class Peer:
         self.sampler = self.model
         if self.sample_dtype != torch.float32:
             self.sampler = copy.deepcopy(self.model).to(self.sample_dtype).eval()
-        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if args.beta > 0 else None
         self.external_rng = stream(args.seed, "external")  # questions and sampling have a stream per round
         self.pool = []    # usable external groups (Group) not yet trained on
         self.newest = {}  # producer -> the newest round of it seen: what makes a pooled group stale
@@ -372,8 +379,8 @@ class Peer:
         self.client = client
         if client is None and args.swarm:  # with J = 0 a peer still shares its rollouts
             self.client = swarm.SwarmClient(args.swarm, self.name, token=args.token, cursor=cursor)
-        with open(os.path.join(self.dir, "settings.json"), "w") as f:
-            json.dump(vars(args), f, indent=2)
+        with open(settings, "w") as f:  # never the token: no secret goes to disk
+            json.dump({k: v for k, v in vars(args).items() if k != "token"}, f, indent=2)
 
     # -- one round: Algorithm 1 of the paper ------------------------------------------------------
 

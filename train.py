@@ -332,7 +332,7 @@ class Peer:
 
     client: a swarm client to use instead of one made from --swarm (a driver that runs several peers in
     one process passes its own). args are taken as they are: parse_args treats a peer without --swarm
-    as one in silo, so with an injected client give --local and --external explicitly.
+    as one in silo and refuses --external J > 0 there, so with an injected client parse --swarm too.
     round(r) is collect(r) then learn(r, ...): a synchronous swarm calls collect on every peer, lets
     the groups reach the server, then calls learn on every peer."""
 

@@ -80,16 +80,10 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     """
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}.")
-    if isinstance(group_size, int):
-        if group_size < 1 or rewards.numel() % group_size != 0:
-            raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of {group_size}; "
-                             "pass rewards for whole groups laid end to end.")
-        sizes = [group_size] * (rewards.numel() // group_size)
-    else:
-        sizes = list(group_size)
-        if min(sizes, default=0) < 1 or sum(sizes) != rewards.numel():
-            raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of sizes {sizes}; "
-                             "pass rewards for whole groups laid end to end.")
+    sizes = [group_size] * (rewards.numel() // max(group_size, 1)) if isinstance(group_size, int) else list(group_size)
+    if min(sizes, default=0) < 1 or sum(sizes) != rewards.numel():
+        raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of {group_size}; "
+                         "pass rewards for whole groups laid end to end.")
     r = rewards.float().view(-1)
     groups = r.split(sizes)
     centred = torch.cat([g - g.mean() for g in groups])

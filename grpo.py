@@ -80,16 +80,10 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     """
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}.")
-    if isinstance(group_size, int):
-        if group_size < 1 or rewards.numel() % group_size != 0:
-            raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of {group_size}; "
-                             "pass rewards for whole groups laid end to end.")
-        sizes = [group_size] * (rewards.numel() // group_size)
-    else:
-        sizes = list(group_size)
-        if min(sizes, default=0) < 1 or sum(sizes) != rewards.numel():
-            raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of sizes {sizes}; "
-                             "pass rewards for whole groups laid end to end.")
+    sizes = [group_size] * (rewards.numel() // max(group_size, 1)) if isinstance(group_size, int) else list(group_size)
+    if min(sizes, default=0) < 1 or sum(sizes) != rewards.numel():
+        raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of {group_size}; "
+                         "pass rewards for whole groups laid end to end.")
     r = rewards.float().view(-1)
     groups = r.split(sizes)
     centred = torch.cat([g - g.mean() for g in groups])
@@ -173,7 +167,7 @@ def pad_rows(rows, pad_id, stop_ids, device="cpu"):
         return next((c[:k + 1] for k, token in enumerate(c) if token in stop_ids), c)
 
     rows = [(p, cut(c)) for p, c in rows]
-    T = max(len(p) + len(c) for p, c in rows)
+    T = max(2, max(len(p) + len(c) for p, c in rows))  # 2: a one-token prompt's empty completion sits at 1
     Tc = max(1, max(len(c) for _, c in rows))
     ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
     pos = torch.zeros(len(rows), Tc, dtype=torch.long)
@@ -232,8 +226,9 @@ def step(model, opt, rows, advantages, pad_id, stop_ids, micro_batch=16, inner_s
     up to the loss over the whole batch (so the gradient does not depend on micro_batch), with the
     gradient clipped to max_grad_norm. "Old" log-probs are the model's own before the first step: the
     policy that sampled, as far as this peer knows. ref_model (for beta > 0) gives the KL's reference.
-    loss_settings go to grpo_loss: epsilon, epsilon_high, beta, loss_type, max_tokens. Returns the
-    last step's stats: grpo_loss's, weighted as the loss is, plus loss, grad_norm, zero_adv_frac.
+    loss_settings go to grpo_loss: epsilon, epsilon_high, beta, loss_type, max_tokens ("constant"'s
+    max_tokens defaults to the batch's longest completion, the same for every micro-batch). Returns the
+    last step's stats over the whole batch: grpo_loss's, per token, plus loss, grad_norm, zero_adv_frac.
     """
     device = model.lm_head.weight.device
     amp = torch.bfloat16 if device.type == "cuda" else None
@@ -241,6 +236,8 @@ def step(model, opt, rows, advantages, pad_id, stop_ids, micro_batch=16, inner_s
     parts = [list(range(i, min(i + micro_batch, len(rows)))) for i in range(0, len(rows), micro_batch)]
     batches = [pad_rows([rows[i] for i in part], pad_id, stop_ids, device) for part in parts]
     total_tokens = sum(int(mask.sum()) for _, _, mask in batches)
+    if loss_settings.get("max_tokens") is None:  # not each micro-batch's own longest: one normaliser for all
+        loss_settings["max_tokens"] = max(mask.shape[1] for _, _, mask in batches)
     old, ref = [None] * len(parts), [None] * len(parts)
     token_mean = loss_settings.get("loss_type", "token_mean") == "token_mean"
     model.train()
@@ -255,11 +252,13 @@ def step(model, opt, rows, advantages, pad_id, stop_ids, micro_batch=16, inner_s
                 with torch.no_grad():
                     ref[k] = completion_logprobs(ref_model, ids, pos, temperature, amp)
             loss, s = grpo_loss(logp, old[k], adv[part], mask, ref_logprobs=ref[k], **loss_settings)
-            # weight each micro-batch so that the sum of their losses is the whole batch's loss
-            share = mask.sum().item() / max(total_tokens, 1) if token_mean else len(part) / len(rows)
+            # weight each micro-batch so that the sum of their losses is the whole batch's loss, and the
+            # per-token stats by its tokens (by rows they would change with micro_batch)
+            tokens = mask.sum().item() / max(total_tokens, 1)
+            share = tokens if token_mean else len(part) / len(rows)
             (loss * share).backward()
             for key, v in dict(s, loss=loss.item()).items():
-                stats[key] = stats.get(key, 0.0) + v * share
+                stats[key] = stats.get(key, 0.0) + v * (share if key == "loss" else tokens)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)  # gradients live only during a step: between rounds, memory is free

@@ -57,8 +57,8 @@ Deviations from the paper, and why:
   fetches and trains. --async runs them round-robin instead, so peer k sees this round's groups of
   the peers before it and the previous round's of those after it.
 - Scale: the toy has 26 facts, 8 peers and 150 rounds instead of nine task families and 2,000
-  rounds. The gpu preset (the default model, 100 rounds of 8/0 and 4/4) has never run: no GPU was
-  lent to the session that wrote it, so its size is a guess; it prints its own estimate first.
+  rounds. The gpu preset (the default model, 100 rounds of 8/0 and 4/4) has not yet run on a GPU,
+  so its size is a guess; it prints its own estimate first.
 - Reward: the toy's is strict 0/1 (alphabet_position is not a ReasoningGym family); the gpu preset
   scores with reward.py, which agrees with ReasoningGym (partial credit included).
 """

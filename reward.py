@@ -35,8 +35,8 @@ Deviations, and why:
   in its metadata, and `verify_item` regenerates the item from that seed and accepts only an exact
   copy, so a peer can inject neither a wrong answer nor a question our generator would not make.
 - Very easy families (one_digit_addition, ...) are added so that a 135M-parameter model gets some
-  reward at all (see DESIGN.md); they keep a simpler contract (strict 0/1 reward; verify re-renders
-  the question from the metadata and re-derives the answer).
+  reward at all (train.py's --tasks auto picks them for it); they keep a simpler contract (strict
+  0/1 reward; verify re-renders the question from the metadata and re-derives the answer).
 - alphabet_position is not a paper family either: it is the task of reproduce.py's toy, where a tiny
   model must discover 26 separate facts, one lucky guess at a time.
 - Optional: `rg:NAME` uses the real reasoning_gym package when it is installed (it is not a

@@ -32,8 +32,8 @@ the same step with fixed shapes reads all S slots, those past t masked out, so o
 in a CUDA graph once per generate() call and replayed at every step. This removes the per-kernel
 launch cost, which dominates decoding for models this small (the gpt-fast idea). The eager step is
 the readable reference, the CPU path, and what `cuda_graph=False` selects on a GPU; a test checks that
-both give the same logits. The CUDA-graph path itself has not yet run on a GPU in this project's
-sessions (none was lent); see the README.
+both give the same logits. The CUDA-graph path itself has not yet been run or measured on a GPU;
+see the README.
 
 The SAPO paper (arXiv 2509.08721) samples with Hugging Face transformers' generate(); this is a
 hand-written replacement with the same semantics (the tests compare greedy outputs token for token).

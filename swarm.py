@@ -99,7 +99,7 @@ class Limits:
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # peer names: safe in URLs, logs and HTML
 BATCH_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 SEQ, ROUND, TIME = ("int", 10**15), ("int", 10**12), ("float", 1e11)
-GROUP = {  # field -> (kind, limit): a rollout group on the wire (DESIGN.md)
+GROUP = {  # field -> (kind, limit): a rollout group on the wire
     "task": ("label", 256), "question": ("text", 16_000), "answer": ("text", 4_000),
     "metadata": ("object", 16_000), "completions": ("texts", (64, 32_000)),
     "stopped": ("flags", "completions"), "model": ("text", 256)}

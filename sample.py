@@ -94,32 +94,6 @@ def decode_step(model: Transformer, cache, tokens, t, pads, width):
     return model.lm_head(h[:, -1])
 
 
-class GraphedDecode:
-    """decode_step with fixed shapes captured in a CUDA graph: static input buffers, one replay per step."""
-
-    def __init__(self, model, cache, pads):
-        S = cache.shape[-2]
-        self.tokens = torch.zeros_like(pads)
-        self.t = torch.full((), S - 1, dtype=torch.long, device=pads.device)  # a slot never read
-        self.pads = pads
-        with torch.cuda.device(pads.device):  # streams and graphs belong to the current device
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm up (allocations, kernel choice) outside the graph
-                for _ in range(2):
-                    decode_step(model, cache, self.tokens, self.t, self.pads, S)
-            torch.cuda.current_stream().wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.logits = decode_step(model, cache, self.tokens, self.t, self.pads, S)
-
-    def __call__(self, tokens, t):
-        self.tokens.copy_(tokens)
-        self.t.fill_(t)
-        self.graph.replay()  # replays on the device it was captured on
-        return self.logits
-
-
 @torch.no_grad()
 def generate(model: Transformer, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=0,
              top_p=1.0, eos_token_ids=(), seed=None, cuda_graph=True):
@@ -164,3 +138,33 @@ def generate(model: Transformer, prompts, num_samples=1, max_new_tokens=256, tem
         end = next((i + 1 for i, tok in enumerate(row) if tok in stops), len(row))
         completions.append(row[:end])
     return completions
+
+
+# ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
+# The decode step captured in a CUDA graph (a speed-up on a GPU; the eager step above is the reference).
+
+
+class GraphedDecode:
+    """decode_step with fixed shapes captured in a CUDA graph: static input buffers, one replay per step."""
+
+    def __init__(self, model, cache, pads):
+        S = cache.shape[-2]
+        self.tokens = torch.zeros_like(pads)
+        self.t = torch.full((), S - 1, dtype=torch.long, device=pads.device)  # a slot never read
+        self.pads = pads
+        with torch.cuda.device(pads.device):  # streams and graphs belong to the current device
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm up (allocations, kernel choice) outside the graph
+                for _ in range(2):
+                    decode_step(model, cache, self.tokens, self.t, self.pads, S)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = decode_step(model, cache, self.tokens, self.t, self.pads, S)
+
+    def __call__(self, tokens, t):
+        self.tokens.copy_(tokens)
+        self.t.fill_(t)
+        self.graph.replay()  # replays on the device it was captured on
+        return self.logits

@@ -11,16 +11,10 @@ reasoning_gym 0.1.25's gives (same formats, same partial credit); each generator
 config with our own code and wording, so items are alike, not identical (`python bench.py --parity`).
 
 Deviations, and why:
-- arc_1d has 43 of ReasoningGym's 77 rule types and bf 134 words (rg: 2,315): the rest would triple
-  those families' code.
-- Degenerate items are drawn again: a basic_arithmetic division that rounds, propositional_logic
-  premises that admit no conclusion worth 1.0 (rg falls back to a bare variable); base_conversion
-  writes 0 as "0" (rg's answer is empty, which nothing matches).
-- Scoring: an answer over 2,000 characters scores 0 where parsing is not linear time
-  (propositional_logic, binary_matrix, rg: tasks); binary_matrix reads a list with ast.literal_eval
-  (rg: eval()); propositional_logic gives 0 past 12 variables (rg tries all 2^n rows); where rg's
-  scorer raises, ours gives 0; decimal_arithmetic compares in a 5-digit Decimal context, the one rg's
-  generator leaves behind with the paper's precision 5.
+- Where our families differ from ReasoningGym's, for fewer lines or to skip degenerate items (43 of
+  its 77 arc_1d rules, 134 bf words, a basic_arithmetic division that rounds or a propositional_logic
+  item without a conclusion worth 1.0 drawn again, answers over 2,000 characters scoring 0 where
+  parsing is not linear time, ast.literal_eval for rg's eval()), the README lists each difference.
 - The paper's code never rewards propositional_logic (its items have no answer, worth 0: rl-swarm
   rgym_exp/src/rewards.py). We use rg's scorer: 1.0 for a non-trivial conclusion that follows.
 - Trust: the paper's peers score shared rollouts against the sender's ground truth, an open problem
@@ -29,12 +23,14 @@ Deviations, and why:
 - Easy families (one_digit_addition, ...) give a 135M-parameter model some reward at all;
   alphabet_position is reproduce.py's toy. "rg:NAME" tasks use the reasoning_gym package if installed.
 """
+
 import ast
 import calendar
 import contextlib
 import datetime
 import functools
 import io
+import itertools
 import json
 import math
 import operator
@@ -99,7 +95,6 @@ class Task:
     makes it from the caller's rng and records every value it drew as its metadata, which verify()
     replays to make() (see _Replay)."""
 
-    name = "task"
     seeded = True
     max_answer_chars = None  # a longer answer scores 0 (for scorers whose parsing is not linear time)
 
@@ -141,18 +136,6 @@ class Task:
         return all(json.dumps(item[k], sort_keys=True) == json.dumps(fresh[k], sort_keys=True)
                    for k in ("question", "answer", "metadata"))  # as JSON text, which tells 1, 1.0 and True apart
 
-    def score(self, item, completion):
-        """Reward of one completion: score_answer on its last <answer> span."""
-        answer = extract_answer(completion)
-        if answer is not None and self.max_answer_chars and len(answer) > self.max_answer_chars:
-            return 0.0
-        return self.score_answer(answer, item)
-
-    def solution(self, item):
-        """A short worked solution: a line of working, then <answer>...</answer>."""
-        work = self.working(item)
-        return (work + "\n" if work else "") + f"<answer>{item['answer']}</answer>"
-
 
 class _Replay:
     """What an unseeded family's make() draws from when an item is made again: each draw returns the
@@ -177,10 +160,13 @@ class _Replay:
 
 
 def score(item, completion):
-    """Reward in [0, 1] of one completion for one item; 0.0 for anything malformed, never raises."""
-    task = _task_of(item)
+    """Reward in [0, 1] of one completion for one item: its family's score_answer on the completion's
+    last <answer> span; 0.0 for anything malformed, never raises."""
+    task, answer = _task_of(item), extract_answer(completion)
+    if task is None or (answer is not None and task.max_answer_chars and len(answer) > task.max_answer_chars):
+        return 0.0
     try:
-        x = float(task.score(item, completion)) if task else 0.0
+        x = float(task.score_answer(answer, item))
     except Exception:  # whatever a hostile item or completion makes a scorer raise
         return 0.0
     return x if 0.0 <= x <= 1.0 else 0.0
@@ -203,8 +189,9 @@ def verify_item(item, tasks=None):
 
 
 def solution(item):
-    """A short worked solution ending in <answer>...</answer>, for the item's family."""
-    return get_task(item["task"]).solution(item)
+    """A short worked solution: the family's line of working, then <answer>...</answer>."""
+    work = get_task(item["task"]).working(item)
+    return (work + "\n" if work else "") + f"<answer>{item['answer']}</answer>"
 
 
 def get_task(name):
@@ -295,20 +282,7 @@ class BaseConversion(Task):
                 f"again and reading the remainders backwards gives {item['answer']}.")
 
 
-
-
 TASKS["base_conversion"] = BaseConversion()
-
-_NUMBER_RE = re.compile(r"[+-]?(?:[0-9]{1,60}(?:\.[0-9]{0,60})?|\.[0-9]{1,60})(?:[eE][+-]?[0-9]{1,3})?")
-
-
-def _int_answer(s):
-    """An integer answer in any exact decimal spelling ("42", "42.0", "4.2e1"), else None. ASCII digits
-    only ("٤٢" is not a number here), exponent at most 3 digits (no "1e999999")."""
-    if not isinstance(s, str) or len(s) > 200 or not _NUMBER_RE.fullmatch(s.strip()):
-        return None
-    x = Fraction(s.strip())
-    return x.numerator if x.denominator == 1 else None
 
 
 class EasyTask(Task):
@@ -338,9 +312,8 @@ class Arithmetic(EasyTask):
         return f"{meta['a']} {self.op} {meta['b']} = {item['answer']}."
 
 
-for name, op, digits in [("one_digit_addition", "+", 1), ("one_digit_multiplication", "*", 1),
-                         ("two_digit_addition", "+", 2)]:
-    TASKS[name] = Arithmetic(name, op, digits)
+TASKS.update({name: Arithmetic(name, op, digits) for name, op, digits in [
+    ("one_digit_addition", "+", 1), ("one_digit_multiplication", "*", 1), ("two_digit_addition", "+", 2)]})
 
 # ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
 
@@ -362,29 +335,27 @@ def _task_of(item):
 
 MAX_ANSWER_CHARS = 2_000  # a longer answer scores 0 where parsing is not linear time
 
-def _exact_div(a, b):
-    """a / b for integers that divide exactly; ArithmeticError otherwise (or for b = 0)."""
-    q, r = divmod(a, b)
-    if r:
-        raise ArithmeticError("a division that rounds")
-    return q
-
 
 def _evaluate(node, number=Decimal, divide=operator.truediv):
     """Value of a parsed expression (ast) of number literals, unary minus and + - * /, each literal
     read by `number`, each step rounded by the current Decimal context for Decimals. Only ever called
     on our own expressions: _evaluate(ast.parse("-( 7 - 3 ) * 2", mode="eval").body, int) -> -8."""
     if isinstance(node, ast.BinOp):
-        a, b = _evaluate(node.left, number, divide), _evaluate(node.right, number, divide)
-        return {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: divide}[type(node.op)](a, b)
+        ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: divide}
+        return ops[type(node.op)](_evaluate(node.left, number, divide), _evaluate(node.right, number, divide))
     if isinstance(node, ast.UnaryOp):
         return -_evaluate(node.operand, number, divide)
     return number(repr(node.value))
 
 
 def _int_value(text):
-    """The exact value of one of our integer expressions: _int_value("-( 12 * -5 ) / 4") -> 15."""
-    return _evaluate(ast.parse(text, mode="eval").body, int, _exact_div)
+    """The value of one of our integer expressions, computed as rg does (/ as //), or ArithmeticError
+    where that is not its true value (a division rounds): _int_value("-( 12 * -5 ) / 4") -> 15."""
+    node = ast.parse(text, mode="eval").body
+    value = _evaluate(node, int, operator.floordiv)
+    if value != _evaluate(node, Fraction):
+        raise ArithmeticError("a division that rounds")
+    return value
 
 
 def _divisors(n):
@@ -740,11 +711,6 @@ def _variables(f):
     return {f} if isinstance(f, str) else set().union(*map(_variables, f[1:]))
 
 
-def _bit_rows(n):
-    """All 2^n tuples of n truth values."""
-    return [tuple(bool(i >> j & 1) for j in range(n)) for i in range(2**n)]
-
-
 class PropositionalLogic(Task):
     """State a conclusion that follows from 2..4 premises over 2..4 variables P, Q, R, S (formulas up
     to 3 levels deep with ¬ ∧ ∨ → ↔). ReasoningGym's rule, by truth table: 1.0 for a conclusion that
@@ -772,7 +738,7 @@ class PropositionalLogic(Task):
         names = sorted(set().union(_variables(conclusion), *map(_variables, premises)))
         if len(names) > 12:
             raise ValueError("too many variables")  # 2^n rows: rg would try them all
-        rows = [dict(zip(names, bits)) for bits in _bit_rows(len(names))]
+        rows = [dict(zip(names, bits)) for bits in itertools.product((False, True), repeat=len(names))]
         if not all(_holds(conclusion, r) for r in rows if all(_holds(p, r) for p in premises)):
             return 0.05
         trivial = isinstance(conclusion, str) or all(_holds(conclusion, r) for r in rows)
@@ -785,20 +751,21 @@ class PropositionalLogic(Task):
             premises = [self._formula(rng, variables, rng.randint(c["min_complexity"], c["max_complexity"]))
                         for _ in range(rng.randint(c["min_statements"], c["max_statements"]))]
             parsed = [_parse_logic(p) for p in premises]
-            models = [r for r in (dict(zip(variables, bits)) for bits in _bit_rows(len(variables)))
-                      if all(_holds(p, r) for p in parsed)]  # none when the premises contradict each other
+            rows = [dict(zip(variables, bits)) for bits in itertools.product((False, True), repeat=len(variables))]
+            models = [r for r in rows if all(_holds(p, r) for p in parsed)]  # none if the premises contradict
             shapes = [("¬", a) for a in variables] + [(op, a, b) for a in variables for b in variables
                                                        if a != b for op in "∧∨→↔"]  # none is trivial
             good = [f for f in shapes if all(_holds(f, r) for r in models)]
             if good:  # else only trivial conclusions follow: draw again
                 break
         f = rng.choice(good)
+        answer = "¬" + f[1] if f[0] == "¬" else f"({f[1]} {f[0]} {f[2]})"
         listed = "\n".join(f"{i}. {p}" for i, p in enumerate(premises, 1))
         question = ("This is a propositional logic question. Given the premises below, state a conclusion "
                     "that follows from them; a bare variable or a tautology earns partial credit only.\n"
                     "Write it with these symbols: ∨ (or), ∧ (and), → (implies), ↔ (if and only if), ¬ (not).\n\n"
                     f"Premises:\n{listed}\n\nWhat can we conclude from the above statements?")
-        return question, "¬" + f[1] if f[0] == "¬" else f"({f[1]} {f[0]} {f[2]})", {"premises": premises, "variables": variables}
+        return question, answer, {"premises": premises, "variables": variables}
 
     def score_answer(self, answer, item):
         meta = item["metadata"]
@@ -935,9 +902,20 @@ class Arc1D(Task):
         return f"The rule is {item['metadata']['task_name'].replace('_', ' ')}; applied to the test input it gives:"
 
 
-
 # -----------------------------------------------------------------------------
 # the other easy families
+
+
+_NUMBER_RE = re.compile(r"[+-]?(?:[0-9]{1,60}(?:\.[0-9]{0,60})?|\.[0-9]{1,60})(?:[eE][+-]?[0-9]{1,3})?")
+
+
+def _int_answer(s):
+    """An integer answer in any exact decimal spelling ("42", "42.0", "4.2e1"), else None. ASCII digits
+    only ("٤٢" is not a number here), exponent at most 3 digits (no "1e999999")."""
+    if not isinstance(s, str) or len(s) > 200 or not _NUMBER_RE.fullmatch(s.strip()):
+        return None
+    x = Fraction(s.strip())
+    return x.numerator if x.denominator == 1 else None
 
 
 class RepeatNumber(EasyTask):
@@ -969,10 +947,9 @@ class AlphabetPosition(EasyTask):
         return f"{item['metadata']['letter']} is letter number {item['answer']}."
 
 
-for task in [BasicArithmetic(), Arc1D(), BF(), PropositionalLogic(), FractionSimplification(),
-             DecimalArithmetic(), CalendarArithmetic(), BinaryMatrix(), RepeatNumber(),
-             AlphabetPosition()]:
-    TASKS[task.name] = task
+TASKS.update({task.name: task for task in [
+    BasicArithmetic(), Arc1D(), BF(), PropositionalLogic(), FractionSimplification(), DecimalArithmetic(),
+    CalendarArithmetic(), BinaryMatrix(), RepeatNumber(), AlphabetPosition()]})
 
 # -----------------------------------------------------------------------------
 # optional: the real ReasoningGym generators as tasks named "rg:NAME"

@@ -335,8 +335,9 @@ def test_reward_distributions_match_reasoning_gym():
         return [reward.get_task("rg:" + name).from_seed(rng.randrange(2**32)) for _ in range(2000)]
 
     def contradictory(item):
+        import itertools
         premises, names = [reward._parse_logic(p) for p in item["metadata"]["premises"]], item["metadata"]["variables"]
-        rows = [dict(zip(names, bits)) for bits in reward._bit_rows(len(names))]
+        rows = [dict(zip(names, bits)) for bits in itertools.product((False, True), repeat=len(names))]
         return not any(all(reward._holds(p, r) for p in premises) for r in rows)
 
     def split(items, test):

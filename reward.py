@@ -178,7 +178,8 @@ def verify_item(item, tasks=None):
     makes again from the item's own seed (easy families: its recorded values), within
     VERIFY_SECONDS for an rg: task. The sender's question and ground truth are never trusted; never
     raises."""
-    allowed = list(TASKS) + ["rg:" + n for n in PAPER_TASKS] if tasks is None else list(tasks)
+    allowed = list(TASKS) + ["rg:" + n for n in PAPER_TASKS] if tasks is None else tasks
+    allowed = [allowed] if isinstance(allowed, str) else list(allowed)  # one name, or a list of them
     if not (isinstance(item, dict) and isinstance(item.get("task"), str) and item["task"] in allowed):
         return False
     task = _task_of(item)

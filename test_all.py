@@ -431,6 +431,7 @@ def test_reward_verify_item_accepts_only_the_receivers_tasks():
     item = reward.TASKS["bf"].generate(random.Random(0))
     assert reward.verify_item(item) and reward.verify_item(item, tasks=["bf", "base_conversion"])
     assert not reward.verify_item(item, tasks=["base_conversion"]) and not reward.verify_item(item, tasks=[])
+    assert reward.verify_item(item, tasks="bf") and not reward.verify_item(item, tasks="b")  # one name
     assert not reward.verify_item({**item, "task": ["bf"]}, tasks=["bf"])
 
 

@@ -5,56 +5,39 @@ peer trust a question that another peer shared.
 
 SAPO (arXiv 2509.08721, §4.1) trains on nine ReasoningGym families (base_conversion, basic_arithmetic,
 arc_1d, bf, propositional_logic, fraction_simplification, decimal_arithmetic, calendar_arithmetic,
-binary_matrix), generated with the configs of the paper's code (PAPER_CONFIGS below) and rewarded with
-ReasoningGym's own `score_answer`. This file rewrites all nine from scratch, standard library only:
-- each scorer gives what reasoning_gym 0.1.25's `score_answer` gives, with the same answer formats and
-  the same partial credit (0.1 for a fraction that keeps the question's numerator, exp(-5 x relative
-  error) for a day count, 0.25 for a true but trivial logical conclusion, ...);
-- each generator follows the paper's config for its family (sizes, ranges, sub-tasks, answer format)
-  with our own code and wording, so items are alike, not identical.
-`python bench.py --parity 200` measures the agreement with reasoning_gym; the README has the table.
+binary_matrix) with the configs of the paper's code (PAPER_CONFIGS), rewarded by ReasoningGym's own
+`score_answer`. Here all nine are written with the standard library only: each scorer gives what
+reasoning_gym 0.1.25's gives (same formats, same partial credit); each generator follows the paper's
+config with our own code and wording, so items are alike, not identical (`python bench.py --parity`).
 
 Deviations, and why:
-- arc_1d draws from 43 of ReasoningGym's 77 rule types (block moves with and without wrap-around,
-  gravity, counting, one-step gravity, recolor to 5, fill between two points, reflect a block, move a
-  block by its own size, move a block to touch a dot): the other 34 would triple the family's code.
-- Our generators skip ReasoningGym's degenerate items: basic_arithmetic only divides exactly (rg's
-  floor division sometimes rounds), propositional_logic premises can all be true and always have a
-  conclusion worth 1.0 (rg falls back to a bare variable, worth 0.25), base_conversion writes 0 as "0"
-  (rg writes an empty answer that nothing can match).
-- Scoring: an answer over 2,000 characters scores 0; binary_matrix reads a Python-list answer with
-  ast.literal_eval where rg calls eval(); propositional_logic gives up (0) on an answer with more than
-  12 distinct variables, where rg enumerates all 2^n truth assignments; where rg's scorer raises, ours
-  gives 0. decimal_arithmetic compares in a 5-digit Decimal context, the one rg's generator leaves
-  behind with the paper's precision 5.
-- The paper's code never rewards propositional_logic: the item's answer is None and its reward
-  function returns 0 for a missing answer (rl-swarm rgym_exp/src/rewards.py). We use rg's scorer,
-  which gives 1.0 to any non-trivial conclusion that follows from the premises.
-- Trust: in the paper a peer scores shared rollouts against the ground truth the sender attached,
-  which the paper names as an open trust problem. Here every item carries the seed it was made from
-  in its metadata, and `verify_item` regenerates the item from that seed and accepts only an exact
-  copy, so a peer can inject neither a wrong answer nor a question our generator would not make.
-- Very easy families (one_digit_addition, ...) are added so that a 135M-parameter model gets some
-  reward at all (train.py's --tasks auto picks them for it); they keep a simpler contract (strict
-  0/1 reward; verify re-renders the question from the metadata and re-derives the answer).
-- alphabet_position is not a paper family either: it is the task of reproduce.py's toy, where a tiny
-  model must discover 26 separate facts, one lucky guess at a time.
-- Optional: `rg:NAME` uses the real reasoning_gym package when it is installed (it is not a
-  dependency), with the paper's config for the nine; `verify_item` regenerates those items with
-  reasoning_gym from their seed and config.
+- Where our families differ from ReasoningGym's, for fewer lines or to skip degenerate items (43 of
+  its 77 arc_1d rules, 134 bf words, a basic_arithmetic division that rounds or a propositional_logic
+  item without a conclusion worth 1.0 drawn again, answers over 2,000 characters scoring 0 where
+  parsing is not linear time, ast.literal_eval for rg's eval()), the README lists each difference.
+- The paper's code never rewards propositional_logic (its items have no answer, worth 0: rl-swarm
+  rgym_exp/src/rewards.py). We use rg's scorer: 1.0 for a non-trivial conclusion that follows.
+- Trust: the paper's peers score shared rollouts against the sender's ground truth, an open problem
+  it names. Here `verify_item` makes the item again (from its seed, or an easy item's drawn values)
+  and accepts only an exact copy, of a task the receiver chose: no wrong answer, no foreign question.
+- Easy families (one_digit_addition, ...) give a 135M-parameter model some reward at all;
+  alphabet_position is reproduce.py's toy. "rg:NAME" tasks use the reasoning_gym package if installed.
 """
 
 import ast
 import calendar
 import contextlib
 import datetime
+import functools
 import io
+import itertools
 import json
 import math
 import operator
 import random
 import re
 import string
+import threading
 from decimal import Context, Decimal, localcontext
 from fractions import Fraction
 
@@ -77,10 +60,7 @@ SYSTEM_PROMPTS = {"default": SYSTEM_PROMPT, "rg": RG_SYSTEM_PROMPT}
 PAPER_TASKS = ["base_conversion", "basic_arithmetic", "arc_1d", "bf", "propositional_logic",
                "fraction_simplification", "decimal_arithmetic", "calendar_arithmetic", "binary_matrix"]
 EASY_TASKS = ["one_digit_addition", "one_digit_multiplication", "two_digit_addition"]
-
-MAX_COMPLETION_CHARS = 10_000  # only the last 10k characters of a completion are looked at
-MAX_ANSWER_CHARS = 2_000       # a longer answer scores 0 (and is not worth parsing)
-MAX_BF_STEPS = 100_000         # the bf interpreter gives up after this many instructions
+TASKS = {}  # name -> Task, filled as each family below is defined
 
 # -----------------------------------------------------------------------------
 # the contract: extract_answer, Task, score, verify_item, solution, get_task, task_names
@@ -89,33 +69,34 @@ MAX_BF_STEPS = 100_000         # the bf interpreter gives up after this many ins
 def extract_answer(text):
     """The stripped text of the last <answer>...</answer> span, or None.
 
-    Same result as the last match of re.finditer(r"<answer>(.*?)</answer>", text, re.DOTALL), found
-    with str.find so it is linear time on any input:
+    Same result as the last match of re.finditer(r"<answer>(.*?)</answer>", text, re.DOTALL), as
+    ReasoningGym reads it, found with str.find so it is linear time on any input:
     "a <answer>1</answer> b <answer> 2 </answer>" -> "2".
     """
     if not isinstance(text, str):
         return None
-    text = text[-MAX_COMPLETION_CHARS:]
     found, pos = None, 0
     while True:
         start = text.find("<answer>", pos)
-        if start < 0:
-            break
-        end = text.find("</answer>", start + 8)
+        end = text.find("</answer>", start + 8) if start >= 0 else -1
         if end < 0:
-            break
+            return None if found is None else found.strip()
         found, pos = text[start + 8:end], end + 9
-    return None if found is None else found.strip()
 
 
 class Task:
     """One task family. A family writes make(rng) -> (question, answer, metadata), drawing only from
     rng; score_answer(answer, item) -> reward in [0, 1] for an extracted answer (None when the
     completion has none; it may raise on an answer it cannot read, which scores 0), by default
-    ReasoningGym's default rule; and working(item), a line of working for the worked example. Every
-    item carries the seed it was made from as metadata["seed"]: that is all verify() needs to trust it."""
+    ReasoningGym's default rule; and working(item), a line of working for the worked example.
 
-    name = "task"
+    An item is trusted by making it again. A seeded family (the paper's nine) makes each item from
+    random.Random(seed) and records the seed in metadata["seed"]; an unseeded one (the easy families)
+    makes it from the caller's rng and records every value it drew as its metadata, which verify()
+    replays to make() (see _Replay)."""
+
+    seeded = True
+    max_answer_chars = None  # a longer answer scores 0 (for scorers whose parsing is not linear time)
 
     def score_answer(self, answer, item):
         """ReasoningGym's default rule: 1.0 for exactly the item's answer, len(item's answer) /
@@ -130,51 +111,77 @@ class Task:
     def working(self, item):
         return ""
 
+    def generate(self, rng):
+        """A new item: made from a seed drawn from rng, or, unseeded, from rng itself."""
+        if self.seeded:
+            return self.from_seed(rng.randrange(2**32))
+        question, answer, meta = self.make(rng)
+        return {"task": self.name, "question": question, "answer": answer, "metadata": meta}
+
     def from_seed(self, seed):
-        """The item made from random.Random(seed): {task, question, answer, metadata}."""
+        """The item a seeded family makes from random.Random(seed): {task, question, answer, metadata}."""
         question, answer, meta = self.make(random.Random(seed))
         return {"task": self.name, "question": question, "answer": answer, "metadata": {**meta, "seed": seed}}
 
-    def generate(self, rng):
-        """A new item, drawing only its seed from rng."""
-        return self.from_seed(rng.randrange(2**32))
-
     def verify(self, item):
-        """True iff the item is exactly the one its seed makes (question, answer and metadata)."""
-        seed = item["metadata"].get("seed")
-        if type(seed) is not int or not 0 <= seed < 2**32:
+        """True iff making the item again gives exactly it (question, answer and metadata)."""
+        meta = item["metadata"]
+        if not self.seeded:  # replays the recorded values; one make() could not have drawn raises
+            question, answer, values = self.make(_Replay([meta[k] for k in sorted(meta)]))
+            fresh = {"question": question, "answer": answer, "metadata": values}
+        elif type(meta.get("seed")) is int and 0 <= meta["seed"] < 2**32:
+            fresh = self.from_seed(meta["seed"])
+        else:
             return False
-        fresh = self.from_seed(seed)  # compared as JSON text, which tells 1, 1.0 and True apart
         return all(json.dumps(item[k], sort_keys=True) == json.dumps(fresh[k], sort_keys=True)
-                   for k in ("question", "answer", "metadata"))
+                   for k in ("question", "answer", "metadata"))  # as JSON text, which tells 1, 1.0 and True apart
 
-    def score(self, item, completion):
-        """Reward of one completion: score_answer on its last <answer> span."""
-        answer = extract_answer(completion)
-        if answer is not None and len(answer) > MAX_ANSWER_CHARS:
-            return 0.0
-        return self.score_answer(answer, item)
 
-    def solution(self, item):
-        """A short worked solution: a line of working, then <answer>...</answer>."""
-        work = self.working(item)
-        return (work + "\n" if work else "") + f"<answer>{item['answer']}</answer>"
+class _Replay:
+    """What an unseeded family's make() draws from when an item is made again: each draw returns the
+    item's next recorded value if make() could have drawn it there (same type, in the range or among
+    the choices), else raises ValueError. So a forged easy item whose numbers lie outside its
+    generator's ranges ("What is 1000000000 + 999999999?" as one_digit_addition) is rejected."""
+
+    def __init__(self, values):
+        self.values = iter(values)
+
+    def _next(self, possible):
+        value = next(self.values, None)
+        if not possible(value):
+            raise ValueError("a value the generator never draws")
+        return value
+
+    def randint(self, a, b):
+        return self._next(lambda v: type(v) is int and a <= v <= b)
+
+    def choice(self, seq):
+        return self._next(lambda v: any(type(v) is type(x) and v == x for x in seq))
 
 
 def score(item, completion):
-    """Reward in [0, 1] of one completion for one item; 0.0 for anything malformed, never raises."""
-    task = _task_of(item)
+    """Reward in [0, 1] of one completion for one item: its family's score_answer on the completion's
+    last <answer> span; 0.0 for anything malformed, never raises."""
+    task, answer = _task_of(item), extract_answer(completion)
+    if task is None or (answer is not None and task.max_answer_chars and len(answer) > task.max_answer_chars):
+        return 0.0
     try:
-        x = float(task.score(item, completion)) if task else 0.0
+        x = float(task.score_answer(answer, item))
     except Exception:  # whatever a hostile item or completion makes a scorer raise
         return 0.0
     return x if 0.0 <= x <= 1.0 else 0.0
 
 
-def verify_item(item):
-    """True iff the item is well formed and is exactly what its family's generator makes from the
-    item's own seed (for the easy families: its question and answer re-derived from its metadata).
-    The sender's question and ground truth are never trusted; never raises."""
+def verify_item(item, tasks=None):
+    """True iff the item is of one of `tasks` (the receiver's choice; by default every family of this
+    file and the nine rg:paper ones), is well formed, and is exactly what its family's generator
+    makes again from the item's own seed (easy families: its recorded values), within
+    VERIFY_SECONDS for an rg: task. The sender's question and ground truth are never trusted; never
+    raises."""
+    allowed = list(TASKS) + ["rg:" + n for n in PAPER_TASKS] if tasks is None else tasks
+    allowed = [allowed] if isinstance(allowed, str) else list(allowed)  # one name, or a list of them
+    if not (isinstance(item, dict) and isinstance(item.get("task"), str) and item["task"] in allowed):
+        return False
     task = _task_of(item)
     try:
         return bool(task and task.verify(item))
@@ -183,23 +190,18 @@ def verify_item(item):
 
 
 def solution(item):
-    """A short worked solution ending in <answer>...</answer>, for the item's family."""
-    return get_task(item["task"]).solution(item)
+    """A short worked solution: the family's line of working, then <answer>...</answer>."""
+    work = get_task(item["task"]).working(item)
+    return (work + "\n" if work else "") + f"<answer>{item['answer']}</answer>"
 
 
 def get_task(name):
-    """The Task called `name`: a plain name from TASKS, or "rg:NAME" for a reasoning_gym dataset."""
+    """The Task called `name`: one of TASKS, or "rg:NAME" for a reasoning_gym dataset (rg_task, the
+    optional bridge at the end of this file)."""
     if isinstance(name, str) and name in TASKS:
         return TASKS[name]
     if isinstance(name, str) and name.startswith("rg:"):
-        if reasoning_gym is None:
-            raise ValueError(f"Task {name!r} needs the reasoning_gym package: pip install reasoning-gym==0.1.25.")
-        if name not in _RG_TASKS:
-            try:
-                _RG_TASKS[name] = ReasoningGymTask(name[3:])
-            except Exception:
-                raise ValueError(f"reasoning_gym has no dataset called {name[3:]!r}.") from None
-        return _RG_TASKS[name]
+        return rg_task(name[3:])
     raise ValueError(f"Unknown task {name!r}; known tasks are {', '.join(TASKS)}, the groups paper, easy "
                      f"and rg:paper, and rg:NAME for any reasoning_gym dataset.")
 
@@ -219,20 +221,8 @@ def task_names(spec):
     return names
 
 
-def _task_of(item):
-    """The Task of a well-formed item (a dict with a known task name, a str question and answer and a
-    dict metadata), else None."""
-    if not (isinstance(item, dict) and all(isinstance(item.get(k), str) for k in ("task", "question", "answer"))
-            and isinstance(item.get("metadata"), dict)):
-        return None
-    try:
-        return get_task(item["task"])
-    except ValueError:
-        return None
-
-
 # -----------------------------------------------------------------------------
-# the paper's nine families
+# one of the paper's nine families, and one easy family
 
 
 # The generator configs of the paper's code (rl-swarm rgym_exp/src/datasets.yaml, in reasoning_gym's
@@ -293,59 +283,144 @@ class BaseConversion(Task):
                 f"again and reading the remainders backwards gives {item['answer']}.")
 
 
+TASKS["base_conversion"] = BaseConversion()
+
+
+class EasyTask(Task):
+    """A very easy family, for small models: unseeded (its metadata is the values it drew), with a
+    strict 0/1 reward for any exact spelling of the integer answer ("8", "8.0", "+8")."""
+
+    seeded = False
+
+    def score_answer(self, answer, item):
+        x = _int_answer(answer)
+        return 1.0 if x is not None and x == _int_answer(item["answer"]) else 0.0
+
+
+class Arithmetic(EasyTask):
+    """a + b or a * b with `digits`-digit numbers: "What is 3 + 5?" -> "8"."""
+
+    def __init__(self, name, op, digits):
+        self.name, self.op, self.digits = name, op, digits
+
+    def make(self, rng):
+        low, high = (0 if self.digits == 1 else 10 ** (self.digits - 1)), 10 ** self.digits - 1
+        a, b = rng.randint(low, high), rng.randint(low, high)
+        return f"What is {a} {self.op} {b}?", str(a + b if self.op == "+" else a * b), {"a": a, "b": b}
+
+    def working(self, item):
+        meta = item["metadata"]
+        return f"{meta['a']} {self.op} {meta['b']} = {item['answer']}."
+
+
+TASKS.update({name: Arithmetic(name, op, digits) for name, op, digits in [
+    ("one_digit_addition", "+", 1), ("one_digit_multiplication", "*", 1), ("two_digit_addition", "+", 2)]})
+
+# ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
+
+
+def _task_of(item):
+    """The Task of a well-formed item (a dict with a known task name, a str question and answer and a
+    dict metadata), else None."""
+    if not (isinstance(item, dict) and all(isinstance(item.get(k), str) for k in ("task", "question", "answer"))
+            and isinstance(item.get("metadata"), dict)):
+        return None
+    try:
+        return get_task(item["task"])
+    except ValueError:
+        return None
+
+
+# -----------------------------------------------------------------------------
+# the paper's other eight families
+
+MAX_ANSWER_CHARS = 2_000  # a longer answer scores 0 where parsing is not linear time
+
+
+def _evaluate(node, number=Decimal, divide=operator.truediv):
+    """Value of a parsed expression (ast) of number literals, unary minus and + - * /, each literal
+    read by `number`, each step rounded by the current Decimal context for Decimals. Only ever called
+    on our own expressions: _evaluate(ast.parse("-( 7 - 3 ) * 2", mode="eval").body, int) -> -8."""
+    if isinstance(node, ast.BinOp):
+        ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: divide}
+        return ops[type(node.op)](_evaluate(node.left, number, divide), _evaluate(node.right, number, divide))
+    if isinstance(node, ast.UnaryOp):
+        return -_evaluate(node.operand, number, divide)
+    return number(repr(node.value))
+
+
+def _int_value(text):
+    """The value of one of our integer expressions, computed as rg does (/ as //), or ArithmeticError
+    where that is not its true value (a division rounds): _int_value("-( 12 * -5 ) / 4") -> 15."""
+    node = ast.parse(text, mode="eval").body
+    value = _evaluate(node, int, operator.floordiv)
+    if value != _evaluate(node, Fraction):
+        raise ArithmeticError("a division that rounds")
+    return value
+
+
+def _divisors(n):
+    """The positive divisors of n != 0 (ArithmeticError past 10**12, too slow to find)."""
+    n = abs(n)
+    if n > 10**12:
+        raise ArithmeticError("too large to factor")
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
 class BasicArithmetic(Task):
     """Evaluate an integer expression of 2..6 numbers with 1..4 digits (either sign), + - * /,
-    parentheses and negated groups: "Compute -( 12 * -5 ) / 4 + 7." -> "22". Divisions come out
-    even. ReasoningGym's default rule: the answer is the exact integer text ("22.0" earns 2/4)."""
+    parentheses and negated groups: "Compute -( 12 * -5 ) / 4 + 7." -> "22". Expressions are drawn
+    as ReasoningGym draws them (so a divisor is a divisor of its dividend, which can have 5 to 8
+    digits), and drawn again where a division would round. ReasoningGym's default rule: the answer is
+    the exact integer text ("22.0" earns 2/4)."""
 
     name = "basic_arithmetic"
     TEMPLATES = ("What is {}?", "Calculate {}.", "Compute {}.", "Evaluate: {}.")
 
-    def _expression(self, rng, terms, digits, group=True):
-        """(text, value, operator applied last or None) of a random expression of `terms` numbers."""
-        top = 10**digits - 1
-        if terms > 1 and group and rng.random() < 0.2:  # a parenthesised group, negated half the time
-            text, value, _ = self._expression(rng, terms, digits, group=False)
-            return (f"-( {text} )", -value, None) if rng.random() < 0.5 else (f"( {text} )", value, None)
-        if terms == 1:
-            n = rng.randint(-top, top)
-            return str(n), n, None
-        k = rng.randint(1, terms - 1)
-        left, lv, lop = self._expression(rng, k, digits)
-        op = rng.choice("+-*/" if k == terms - 1 else "+-*")  # only a single number can be a divisor
-        if op == "/":
-            divisors = [d for d in range(1, min(abs(lv), top) + 1) if lv % d == 0] or [rng.randint(1, top)]
-            d = rng.choice(divisors)
-            right, rv, rop = str(d), d, None
+    def _terms(self, rng, n, digits):
+        """The tokens of an expression of n numbers: a first part of k numbers (a group in parentheses,
+        negated half of the time, or numbers joined by + - *), then an operator and the rest. After a
+        /, the next number is a divisor of the first part's value (of its last number, unless it is a
+        group); where the rest ends in a group, a correction added inside that group makes the whole
+        rest such a divisor instead."""
+        number = lambda: str(rng.randint(1 - 10**digits, 10**digits - 1))
+        k = rng.randint(1, n)
+        if k > 1 and rng.random() < 0.5:
+            left = [rng.choice(["(", "-("])] + self._terms(rng, k, digits) + [")"]
         else:
-            right, rv, rop = self._expression(rng, terms - k, digits)
-        if op in "*/" and lop in ("+", "-"):  # parentheses that precedence needs
-            left = f"( {left} )"
-        if op in "*-" and rop in ("+", "-"):
-            right = f"( {right} )"
-        value = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.floordiv}[op](lv, rv)  # exact
-        return f"{left} {op} {right}", value, op
+            left = [number()]
+            for _ in range(k - 1):
+                left += [rng.choice("+-*"), number()]
+        if k == n:
+            return left
+        op = rng.choice("+-*/")
+        if op != "/":
+            return left + [op] + self._terms(rng, n - k, digits)
+        dividend = _int_value(" ".join(left if left[-1] == ")" else left[-1:]))
+        rest = self._terms(rng, n - k - 1, digits) if n - k > 1 else []
+        if rest and rest[-1] == ")":
+            value = _int_value(" ".join(rest))
+            target = rng.choice(_divisors(math.gcd(dividend, value))) if value else 1
+            return left + ["/"] + rest[:-1] + ["+", str(target - value), ")"]
+        divisor = rng.choice(_divisors(dividend)) if dividend else rng.randint(1, 10**digits - 1)
+        return left + ["/", str(divisor)] + (["+"] + rest if rest else [])
 
     def make(self, rng):
         c = PAPER_CONFIGS[self.name]
-        terms, digits = rng.randint(c["min_terms"], c["max_terms"]), rng.randint(c["min_digits"], c["max_digits"])
-        expression, value, _ = self._expression(rng, terms, digits, group=True)
+        while True:
+            terms, digits = rng.randint(c["min_terms"], c["max_terms"]), rng.randint(c["min_digits"], c["max_digits"])
+            try:
+                expression = " ".join(self._terms(rng, terms, digits))
+                value = _int_value(expression)
+                break
+            except ArithmeticError:  # a division that rounds, or a dividend too large to factor
+                continue
         return rng.choice(self.TEMPLATES).format(expression), str(value), {"expression": expression}
 
     def working(self, item):
         return ("Multiply and divide before adding and subtracting, innermost parentheses first: "
                 f"{item['metadata']['expression']} = {item['answer']}.")
-
-
-_DECIMAL_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
-
-
-def _decimal_value(node):
-    """Value of a parsed expression of decimal literals and + - * /, each step rounded by the current
-    Decimal context, as ReasoningGym computes it (only ever called on our own expressions)."""
-    if isinstance(node, ast.BinOp):
-        return _DECIMAL_OPS[type(node.op)](_decimal_value(node.left), _decimal_value(node.right))
-    return Decimal(repr(node.value))
 
 
 class DecimalArithmetic(Task):
@@ -373,7 +448,7 @@ class DecimalArithmetic(Task):
             expression = self._group(rng, numbers, [rng.choice("+-*/") for _ in numbers[1:]])
             try:
                 with localcontext(Context(prec=c["precision"])):
-                    answer = str(_decimal_value(ast.parse(expression, mode="eval").body))
+                    answer = str(_evaluate(ast.parse(expression, mode="eval").body))
                 break
             except ArithmeticError:  # a division by a group worth 0: draw again
                 continue
@@ -488,15 +563,13 @@ class CalendarArithmetic(Task):
 
     def score_answer(self, answer, item):
         task, oracle = item["metadata"]["task"], item["answer"]
-        if task in ("weekday_of_date", "weekday_offset", "weekday_of_date_from_first_date"):
+        if task == "weekday_of_date":
             answer = answer.strip()
             return 1.0 if answer == oracle else 0.1 if answer in _DAYS else 0.05 if answer.title() in _DAYS else 0.0
-        if task in ("count_days", "count_business_days", "recurring_event_day"):
-            a, o = int(answer.strip()), int(oracle.strip())  # ValueError, so 0, for "4.0" or "four"
-            return float(a == 0) if o == 0 else math.exp(-5 * (abs(a - o) / o))
         if task == "is_leap_year":
             return float(answer.strip().lower() == oracle.lower())
-        return 0.0
+        a, o = int(answer.strip()), int(oracle.strip())  # count_days, recurring_event_day; "4.0" raises: 0
+        return float(a == 0) if o == 0 else math.exp(-5 * (abs(a - o) / o))
 
     def working(self, item):
         meta = item["metadata"]
@@ -521,6 +594,7 @@ class BinaryMatrix(Task):
     same matrix written as a Python list of lists, else 0.0."""
 
     name = "binary_matrix"
+    max_answer_chars = MAX_ANSWER_CHARS  # the exact answer is at most 299 characters
 
     def make(self, rng):
         c = PAPER_CONFIGS[self.name]
@@ -528,16 +602,8 @@ class BinaryMatrix(Task):
         cells = [0] + [0 if rng.random() < c["p_zero"] else 1 for _ in range(n * n - 1)]
         rng.shuffle(cells)
         matrix = [cells[i * n:(i + 1) * n] for i in range(n)]
-        dist = [[0 if v == 0 else None for v in row] for row in matrix]
-        frontier = [(i, j) for i in range(n) for j in range(n) if matrix[i][j] == 0]
-        while frontier:  # breadth-first search from all zeros at once
-            nxt = []
-            for i, j in frontier:
-                for a, b in ((i + 1, j), (i - 1, j), (i, j + 1), (i, j - 1)):
-                    if 0 <= a < n and 0 <= b < n and dist[a][b] is None:
-                        dist[a][b] = dist[i][j] + 1
-                        nxt.append((a, b))
-            frontier = nxt
+        zeros = [(i, j) for i in range(n) for j in range(n) if matrix[i][j] == 0]
+        dist = [[min(abs(i - a) + abs(j - b) for a, b in zeros) for j in range(n)] for i in range(n)]
         question = ("For every cell of the square matrix below, find the taxicab (Manhattan) distance to "
                     "the nearest 0. Answer with a matrix of the same size holding these distances.\n\n"
                     f"{_grid(matrix)}")
@@ -551,46 +617,6 @@ class BinaryMatrix(Task):
 
     def working(self, item):
         return "Start from every 0 at distance 0 and spread outwards one step at a time."
-
-
-def run_bf(program, max_steps=MAX_BF_STEPS, max_output=1000):
-    """The output of a brainf*ck program (',' reads 0); ValueError if it is malformed, runs more than
-    max_steps instructions or prints more than max_output characters. run_bf("++++++++[>++++++++<-]>+.")
-    -> "A". 300 cells of bytes that wrap at 256; moving off the tape is an error."""
-    code = [c for c in program if c in "+-<>[].,"]
-    match, stack = {}, []
-    for i, c in enumerate(code):
-        if c == "[":
-            stack.append(i)
-        elif c == "]":
-            if not stack:
-                raise ValueError("unmatched ]")
-            j = stack.pop()
-            match[i], match[j] = j, i
-    if stack:
-        raise ValueError("unmatched [")
-    tape, ptr, pc, steps, out = [0] * 300, 0, 0, 0, []
-    while pc < len(code):
-        steps += 1
-        if steps > max_steps:
-            raise ValueError("step limit reached")
-        c = code[pc]
-        if c in "+-":
-            tape[ptr] = (tape[ptr] + (1 if c == "+" else -1)) % 256
-        elif c in "<>":
-            ptr += 1 if c == ">" else -1
-            if not 0 <= ptr < len(tape):
-                raise ValueError("pointer left the tape")
-        elif c == ".":
-            out.append(chr(tape[ptr]))
-            if len(out) > max_output:
-                raise ValueError("too much output")
-        elif c == ",":
-            tape[ptr] = 0
-        elif (c == "[" and tape[ptr] == 0) or (c == "]" and tape[ptr] != 0):
-            pc = match[pc]
-        pc += 1
-    return "".join(out)
 
 
 def _bf_add(d):
@@ -634,10 +660,11 @@ class BF(Task):
     name = "bf"
 
     def make(self, rng):
-        program = _bf_print(rng.choice(_WORDS))
+        word = rng.choice(_WORDS)
+        program = _bf_print(word)
         question = (f"This is a BF (Brainf*ck) program. What does it print?\n\n{program}\n\n"
                     f"Reply with exactly what it prints and nothing else.")
-        return question, run_bf(program), {"program": program}
+        return question, word, {"program": program}
 
     def working(self, item):
         return ("Each loop [<...>-] adds its inner +s (or -s) once per count in the cell on its right; each . prints "
@@ -685,20 +712,17 @@ def _variables(f):
     return {f} if isinstance(f, str) else set().union(*map(_variables, f[1:]))
 
 
-def _bit_rows(n):
-    """All 2^n tuples of n truth values."""
-    return [tuple(bool(i >> j & 1) for j in range(n)) for i in range(2**n)]
-
-
 class PropositionalLogic(Task):
     """State a conclusion that follows from 2..4 premises over 2..4 variables P, Q, R, S (formulas up
     to 3 levels deep with ¬ ∧ ∨ → ↔). ReasoningGym's rule, by truth table: 1.0 for a conclusion that
     follows and is not trivial, 0.25 for a trivial one (a bare variable or a tautology), 0.05 for one
     that does not follow, 0 for a capital letter that is no variable, or no formula at all. From
     "(P → Q)" and "P": "(P ∧ Q)" and "Q ∧ P" score 1.0, "Q" 0.25, "¬Q" 0.05. The item's answer is just
-    one conclusion worth 1.0."""
+    one conclusion worth 1.0. Premises are drawn as ReasoningGym draws them, so about a fifth of the
+    sets contradict themselves, and then every formula follows from them."""
 
     name = "propositional_logic"
+    max_answer_chars = MAX_ANSWER_CHARS
     OPS = ("∧", "∨", "¬", "→", "↔")
 
     def _formula(self, rng, variables, depth):
@@ -715,7 +739,7 @@ class PropositionalLogic(Task):
         names = sorted(set().union(_variables(conclusion), *map(_variables, premises)))
         if len(names) > 12:
             raise ValueError("too many variables")  # 2^n rows: rg would try them all
-        rows = [dict(zip(names, bits)) for bits in _bit_rows(len(names))]
+        rows = [dict(zip(names, bits)) for bits in itertools.product((False, True), repeat=len(names))]
         if not all(_holds(conclusion, r) for r in rows if all(_holds(p, r) for p in premises)):
             return 0.05
         trivial = isinstance(conclusion, str) or all(_holds(conclusion, r) for r in rows)
@@ -728,20 +752,21 @@ class PropositionalLogic(Task):
             premises = [self._formula(rng, variables, rng.randint(c["min_complexity"], c["max_complexity"]))
                         for _ in range(rng.randint(c["min_statements"], c["max_statements"]))]
             parsed = [_parse_logic(p) for p in premises]
-            rows = [dict(zip(variables, bits)) for bits in _bit_rows(len(variables))]
-            if not any(all(_holds(p, r) for p in parsed) for r in rows):
-                continue  # contradictory premises: everything would follow
-            shapes = ["¬" + a for a in variables] + [f"({a} {op} {b})" for a in variables for b in variables
-                                                      if a != b for op in "∧∨→↔"]
-            good = [f for f in shapes if self._grade(parsed, _parse_logic(f)) == 1.0]
-            if good:
+            rows = [dict(zip(variables, bits)) for bits in itertools.product((False, True), repeat=len(variables))]
+            models = [r for r in rows if all(_holds(p, r) for p in parsed)]  # none if the premises contradict
+            shapes = [("¬", a) for a in variables] + [(op, a, b) for a in variables for b in variables
+                                                       if a != b for op in "∧∨→↔"]  # none is trivial
+            good = [f for f in shapes if all(_holds(f, r) for r in models)]
+            if good:  # else only trivial conclusions follow: draw again
                 break
+        f = rng.choice(good)
+        answer = "¬" + f[1] if f[0] == "¬" else f"({f[1]} {f[0]} {f[2]})"
         listed = "\n".join(f"{i}. {p}" for i, p in enumerate(premises, 1))
         question = ("This is a propositional logic question. Given the premises below, state a conclusion "
                     "that follows from them; a bare variable or a tautology earns partial credit only.\n"
                     "Write it with these symbols: ∨ (or), ∧ (and), → (implies), ↔ (if and only if), ¬ (not).\n\n"
                     f"Premises:\n{listed}\n\nWhat can we conclude from the above statements?")
-        return question, rng.choice(good), {"premises": premises, "variables": variables}
+        return question, answer, {"premises": premises, "variables": variables}
 
     def score_answer(self, answer, item):
         meta = item["metadata"]
@@ -879,7 +904,7 @@ class Arc1D(Task):
 
 
 # -----------------------------------------------------------------------------
-# very easy families, for small models and tests
+# the other easy families
 
 
 _NUMBER_RE = re.compile(r"[+-]?(?:[0-9]{1,60}(?:\.[0-9]{0,60})?|\.[0-9]{1,60})(?:[eE][+-]?[0-9]{1,3})?")
@@ -894,134 +919,38 @@ def _int_answer(s):
     return x.numerator if x.denominator == 1 else None
 
 
-def _ints(meta, *keys):
-    """The metadata's numbers at keys, each a real int (not a bool) in 0..10**9, else ValueError."""
-    values = [meta[k] for k in keys]
-    if not all(type(v) is int and 0 <= v <= 10**9 for v in values):
-        raise ValueError("bad numbers")
-    return values
-
-
-class EasyTask(Task):
-    """A very easy family. It writes sample(rng) -> metadata, render(metadata) -> question (ValueError
-    for malformed metadata) and solve(metadata) -> answer. The reward is strict 0/1 (any exact spelling
-    of the integer answer); its items carry no seed: verify re-renders the question from the metadata
-    and re-derives the answer."""
-
-    difficulty = 1
-
-    def generate(self, rng):
-        meta = self.sample(rng)
-        return {"task": self.name, "question": self.render(meta), "answer": self.solve(meta), "metadata": meta}
-
-    def verify(self, item):
-        meta = item["metadata"]
-        same = self.score_answer(item["answer"], {"answer": self.solve(meta)}) == 1.0
-        return self.render(meta) == item["question"] and same
-
-    def score_answer(self, answer, item):
-        x = _int_answer(answer)
-        return 1.0 if x is not None and x == _int_answer(item["answer"]) else 0.0
-
-    def _lowest(self):
-        return 0 if self.difficulty == 1 else 10 ** (self.difficulty - 1)
-
-
-class Addition(EasyTask):
-    """a + b with `difficulty`-digit numbers. Example (difficulty 1): "What is 3 + 5?" -> "8"."""
-
-    op = "+"
-
-    def __init__(self, name, difficulty):
-        self.name, self.difficulty = name, difficulty
-
-    def sample(self, rng):
-        top = 10 ** self.difficulty - 1
-        return {"a": rng.randint(self._lowest(), top), "b": rng.randint(self._lowest(), top)}
-
-    def render(self, meta):
-        a, b = _ints(meta, "a", "b")
-        return f"What is {a} {self.op} {b}?"
-
-    def solve(self, meta):
-        return str(meta["a"] + meta["b"] if self.op == "+" else meta["a"] * meta["b"])
-
-    def working(self, item):
-        meta = item["metadata"]
-        return f"{meta['a']} {self.op} {meta['b']} = {self.solve(meta)}."
-
-
-class Multiplication(Addition):
-    """a * b with `difficulty`-digit numbers. Example (difficulty 1): "What is 3 * 5?" -> "15"."""
-
-    op = "*"
-
-
-class LargerNumber(EasyTask):
-    """Which of two different `difficulty`-digit numbers is larger; answer that number.
-    Near chance for a guessing model: copying either number scores half the time.
-    Example (difficulty 2): "Which number is larger, 37 or 52? Answer with the larger number." -> "52"."""
-
-    name, difficulty = "larger_number", 2
-
-    def sample(self, rng):
-        a, b = rng.sample(range(self._lowest(), 10 ** self.difficulty), 2)
-        return {"a": a, "b": b}
-
-    def render(self, meta):
-        a, b = _ints(meta, "a", "b")
-        if a == b:
-            raise ValueError("equal numbers")
-        return f"Which number is larger, {a} or {b}? Answer with the larger number."
-
-    def solve(self, meta):
-        return str(max(meta["a"], meta["b"]))
-
-    def working(self, item):
-        meta = item["metadata"]
-        return f"{self.solve(meta)} is larger than {min(meta['a'], meta['b'])}."
-
-
 class RepeatNumber(EasyTask):
-    """Repeat a `difficulty`-digit number. Example (difficulty 1): "Repeat this number: 7" -> "7"."""
+    """Repeat a 1-digit number: "Repeat this number: 7" -> "7"."""
 
-    name, difficulty = "repeat_number", 1
+    name = "repeat_number"
 
-    def sample(self, rng):
-        return {"n": rng.randint(self._lowest(), 10 ** self.difficulty - 1)}
-
-    def render(self, meta):
-        return f"Repeat this number: {_ints(meta, 'n')[0]}"
-
-    def solve(self, meta):
-        return str(meta["n"])
+    def make(self, rng):
+        n = rng.randint(0, 9)
+        return f"Repeat this number: {n}", str(n), {"n": n}
 
     def working(self, item):
-        return f"The number is {item['metadata']['n']}."
+        return f"The number is {item['answer']}."
 
 
 class AlphabetPosition(EasyTask):
     """The position of a lowercase letter in the alphabet, counting from 1. To a model that does not
     know the alphabet these are 26 separate facts: reproduce.py's toy, where each fact must be found
-    by a lucky guess. Example: "What is the position of the letter q in the alphabet?" -> "17"."""
+    by a lucky guess. "What is the position of the letter q in the alphabet?" -> "17"."""
 
-    name, difficulty = "alphabet_position", 1
+    name = "alphabet_position"
 
-    def sample(self, rng):
-        return {"letter": rng.choice(string.ascii_lowercase)}
-
-    def render(self, meta):
-        if meta["letter"] not in list(string.ascii_lowercase):  # a list, so "" and "ab" are not in it
-            raise ValueError("bad letter")
-        return f"What is the position of the letter {meta['letter']} in the alphabet?"
-
-    def solve(self, meta):
-        return str(string.ascii_lowercase.index(meta["letter"]) + 1)
+    def make(self, rng):
+        letter = rng.choice(string.ascii_lowercase)
+        position = string.ascii_lowercase.index(letter) + 1
+        return f"What is the position of the letter {letter} in the alphabet?", str(position), {"letter": letter}
 
     def working(self, item):
-        letter = item["metadata"]["letter"]
-        return f"{letter} is letter number {self.solve(item['metadata'])}."
+        return f"{item['metadata']['letter']} is letter number {item['answer']}."
 
+
+TASKS.update({task.name: task for task in [
+    BasicArithmetic(), Arc1D(), BF(), PropositionalLogic(), FractionSimplification(), DecimalArithmetic(),
+    CalendarArithmetic(), BinaryMatrix(), RepeatNumber(), AlphabetPosition()]})
 
 # -----------------------------------------------------------------------------
 # optional: the real ReasoningGym generators as tasks named "rg:NAME"
@@ -1031,14 +960,32 @@ try:
 except ImportError:
     reasoning_gym = None
 
+VERIFY_SECONDS = 5.0  # the most an rg: item may take to be made again (the nine take milliseconds)
+_RG_BUSY = threading.Lock()  # held while an rg: item is made again, by one thread at a time
+
+
+@functools.lru_cache(maxsize=None)
+def rg_task(rg_name):
+    """The Task "rg:" + rg_name, made once; ValueError if reasoning_gym is missing or has no such dataset."""
+    if reasoning_gym is None:
+        raise ValueError(f"Task 'rg:{rg_name}' needs the reasoning_gym package: pip install reasoning-gym==0.1.25.")
+    try:
+        return ReasoningGymTask(rg_name)
+    except Exception:
+        raise ValueError(f"reasoning_gym has no dataset called {rg_name!r}.") from None
+
 
 class ReasoningGymTask(Task):
     """A task backed by the reasoning_gym package (only if installed): "rg:bf" draws from
     reasoning_gym.create_dataset("bf", ...) with the paper's config for the nine (rg's defaults for
     other names) and scores with that dataset's score_answer. An item is entry 0 of the dataset with
     the item's seed; its metadata is rg's (made JSON-safe) plus that seed and the config. An entry
-    without an answer (propositional_logic) takes its example answer, which rg's scorer accepts.
-    rg's scorers trust the metadata: score a peer's rg item only after verify_item accepted it."""
+    without an answer (propositional_logic) takes its example answer. For the nine, an entry whose
+    own answer does not score 1.0 (rg's fallback conclusion, an empty base_conversion answer) is
+    never made: generate() draws another seed, verify() rejects it. rg's scorers trust the metadata:
+    score a peer's rg item only after verify_item accepted it."""
+
+    max_answer_chars = MAX_ANSWER_CHARS  # rg's parsers are not all linear time
 
     def __init__(self, rg_name):
         self.rg_name, self.name = rg_name, "rg:" + rg_name
@@ -1048,6 +995,15 @@ class ReasoningGymTask(Task):
     def _dataset(self, seed):
         return reasoning_gym.create_dataset(self.rg_name, seed=seed, size=1, **self.config)
 
+    def _usable(self, item):
+        return self.rg_name not in PAPER_TASKS or self.score_answer(item["answer"], item) == 1.0
+
+    def generate(self, rng):
+        while True:
+            item = self.from_seed(rng.randrange(2**32))
+            if self._usable(item):
+                return item
+
     def from_seed(self, seed):
         with contextlib.redirect_stdout(io.StringIO()):  # rg's bf interpreter prints while it runs
             entry = self._dataset(seed)[0]
@@ -1056,18 +1012,23 @@ class ReasoningGymTask(Task):
         return {"task": self.name, "question": entry["question"], "answer": str(answer),
                 "metadata": {**meta, "seed": seed, "config": json.loads(json.dumps(self.config))}}
 
+    def verify(self, item):
+        """Task.verify, given VERIFY_SECONDS on a thread of its own: False when it takes longer (it
+        then finishes in the background, and rg: items are refused until it has)."""
+        if not _RG_BUSY.acquire(blocking=False):
+            return False
+        result = []
+
+        def run():
+            try:
+                result.append(Task.verify(self, item) and self._usable(item))
+            finally:
+                _RG_BUSY.release()
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(VERIFY_SECONDS)
+        return result == [True]
+
     def score_answer(self, answer, item):
         entry = {"question": item["question"], "answer": item["answer"], "metadata": item["metadata"]}
         return self._scorer.score_answer(answer=answer, entry=entry)
-
-
-# -----------------------------------------------------------------------------
-# the registry
-
-TASKS = {t.name: t for t in [
-    BaseConversion(), BasicArithmetic(), Arc1D(), BF(), PropositionalLogic(),
-    FractionSimplification(), DecimalArithmetic(), CalendarArithmetic(), BinaryMatrix(),
-    Addition("one_digit_addition", 1), Multiplication("one_digit_multiplication", 1),
-    Addition("two_digit_addition", 2), LargerNumber(), RepeatNumber(), AlphabetPosition(),
-]}
-_RG_TASKS = {}

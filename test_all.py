@@ -139,7 +139,7 @@ def _rw_wrong(item):
     name, ans, meta = item["task"], item["answer"], item["metadata"]
     days = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
     if name == "propositional_logic":
-        return f"¬({ans})"  # the premises can all be true, so the negation of a conclusion does not follow
+        return f"({ans} ∧ Z)"  # Z is no variable (when the premises contradict themselves, everything follows)
     if ans in days:
         return days[(days.index(ans) + 1) % 7]
     if ans in ("Yes", "No"):
@@ -223,10 +223,9 @@ def test_reward_forged_items_are_rejected(name):
 
 
 def test_reward_easy_numeric_variations():
-    task = reward.TASKS["two_digit_addition"]
-    meta = {"a": 40, "b": 2}
-    item = {"task": task.name, "question": task.render(meta), "answer": "42", "metadata": meta}
-    assert reward.verify_item(item) and reward.verify_item({**item, "answer": "42.0"})
+    item = _rw_item("two_digit_addition", "42", a=30, b=12)
+    item["question"] = "What is 30 + 12?"
+    assert reward.verify_item(item) and not reward.verify_item({**item, "answer": "42.0"})  # only an exact copy
     for ok in ["42", "42.0", " +42 ", "4.20e1", "042"]:
         assert reward.score(item, f"<answer>{ok}</answer>") == 1.0, ok
     for bad in ["43", "41.9", "42.5", "forty-two", "42 apples", "4_2", "1e999999", "٤٢", "0x2a"]:
@@ -286,7 +285,9 @@ def test_reward_generators_follow_the_paper_configs():
             elif name == "basic_arithmetic":
                 expr = meta["expression"]
                 numbers = re.findall(r"\d+", expr)
-                assert 2 <= len(numbers) <= 6 and max(map(len, numbers)) <= 4 and expr in q
+                assert 2 <= len(numbers) <= 6 and expr in q
+                # 1..4 digits, but for a divisor, or a correction inside a group that is one
+                assert not re.findall(r"(?<!/ )(?<!\+ )(?<!\+ -)\b\d{5,}", expr), expr
                 assert str(eval(expr.replace("/", "//"))) == a  # our own expression; divisions are exact:
                 assert eval(re.sub(r"(\d+)", r"Fraction(\1)", expr)) == int(a)
                 seen[name] |= {op for op in ("/", "-(", "( ") if op in expr}
@@ -295,7 +296,7 @@ def test_reward_generators_follow_the_paper_configs():
                 assert 2 <= len(numbers) <= 6
                 assert all(1 <= len(x.split(".")[1]) <= 3 and 0 < float(x) <= 10 for x in numbers)
                 with localcontext(Context(prec=5)):
-                    assert a == str(reward._decimal_value(ast.parse(meta["expression"], mode="eval").body))
+                    assert a == str(reward._evaluate(ast.parse(meta["expression"], mode="eval").body))
             elif name == "fraction_simplification":
                 p, qq = meta["simplified_numerator"], meta["simplified_denominator"]
                 assert 1 <= p <= qq <= 100 and math.gcd(p, qq) == 1
@@ -325,13 +326,48 @@ def test_reward_generators_follow_the_paper_configs():
                 assert all(len(r.split()) == meta["size"] for r in rows) and 10 <= meta["size"] <= 30
                 seen[name].add(meta["task_name"].split("_")[0])
             elif name == "bf":
-                assert reward.run_bf(meta["program"]) == a and len(a) == 5 and a.isalpha() and a.islower()
+                assert _rw_run_bf(meta["program"]) == a and len(a) == 5 and a.isalpha() and a.islower()
             elif name == "propositional_logic":
                 assert 2 <= len(meta["variables"]) <= 4 and 2 <= len(meta["premises"]) <= 4
     assert seen["basic_arithmetic"] == {"/", "-(", "( "}
     assert seen["fraction_simplification"] == {"plain", "latex_frac", "latex_dfrac"}
     assert seen["calendar_arithmetic"] == {"count_days", "weekday_of_date", "is_leap_year", "recurring_event_day"}
     assert len(seen["arc_1d"]) >= 5
+
+
+def _rw_chi2(a, b):
+    """Pearson's chi-square statistic of two samples' counts over the same categories (a 2 x k table)."""
+    cols = [x + y for x, y in zip(a, b)]
+    total = sum(cols)
+    return sum((obs - row * col / total) ** 2 / (row * col / total)
+               for counts, row in ((a, sum(a)), (b, sum(b))) for obs, col in zip(counts, cols) if col)
+
+
+@_RW_NEEDS_RG
+def test_reward_distributions_match_reasoning_gym():
+    # 2,000 items a side, fixed seeds; each statistic must stay below chi-square's p = 0.001 point
+    # (10.83 for 1 degree of freedom, 13.82 for 2): far from it now, far above it before the fix
+    def rg_items(name):
+        rng = random.Random(f"distribution of rg:{name}")
+        return [reward.get_task("rg:" + name).from_seed(rng.randrange(2**32)) for _ in range(2000)]
+
+    def contradictory(item):
+        import itertools
+        premises, names = [reward._parse_logic(p) for p in item["metadata"]["premises"]], item["metadata"]["variables"]
+        rows = [dict(zip(names, bits)) for bits in itertools.product((False, True), repeat=len(names))]
+        return not any(all(reward._holds(p, r) for p in premises) for r in rows)
+
+    def split(items, test):
+        hits = sum(map(test, items))
+        return [hits, len(items) - hits]
+    ours, theirs = _rw_items("propositional_logic", 19, n=2000), rg_items("propositional_logic")
+    assert _rw_chi2(split(ours, contradictory), split(theirs, contradictory)) < 10.83  # rg: about 22%
+    shares = [[sum(len(it["metadata"]["premises"]) == k for it in items) for k in (2, 3, 4)] for items in (ours, theirs)]
+    assert _rw_chi2(*shares) < 13.82
+    ours, theirs = _rw_items("basic_arithmetic", 19, n=2000), rg_items("basic_arithmetic")
+    for test in [lambda it: bool(re.search(r"\d{5,}", it["metadata"]["expression"])),  # rg: about 1%
+                 lambda it: "/" in it["metadata"]["expression"], lambda it: "(" in it["metadata"]["expression"]]:
+        assert _rw_chi2(split(ours, test), split(theirs, test)) < 10.83
 
 
 _RW_GARBAGE = ["", "<answer></answer>", "<answer>" * 1000, "<answer>" + "9" * 100000 + "</answer>",
@@ -385,7 +421,7 @@ def test_reward_malformed_items():
             # either give a reward in [0, 1] or raise (reward.score then gives 0), never a number beyond
             completion = f"<answer>{item['answer']}</answer>"
             try:
-                raw = float(reward.TASKS[name].score(forged, completion))
+                raw = float(reward.TASKS[name].score_answer(reward.extract_answer(completion), forged))
             except Exception:
                 raw = None
             assert raw is None or 0.0 <= raw <= 1.0, (name, meta, raw)
@@ -395,13 +431,54 @@ def test_reward_malformed_items():
 
 def test_reward_forged_consistent_question_is_checked():
     # a peer renders a true question from its metadata but attaches a wrong answer: rejected
-    task = reward.TASKS["two_digit_addition"]
-    meta = {"a": 17, "b": 25}
-    item = {"task": task.name, "question": task.render(meta), "answer": "43", "metadata": meta}
+    item = {"task": "two_digit_addition", "question": "What is 17 + 25?", "answer": "43", "metadata": {"a": 17, "b": 25}}
     assert not reward.verify_item(item)
     assert reward.verify_item({**item, "answer": "42"})
     # right question text but metadata edited to match a wrong answer: rejected
     assert not reward.verify_item({**item, "answer": "43", "metadata": {"a": 18, "b": 25}})
+
+
+def test_reward_forged_easy_items_are_rejected():
+    # an easy item is made again from its recorded values, each within its generator's range
+    assert not reward.verify_item({"task": "one_digit_addition", "question": "What is 1000000000 + 999999999?",
+                                   "answer": "1999999999", "metadata": {"a": 10**9, "b": 999999999}})
+    forged = [("one_digit_addition", "What is 12 + 3?", "15", {"a": 12, "b": 3}),
+              ("two_digit_addition", "What is 5 + 30?", "35", {"a": 5, "b": 30}),
+              ("one_digit_multiplication", "What is -2 * 3?", "-6", {"a": -2, "b": 3}),
+              ("repeat_number", "Repeat this number: 10", "10", {"n": 10}),
+              ("alphabet_position", "What is the position of the letter ab in the alphabet?", "1", {"letter": "ab"}),
+              ("one_digit_addition", "What is 1 + 2?", "3", {"a": 1, "b": 2, "c": 0}),
+              ("one_digit_addition", "What is 1 + 2?", "3", {"a": 1, "b": 2.0})]
+    for name, question, answer, meta in forged:
+        assert not reward.verify_item({"task": name, "question": question, "answer": answer, "metadata": meta}), meta
+    assert reward.verify_item({"task": "one_digit_addition", "question": "What is 1 + 2?", "answer": "3",
+                               "metadata": {"b": 2, "a": 1}})  # key order does not matter
+
+
+def test_reward_verify_item_accepts_only_the_receivers_tasks():
+    item = reward.TASKS["bf"].generate(random.Random(0))
+    assert reward.verify_item(item) and reward.verify_item(item, tasks=["bf", "base_conversion"])
+    assert not reward.verify_item(item, tasks=["base_conversion"]) and not reward.verify_item(item, tasks=[])
+    assert reward.verify_item(item, tasks="bf") and not reward.verify_item(item, tasks="b")  # one name
+    assert not reward.verify_item({**item, "task": ["bf"]}, tasks=["bf"])
+
+
+def test_reward_whole_completion_and_long_answers_score_as_reasoning_gym():
+    # rg reads the last <answer> span of the whole completion, and scores long answers too
+    item = reward.TASKS["base_conversion"].generate(random.Random(0))
+    assert reward.score(item, f"<answer>{item['answer']}</answer>" + " ok" * 3400) == 1.0
+    padded = item["answer"] + " " + "x" * 2500
+    assert reward.score(item, f"<answer>{padded}</answer>") == pytest.approx(len(item["answer"]) / len(padded))
+    frac = _rw_item("fraction_simplification", "3/4", numerator=6, denominator=8, simplified_numerator=3,
+                    simplified_denominator=4, style="plain")
+    assert reward.score(frac, "<answer>$\\frac{3}{4}$" + " so" * 1000 + "</answer>") == 1.0
+    # documented: past 2,000 characters, answers whose parsing is not linear time score 0
+    logic = _rw_item("propositional_logic", "(P ∧ Q)", premises=["(P → Q)", "P"], variables=["P", "Q"])
+    assert reward.score(logic, "<answer>(P ∧ Q)" + " " * 1993 + "</answer>") == 1.0
+    assert reward.score(logic, "<answer>(P ∧" + " " * 1995 + "Q)</answer>") == 0.0
+    if reward.reasoning_gym is not None:
+        rg_item = reward.get_task("rg:base_conversion").generate(random.Random(0))
+        assert reward.score(rg_item, f"<answer>{rg_item['answer']}</answer>" + " ok" * 3400) == 1.0
 
 
 def test_reward_extract_answer():
@@ -416,18 +493,46 @@ def test_reward_extract_answer():
         assert reward.extract_answer(x) is None
 
 
-def test_reward_bf_step_limit():
-    assert reward.run_bf("++++++++[>++++++++<-]>+.") == "A"
-    assert reward.run_bf(reward._bf_print("hello")) == "hello"
-    start = time.perf_counter()
+def _rw_run_bf(program, max_steps=100_000):
+    """What a brainf*ck program prints (',' reads 0); ValueError past max_steps or off the tape."""
+    code = [c for c in program if c in "+-<>[].,"]
+    match, stack = {}, []
+    for i, c in enumerate(code):
+        if c == "[":
+            stack.append(i)
+        elif c == "]":
+            j = stack.pop()
+            match[i], match[j] = j, i
+    tape, ptr, pc, out = [0] * 300, 0, 0, []
+    for _ in range(max_steps):
+        if pc >= len(code):
+            return "".join(out)
+        c = code[pc]
+        if c in "+-":
+            tape[ptr] = (tape[ptr] + (1 if c == "+" else -1)) % 256
+        elif c in "<>":
+            ptr += 1 if c == ">" else -1
+            if ptr < 0:
+                raise ValueError("pointer left the tape")
+        elif c in ".,":
+            out += [chr(tape[ptr])] if c == "." else []
+            tape[ptr] = tape[ptr] if c == "." else 0
+        elif (c == "[" and tape[ptr] == 0) or (c == "]" and tape[ptr] != 0):
+            pc = match[pc]
+        pc += 1
+    raise ValueError("step limit reached")
+
+
+def test_reward_bf_programs_print_their_word():
+    assert _rw_run_bf("++++++++[>++++++++<-]>+.") == "A"
+    assert _rw_run_bf(reward._bf_print("hello")) == "hello"
     with pytest.raises(ValueError):
-        reward.run_bf("+[]")
-    # a shared bf item is regenerated from its seed: a forged endless program is never run
+        _rw_run_bf("+[]")
+    # a shared bf item is made again from its seed: a forged endless program is never run
     item = reward.TASKS["bf"].generate(random.Random(0))
     item = {**item, "question": item["question"].replace(item["metadata"]["program"], "+[]"),
             "metadata": {**item["metadata"], "program": "+[]"}}
     assert reward.verify_item(item) is False
-    assert time.perf_counter() - start < 30  # the step limit ends the endless program, not a clock
 
 
 def test_reward_get_task_and_constants():
@@ -444,7 +549,7 @@ def test_reward_get_task_and_constants():
     assert "<answer>answer here</answer>" in reward.SYSTEM_PROMPTS["rg"]
     for name in reward.TASKS:
         assert reward.TASKS[name].name == name
-        assert name in reward.PAPER_TASKS or isinstance(reward.TASKS[name].difficulty, int)
+        assert (name in reward.PAPER_TASKS) == reward.TASKS[name].seeded
 
 
 def test_reward_task_names():
@@ -474,9 +579,8 @@ def test_reward_rg_bridge(name):
         meta = item["metadata"]
         assert json.loads(json.dumps(item)) == item and meta["config"] == reward.PAPER_CONFIGS[name]
         assert item["answer"] != "None" and "None" not in reward.solution(item)
-        trivial = name == "propositional_logic" and item["answer"] in meta["variables"]  # rg's fallback: 0.25
-        assert reward.score(item, f"<answer>{item['answer']}</answer>") == (0.25 if trivial else 1.0)
-        assert reward.score(item, reward.solution(item)) == reward.score(item, f"<answer>{item['answer']}</answer>")
+        assert reward.score(item, f"<answer>{item['answer']}</answer>") == 1.0
+        assert reward.score(item, reward.solution(item)) == 1.0
         assert reward.verify_item(item) and reward.verify_item(json.loads(json.dumps(item)))
         assert not reward.verify_item(dict(item, question="What is 2+2?", answer="5"))
         assert not reward.verify_item(dict(item, answer=_rw_wrong(item)))
@@ -489,6 +593,45 @@ def test_reward_rg_bridge(name):
             assert reward.score({**item, "task": name}, f"<answer>{v}</answer>") == pytest.approx(
                 reward.score(item, f"<answer>{v}</answer>"), abs=1e-9), v
     assert reward.SYSTEM_PROMPTS["rg"] == __import__("reasoning_gym.utils").utils.SYSTEM_PROMPTS["default"]
+
+
+@_RW_NEEDS_RG
+def test_reward_rg_items_whose_reference_fails_are_never_made():
+    # rg falls back to a conclusion that need not follow (seed 1534028681: it scores 0.05)
+    task = reward.get_task("rg:propositional_logic")
+    bad = task.from_seed(1534028681)
+    assert reward.score(bad, reward.solution(bad)) < 1.0 and not reward.verify_item(bad)
+    rng = random.Random(1534028681)
+    for item in [task.generate(rng) for _ in range(200)]:
+        assert reward.score(item, reward.solution(item)) == 1.0 and reward.verify_item(item)
+
+
+@_RW_NEEDS_RG
+def test_reward_rg_verification_is_chosen_and_bounded(monkeypatch):
+    other = reward.get_task("rg:leg_counting").generate(random.Random(0))
+    assert not reward.verify_item(other)  # not one of the nine: only if the receiver chose it
+    assert reward.verify_item(other, tasks=["rg:leg_counting"])
+    task = reward.get_task("rg:bf")
+    item, started, release = task.generate(random.Random(0)), threading.Event(), threading.Event()
+    real = task.from_seed
+
+    def slow(seed):
+        started.set()
+        release.wait(60)
+        return real(seed)
+    monkeypatch.setattr(reward, "VERIFY_SECONDS", 0.05)
+    monkeypatch.setattr(task, "from_seed", slow)
+    assert reward.verify_item(item) is False  # given up before release is set
+    assert started.is_set() and not release.is_set()
+    assert reward.verify_item(item) is False  # refused while the first one still runs
+    release.set()
+    monkeypatch.setattr(task, "from_seed", real)
+    monkeypatch.setattr(reward, "VERIFY_SECONDS", 30.0)
+    for _ in range(600):  # the abandoned check finishes, then items are verified again
+        if reward.verify_item(item):
+            break
+        time.sleep(0.1)
+    assert reward.verify_item(item)
 
 
 @_RW_NEEDS_RG

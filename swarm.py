@@ -751,18 +751,16 @@ def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.ke
 
 class SwarmClient:
     """One peer's view of the swarm. The training loop's calls only touch two queues; a daemon thread
-    does all the HTTP, one exchange at a time, each under a deadline of Limits.request_seconds:
+    does all the HTTP (through requests), one exchange at a time, each within Limits.request_seconds:
 
         publish(round, groups) -> outbox --(POST, oldest first, until acknowledged)--> server
         fetch() <- inbox <--(GET /rollouts?after=read_up_to, every Limits.poll_seconds)-- server
 
-    Each batch carries a batch_id, so however often a send is retried the server stores it once. Both
-    queues are bounded in bytes: beyond the bound the oldest entry goes, since SAPO wants fresh rollouts.
-    `cursor` is the seq of the last group fetch() handed out: a checkpoint saves it, and passing it back
-    as cursor= resumes there. cursor=None is a new peer: it starts with the server's newest
-    Limits.recent_groups groups, not the whole history. The token defaults to $SWARM_TOKEN, so it need
-    not appear on a command line. The client checks every group it receives with the same table that
-    the server applies to what it is sent."""
+    A batch carries a batch_id, so however often a send is retried the server stores it once. Both queues
+    are bounded in bytes: beyond the bound the oldest entry goes, since SAPO wants fresh rollouts.
+    `cursor`, the seq of the last group fetch() handed out, is what a checkpoint saves and cursor= resumes
+    from; cursor=None starts from the server's newest Limits.recent_groups groups, not the whole history.
+    The token defaults to $SWARM_TOKEN (never on a command line). Received groups pass the server's table."""
 
     def __init__(self, url, peer, token=None, cursor=None):
         u = urlsplit(str(url))
@@ -774,8 +772,8 @@ class SwarmClient:
         self.peer, self.url, self.session = peer, str(url).rstrip("/"), requests.Session()
         self.session.headers.update({"Content-Type": JSON, "Connection": "close", "Accept-Encoding": "identity",
                                      **({"Authorization": f"Bearer {token}"} if token else {})})
-        self.session.mount("http://", _Adapter(self._opened))
-        self.session.mount("https://", _Adapter(self._opened))
+        for scheme in ("http://", "https://"):
+            self.session.mount(scheme, _Adapter(self._opened))
         self.cond = threading.Condition()  # guards all that follows; notified when the thread gets somewhere
         self.outbox, self.outbox_bytes = collections.deque(), 0  # (path, body, what, acknowledgement), oldest first
         self.inbox, self.inbox_bytes = collections.deque(), 0    # (group, bytes), oldest first
@@ -827,14 +825,13 @@ class SwarmClient:
         self.thread.join(5)
 
     def _queue(self, path, what, make_body):
-        """Put make_body() as JSON at the end of the outbox, with what the server's reply must say to
-        acknowledge it; what cannot be JSON is logged, never raised."""
+        """Put make_body() as JSON at the end of the outbox; what cannot be JSON is logged, never raised."""
         try:
             sent = make_body()
             body = _dumps(sent)
         except (TypeError, ValueError, OverflowError, AttributeError) as e:
             return self._log(f"{what} cannot be sent ({e})")
-        ack = {"accepted": len(sent["groups"])} if "groups" in sent else {"ok": True}
+        ack = {"accepted": len(sent["groups"])} if "groups" in sent else {"ok": True}  # what a reply must say
         with self.cond:
             self.outbox.append((path, body, what, ack))
             self.outbox_bytes += len(body)
@@ -866,8 +863,8 @@ class SwarmClient:
                 backoff = 0.0
             except Exception as e:  # said once, however long it lasts; a bug must not end the thread either
                 if not self.down and not self.closing:
-                    self._log(f"{e if isinstance(e, (OSError, BadRequest)) else f'unexpected error {e!r:.200}'}; "
-                              f"training goes on, and what is unsent waits in the outbox (up to "
+                    cause = e if isinstance(e, (OSError, BadRequest)) else f"unexpected error {e!r:.200}"
+                    self._log(f"{cause}; training goes on, and what is unsent waits in the outbox (up to "
                               f"{Limits.outbox_bytes >> 20} MB) until the server answers")
                 self.down, backoff = str(e) or type(e).__name__, min(5.0, max(0.25, 2 * backoff))
                 self._sleep(backoff)
@@ -878,18 +875,16 @@ class SwarmClient:
             self.wake = False
 
     def _send(self, entry):
-        """POST the oldest outbox entry. It leaves the outbox once the server acknowledged it, or refused
-        it as malformed (400, 413, 422: the same bytes would be refused again); any other answer (a wrong
-        token, a proxy sending it elsewhere, a 200 that is no acknowledgement) keeps it for later."""
+        """POST the oldest outbox entry. It leaves the outbox once the server acknowledged it, or refused it
+        as malformed; a wrong token, a wrong URL or a 200 that acknowledges nothing keep it for later."""
         path, body, what, ack = entry
         status, reply = self._request("POST", path, body)
-        if status in (400, 413, 422):
+        if status in (400, 413, 422):  # the same bytes would be refused again
             self._log(f"the server refused {what}, so it is dropped: HTTP {status}: {_said(reply)}")
         elif status != 200:
             raise ConnectionError(_refusal(status, reply, self.url + path))
-        else:  # a 200 counts only as the server's acknowledgement: every group accepted under a seq, or ok
-            _want(isinstance(reply, dict) and ack.items() <= reply.items(), f"a reply to POST {path} that does not "
-                  "acknowledge it")
+        else:  # the acknowledgement: every group accepted, under a seq (or, for metrics, ok)
+            _want(isinstance(reply, dict) and ack.items() <= reply.items(), f"a reply to {path} acknowledges nothing")
             check(reply, {"seq": SEQ} if "accepted" in ack else {}, "the server's acknowledgement")
         with self.cond:
             if self.outbox and self.outbox[0] is entry:  # (a full outbox may have dropped it meanwhile)
@@ -899,30 +894,23 @@ class SwarmClient:
 
     def _poll(self):
         """Read one page after read_up_to into the inbox -> True once caught up with the server. A page it
-        cannot use (not a page, a seq beyond the server's newest, a 400 to a seq the server lost) never
-        stops it: it reads on from the server's newest group."""
+        cannot use (costly, malformed, past the server's newest seq, or a 400: the server lost our seq)
+        never stops it: it reads on from the server's newest group."""
         with self.cond:
             self.polls_begun += 1
             poll, after = self.polls_begun, self.read_up_to
         if after is None:  # a new peer: start from the newest groups, not from the whole history
             after = max(0, self._newest() - Limits.recent_groups)
         try:
-            status, page = self._request("GET", f"/rollouts?after={after}&exclude={self.peer}")
-            if status not in (200, 400):  # a wrong token or URL: keep our place and say why
-                raise ConnectionError(_refusal(status, page, f"{self.url}/rollouts"))
-            _want(status == 200, f"HTTP 400: {_said(page)}")
-            page = check(page, PAGE, "a page")
+            page = self._get(f"/rollouts?after={after}&exclude={self.peer}", PAGE)
             if page["last"] > self.newest + Limits.scan_groups:  # more than an honest swarm adds in a poll
                 self._newest()
-            _want(after <= page["next"] <= page["last"] <= self.newest + Limits.scan_groups,
-                  f"its seqs (next {page['next']}, last {page['last']}) do not follow ours ({after}) and "
-                  f"the server's newest ({self.newest})")
+            _want(after <= page["next"] <= page["last"] <= self.newest + Limits.scan_groups, f"its seqs (next "
+                  f"{page['next']}, last {page['last']}) do not follow ours ({after}) and /health's ({self.newest})")
         except BadRequest as e:
-            newest = self._newest()
-            with self.cond:
-                self.read_up_to = newest
-            raise ConnectionError(f"a reply it cannot use ({e.message[:200]}); "
-                                  f"reading on from the server's newest group ({newest})") from None
+            self.read_up_to = self._newest()
+            raise ConnectionError(f"a reply it cannot use ({e.message:.200}); reading on from the server's "
+                                  f"newest group ({self.read_up_to})") from None
         groups, bad, seq = [], [], after
         for g in page["groups"]:  # a server may be buggy or hostile: each group is checked on arrival
             try:
@@ -945,19 +933,25 @@ class SwarmClient:
                 self.cond.notify_all()
             return self.caught_up == poll
 
-    def _newest(self):
-        """The server's newest seq, from GET /health."""
-        status, health = self._request("GET", "/health")
-        if status != 200:
-            raise ConnectionError(_refusal(status, health, f"{self.url}/health"))
-        self.newest = check(health, HEALTH, "/health's reply")["last_seq"]
+    def _newest(self):  # the server's newest seq
+        self.newest = self._get("/health", HEALTH)["last_seq"]
         return self.newest
 
+    def _get(self, path, fields):
+        """GET -> the reply, checked against `fields`. A 400 or a 200 it cannot use is BadRequest; a wrong
+        token or URL (a 4xx that keeps our place, said once) is an OSError, like the server's trouble."""
+        status, reply = self._request("GET", path)
+        if status not in (200, 400):
+            raise ConnectionError(_refusal(status, reply, self.url + path.partition("?")[0]))
+        _want(status == 200, f"HTTP 400: {_said(reply)}")
+        return check(reply, fields, f"the reply to {path.partition('?')[0]}")
+
     def _request(self, method, path, body=None):
-        """One HTTP exchange through requests -> (status, the reply's JSON, or None for an error reply
-        that is not JSON). requests bounds each read, not a whole reply: a timer shuts the socket at the
-        deadline, as close() does, so a trickle of bytes cannot hold the thread. The server's own trouble
-        (no whole reply in time, 5xx, 408, 429) is an OSError; a 200 it will not parse is BadRequest."""
+        """One HTTP exchange -> (status, the reply's JSON; None for an error reply that is not JSON).
+        requests bounds each read, not a whole reply: a timer shuts the socket at the deadline, as close()
+        does. The server's trouble (no whole reply in time, 5xx, 408, 429) is an OSError; a 200 that is not
+        JSON, or would hold the training loop too long in parsing (which holds the interpreter lock), is
+        BadRequest: it is not parsed when larger than Limits.reply_bytes or Limits.reply_values values."""
         if self.closing:
             raise ConnectionError("the client is closing")
         deadline, reply, self.sockets = time.monotonic() + Limits.request_seconds, bytearray(), []
@@ -968,23 +962,24 @@ class SwarmClient:
                                       timeout=Limits.request_seconds) as r:
                 for chunk in r.iter_content(1 << 16):
                     reply += chunk
-                    if len(reply) > Limits.reply_bytes or time.monotonic() > deadline:
+                    if len(reply) > Limits.reply_bytes:
                         break
         except OSError as e:  # (requests' errors are OSErrors too)
-            late = time.monotonic() > deadline
-            raise ConnectionError(f"server unreachable ({'no whole reply in time' if late else _reason(e)})") from None
+            reply = e
         finally:
             timer.cancel()
-        if time.monotonic() > deadline or self.closing:
-            raise ConnectionError("server unreachable (no whole reply in time)")
+        if (late := time.monotonic() > deadline) or self.closing or isinstance(reply, OSError):  # (cut by the timer?)
+            raise ConnectionError(f"server unreachable ({_reason(None if late else reply)})")
         if (r.status_code != 200 and not 400 <= r.status_code < 500) or r.status_code in (408, 429):
             raise ConnectionError(f"the server could not answer (HTTP {r.status_code})")
         try:
-            return r.status_code, _parse_reply(reply)
+            _want(len(reply) <= Limits.reply_bytes, f"a reply of more than {Limits.reply_bytes} bytes")
+            _want(sum(map(reply.count, b"{[,:")) <= Limits.reply_values, f"over {Limits.reply_values} JSON values")
+            return r.status_code, parse_json(reply)
         except BadRequest:
             if r.status_code == 200:
                 raise
-            return r.status_code, None  # an error reply that is not JSON
+            return r.status_code, None
 
     def _opened(self, sock):  # requests opened a connection for this exchange: close() ends it from now on
         self.sockets.append(sock)
@@ -993,8 +988,7 @@ class SwarmClient:
 
 
 class _Adapter(requests.adapters.HTTPAdapter):
-    """requests' own transport, except that each connection it opens is shown to opened(socket), so
-    that another thread can end an exchange by shutting its socket."""
+    """requests' own transport, but each connection it opens is shown to opened(socket)."""
     def __init__(self, opened):
         super().__init__()
         self.opened = opened
@@ -1018,26 +1012,15 @@ def _shut(sockets):  # end an exchange at once, from another thread
             pass
 
 
-def _parse_reply(raw):
-    """A 200's reply -> its JSON, parsed only when that cannot hold the interpreter lock (and with it the
-    training loop) for long: at most Limits.reply_bytes, holding at most Limits.reply_values JSON values
-    (counted before parsing, by the characters that open or separate values), else BadRequest."""
-    _want(len(raw) <= Limits.reply_bytes, f"a reply of more than {Limits.reply_bytes} bytes")
-    _want(sum(map(raw.count, b"{[,:")) <= Limits.reply_values, f"more than {Limits.reply_values} JSON values")
-    return parse_json(raw)
-
-
 def _refusal(status, reply, url):  # why a 4xx keeps the data waiting, naming the likely cause
-    if status in (401, 403):
-        return (f"the server refuses this peer's token (HTTP {status}): give every peer the server's token "
-                "(--token or $SWARM_TOKEN)")
-    if status == 404:
-        return f"HTTP 404 from {url}: is that the swarm server's URL, or does a proxy send it elsewhere?"
-    return f"HTTP {status} from {url}: {_said(reply)}"
+    token = "this peer's token is not the server's: pass it with --token or $SWARM_TOKEN"
+    cause = {401: token, 403: token, 404: "is that the swarm server's URL, or does a proxy send it elsewhere?"}
+    return f"HTTP {status} from {url}: {cause.get(status) or _said(reply)}"
 
 
-def _reason(e):  # the words that matter in requests' long messages, such as "Connection refused"
-    found = re.findall(r"\[Errno -?\d+\] ([^'\"()\[\]]+)|(Read timed out|Connection aborted)", str(e))
+def _reason(e):  # the words that matter in requests' long messages ("Connection refused"); no error: too late
+    found = re.findall(r"\[Errno -?\d+\] ([^'\"()\[\]]+)|(Read timed out|Connection aborted)", str(e)) if \
+        isinstance(e, OSError) else [("no whole reply in time", "")]
     return "".join(found[-1]).strip() if found else type(e).__name__
 
 

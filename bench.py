@@ -30,7 +30,8 @@ fetch latency (bench_swarm says which is which), acknowledged groups missing fro
 and groups a peer never received (both must be 0).
 
 Attack: a flood of slow connections, crafted hostile requests, kill -9 under concurrent writers, a
-client facing servers that misbehave, and a server filled far past --keep-bytes (the attack_* functions).
+client facing servers that misbehave (silent, trickling, garbage, a 32 MB reply, poisoned replies), and
+a server filled far past --keep-bytes (the attack_* functions).
 
 Parity (needs reasoning_gym installed): for each of the paper's nine families, N of ReasoningGym's
 items with the paper's config and N of ours, each scored by both scorers on its reference answer and

@@ -15,9 +15,9 @@ How this file does it, in reading order:
   (`seq`); GET /rollouts?after=SEQ reads the groups after a sequence number.
 - SwarmServer, the HTTP around it (`python swarm.py --dir swarm_data --port 8000`, standard library
   only), built so that slow or hostile clients cannot take it down.
-- SwarmClient, what a peer uses: its calls only touch in-memory queues and a thread does the HTTP, so
-  training never waits for the network. With the server down a peer trains in silo (the paper's
-  baseline) and catches up when it returns.
+- SwarmClient, what a peer uses: its calls only touch in-memory queues and a thread does the HTTP
+  (through requests), so training never waits for the network. With the server down a peer trains in
+  silo (the paper's baseline) and catches up when it returns.
 - A dashboard: peers POST /metrics once a round; GET / draws every peer's local reward per round.
 
 Deviations from the paper, and why:
@@ -971,7 +971,7 @@ class SwarmClient:
         if (late := time.monotonic() > deadline) or self.closing or isinstance(reply, OSError):  # (cut by the timer?)
             raise ConnectionError(f"server unreachable ({_reason(None if late else reply)})")
         if (r.status_code != 200 and not 400 <= r.status_code < 500) or r.status_code in (408, 429):
-            raise ConnectionError(f"the server could not answer (HTTP {r.status_code})")
+            raise ConnectionError(f"server unreachable (HTTP {r.status_code})")
         try:
             _want(len(reply) <= Limits.reply_bytes, f"a reply of more than {Limits.reply_bytes} bytes")
             _want(sum(map(reply.count, b"{[,:")) <= Limits.reply_values, f"over {Limits.reply_values} JSON values")

@@ -2152,6 +2152,11 @@ def test_swarm_client_reads_on_past_a_reply_it_cannot_use(poison, capsys, _sw_cl
         assert client.flush(20)
     err = capsys.readouterr().err.strip().splitlines()
     assert 1 <= len(err) <= 2, err  # said once (and, after a skip, once that it reads again), never every poll
+    if poison == "cursor":  # a checkpoint that already holds a poisoned cursor: the server answers it with a 400
+        resumed = _sw_clients(fake, "resumed", cursor=10**15)
+        assert resumed.flush(20)
+        stored.append(_sw_stored(11))
+        assert resumed.flush(20) and [g["seq"] for g in resumed.fetch()] == [11] and resumed.cursor == 11
 
 
 @pytest.mark.parametrize("status, says", [(401, "token"), (403, "token"), (404, "proxy"), (200, "acknowledge")])

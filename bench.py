@@ -31,7 +31,8 @@ fetch latency (bench_swarm says which is which), acknowledged groups missing fro
 and groups a peer never received (both must be 0).
 
 Attack: a flood of slow connections, crafted hostile requests, kill -9 under concurrent writers, a
-client facing servers that misbehave, and a server filled far past --keep-bytes (the attack_* functions).
+client facing servers that misbehave (silent, trickling, garbage, a 32 MB reply, poisoned replies), and
+a server filled far past --keep-bytes (the attack_* functions).
 
 Parity (needs reasoning_gym installed): for each of the paper's nine families, N of ReasoningGym's
 items with the paper's config and N of ours, each scored by both scorers on its reference answer and
@@ -631,6 +632,128 @@ def attack_client(calls=50):
             server.shutdown()
 
 
+def _fake_server(answer):
+    """A server on loopback whose every GET is answered by answer(path) -> (status, body bytes)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            status, body = answer(self.path)
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.handle_error = lambda request, address: None  # a client that hangs up mid-reply is no news here
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
+def attack_large_reply(mb=32, seconds=10, closes=5):
+    """A server answering every read with `mb` MB of tiny JSON objects, {"groups":[{},{},...]}: the
+    longest the training thread stood still while the client's thread took the reply (parsing holds the
+    interpreter lock), and the slowest of `closes` close() calls made at moments after a reply went out."""
+    import contextlib
+    import io
+    import swarm
+    body = b'{"groups":[' + b",".join([b"{}"] * ((mb << 20) // 3)) + b'],"next":1,"last":1}'
+    sent = threading.Event()
+
+    def answer(path):
+        sent.set()
+        return 200, body if path.startswith("/rollouts") else b'{"ok":true,"groups":1,"peers":1,"last_seq":1}'
+
+    httpd, url = _fake_server(answer)
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(log):
+            def longest_stall(seconds):  # the training thread: short steps of work
+                stall = 0.0
+                last = t0 = time.perf_counter()
+                while (now := time.perf_counter()) < t0 + seconds:
+                    stall, last = max(stall, now - last), now
+                    sum(range(2000))
+                return stall
+
+            alone = longest_stall(seconds / 2)  # what the machine's load alone costs
+            client = swarm.SwarmClient(url, "victim", cursor=0)
+            stall = longest_stall(seconds)
+            client.close()
+            slowest_close = 0.0
+            for k in range(closes):  # at 0.05, 0.3, 0.55, ... s after a reply went out
+                sent.clear()
+                client = swarm.SwarmClient(url, "victim", cursor=0)
+                sent.wait(30)
+                time.sleep(0.05 + 0.25 * k)  # the reply is on its way: close() while the client's thread takes it
+                t = time.perf_counter()
+                client.close()
+                slowest_close = max(slowest_close, time.perf_counter() - t)
+        return {"reply_mb": mb, "training_thread_longest_stall_ms": round(1000 * stall, 1),
+                "same_without_a_client_ms": round(1000 * alone, 1), "slowest_close_ms": round(1000 * slowest_close, 1),
+                "log_lines": log.getvalue().count("swarm client")}
+    finally:
+        httpd.shutdown()
+
+
+def attack_poisoned_reads(groups=40, seconds=8):
+    """A server that poisons its replies, one way per run: 'cursor' answers the first read with next and
+    last = 10**15 (and, as the real server does, a 400 to a read after a seq it does not have); 'surrogate'
+    serves a group whose question is a lone surrogate ("\\ud800"). Groups keep arriving at 5 a second:
+    how many of those published after the poison the client received, the largest cursor it would have
+    saved in a checkpoint, and the lines it logged."""
+    import contextlib
+    import io
+    import swarm
+    results = {}
+    for kind in ("cursor", "surrogate"):
+        stored, poisoned = [], []
+
+        def answer(path):
+            if path.startswith("/health"):
+                return 200, json.dumps({"ok": True, "groups": len(stored), "peers": 1, "last_seq": len(stored)}).encode()
+            after = int(re.search(r"after=(\d+)", path).group(1))
+            if after > len(stored):
+                return 400, b'{"error":"after is beyond the newest group."}'
+            page = {"groups": stored[after:], "next": len(stored), "last": len(stored)}
+            if kind == "cursor" and not poisoned and stored:
+                poisoned.append(len(stored))
+                page.update(next=10**15, last=10**15)
+            return 200, json.dumps(page).encode()
+
+        def group(seq):
+            g = {**_groups(seq, 1, 2, 80)[0], "peer": "other", "round": seq, "seq": seq, "time": 1.7e9}
+            if kind == "surrogate" and seq == 3:
+                poisoned.append(seq)
+                g["question"] = "\ud800"
+            return g
+
+        httpd, url = _fake_server(answer)
+        log, got, largest_cursor = io.StringIO(), [], 0
+        try:
+            with contextlib.redirect_stderr(log):
+                client = swarm.SwarmClient(url, "victim", cursor=0)
+                for seq in range(1, groups + 1):
+                    stored.append(group(seq))
+                    time.sleep(seconds / groups)
+                    got += [g["seq"] for g in client.fetch()]
+                    largest_cursor = max(largest_cursor, client.cursor or 0)
+                client.flush(10)
+                got += [g["seq"] for g in client.fetch()]
+                largest_cursor = max(largest_cursor, client.cursor or 0)
+                client.close()
+            after = [seq for seq in range(poisoned[0] + 1, groups + 1)] if poisoned else []
+            results[kind] = {"published_after_the_poison": len(after),
+                             "received_of_those": len(set(after) & set(got)),
+                             "largest_cursor_saved": largest_cursor, "log_lines": log.getvalue().count("swarm client")}
+        finally:
+            httpd.shutdown()
+    return results
+
+
 def attack_memory(keep_mb=64, post_mb=256, writers=4):
     """Fill a server with --keep-bytes keep_mb far past it: its disk use and resident memory."""
     import requests
@@ -666,6 +789,7 @@ def attack_memory(keep_mb=64, post_mb=256, writers=4):
 def bench_attack(args):
     for name, fn in (("slow-connection flood", lambda: attack_flood(args.slow)), ("hostile requests", attack_hostile),
                      ("kill -9 cycles", lambda: attack_kill9(args.cycles)), ("client vs bad servers", attack_client),
+                     ("client vs a large reply", attack_large_reply), ("client vs poisoned reads", attack_poisoned_reads),
                      ("memory and disk", attack_memory)):
         t0 = time.time()
         r = fn()

@@ -15,9 +15,9 @@ How this file does it, in reading order:
   (`seq`); GET /rollouts?after=SEQ reads the groups after a sequence number.
 - SwarmServer, the HTTP around it (`python swarm.py --dir swarm_data --port 8000`, standard library
   only), built so that slow or hostile clients cannot take it down.
-- SwarmClient, what a peer uses: its calls only touch in-memory queues and a thread does the HTTP, so
-  training never waits for the network. With the server down a peer trains in silo (the paper's
-  baseline) and catches up when it returns.
+- SwarmClient, what a peer uses: its calls only touch in-memory queues and a thread does the HTTP
+  (through requests), so training never waits for the network. With the server down a peer trains in
+  silo (the paper's baseline) and catches up when it returns.
 - A dashboard: peers POST /metrics once a round; GET / draws every peer's local reward per round.
 
 Deviations from the paper, and why:
@@ -50,13 +50,14 @@ import os
 import re
 import signal
 import socket
-import ssl
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from urllib.parse import parse_qs, urlsplit
+
+import requests
 
 try:
     import fcntl     # POSIX: the server locks its folder so two servers never share one
@@ -87,7 +88,10 @@ class Limits:
     backlog = 128               # connections the kernel queues before the server accepts them
     outbox_bytes = 64 << 20     # client: unsent batches and metrics; the oldest go first beyond it
     inbox_bytes = 64 << 20      # client: received groups not yet fetched; the oldest go first beyond it
-    reply_bytes = 32 << 20      # client: the largest reply it reads
+    reply_bytes = body_bytes + (64 << 10)  # client: the largest reply it reads (a page holds one group
+                                # larger than page_bytes at most, and no group is larger than a body)
+    reply_values = 1 << 19      # client: JSON values in one reply, counted before it is parsed (parsing
+                                # holds the interpreter lock: 2**19 values take about 30 ms)
     poll_seconds = 1.0          # client: how often it asks for new groups
     recent_groups = 64          # client: a new peer starts with the newest this many groups (two rounds
                                 # of an 8-peer swarm at I = 4), not with the whole history
@@ -747,18 +751,16 @@ def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.ke
 
 class SwarmClient:
     """One peer's view of the swarm. The training loop's calls only touch two queues; a daemon thread
-    does all the HTTP, one exchange at a time, each under a deadline of Limits.request_seconds:
+    does all the HTTP (through requests), one exchange at a time, each within Limits.request_seconds:
 
         publish(round, groups) -> outbox --(POST, oldest first, until acknowledged)--> server
-        fetch() <- inbox <--(GET /rollouts?after=position, every Limits.poll_seconds)-- server
+        fetch() <- inbox <--(GET /rollouts?after=read_up_to, every Limits.poll_seconds)-- server
 
-    Each batch carries a batch_id, so however often a send is retried the server stores it once. Both
-    queues are bounded in bytes: beyond the bound the oldest entry goes, since SAPO wants fresh rollouts.
-    `cursor` is the seq of the last group fetch() handed out: a checkpoint saves it, and passing it back
-    as cursor= resumes there. cursor=None is a new peer: it starts with the server's newest
-    Limits.recent_groups groups, not the whole history. The token defaults to $SWARM_TOKEN, so it need
-    not appear on a command line. The client checks every group it receives with the same table that
-    the server applies to what it is sent."""
+    A batch carries a batch_id, so however often a send is retried the server stores it once. Both queues
+    are bounded in bytes: beyond the bound the oldest entry goes, since SAPO wants fresh rollouts.
+    `cursor`, the seq of the last group fetch() handed out, is what a checkpoint saves and cursor= resumes
+    from; cursor=None starts from the server's newest Limits.recent_groups groups, not the whole history.
+    The token defaults to $SWARM_TOKEN (never on a command line). Received groups pass the server's table."""
 
     def __init__(self, url, peer, token=None, cursor=None):
         u = urlsplit(str(url))
@@ -767,15 +769,18 @@ class SwarmClient:
         if not isinstance(peer, str) or not NAME.fullmatch(peer):
             raise ValueError("peer must be 1 to 64 characters from A-Z, a-z, 0-9, '_', '.' and '-'.")
         token = check_token(token if token is not None else os.environ.get("SWARM_TOKEN"))
-        self.peer, self.address = peer, (u.hostname, u.port or (443 if u.scheme == "https" else 80))
-        self.head = f"Host: {u.netloc}\r\nContent-Type: {JSON}\r\n" + f"Authorization: Bearer {token}\r\n" * bool(token)
-        self.base, self.tls = u.path.rstrip("/"), ssl.create_default_context() if u.scheme == "https" else None
+        self.peer, self.url, self.session = peer, str(url).rstrip("/"), requests.Session()
+        self.session.headers.update({"Content-Type": JSON, "Connection": "close", "Accept-Encoding": "identity",
+                                     **({"Authorization": f"Bearer {token}"} if token else {})})
+        for scheme in ("http://", "https://"):
+            self.session.mount(scheme, _Adapter(self._opened))
         self.cond = threading.Condition()  # guards all that follows; notified when the thread gets somewhere
-        self.outbox, self.outbox_bytes = collections.deque(), 0  # (path, body, what), oldest first
+        self.outbox, self.outbox_bytes = collections.deque(), 0  # (path, body, what, acknowledgement), oldest first
         self.inbox, self.inbox_bytes = collections.deque(), 0    # (group, bytes), oldest first
-        self.polls = self.level = 0  # polls begun / the last one that ended level with the server
-        self.down, self.dropped, self.wake, self.closing, self.sock = None, 0, False, False, None
-        self.cursor = self.position = cursor  # the seq fetch() has handed out / the thread has read up to
+        self.polls_begun = self.caught_up = 0  # polls begun / the number of the last one that caught up
+        self.down, self.dropped, self.wake, self.closing, self.sockets = None, 0, False, False, []
+        self.cursor = self.read_up_to = cursor  # the seq fetch() has handed out / the thread has read up to
+        self.newest = 0  # the server's newest seq as /health last said it: no page may claim far more
         self.thread = threading.Thread(target=self._run, name=f"swarm-client-{peer}", daemon=True)
         self.thread.start()
 
@@ -800,37 +805,35 @@ class SwarmClient:
             groups = [g for g, _ in self.inbox]
             self.inbox.clear()
             self.inbox_bytes = 0
-            self.cursor = self.position
+            self.cursor = self.read_up_to
             return groups
 
     def flush(self, timeout=10.0):
         """Wait until the outbox is empty and a poll begun after this call has caught up with the server
         -> True, or False if that took longer than timeout seconds."""
         with self.cond:
-            polls, self.wake = self.polls, True
+            begun, self.wake = self.polls_begun, True
             self.cond.notify_all()
-            return self.cond.wait_for(lambda: not self.outbox and self.level > polls, timeout)
+            return self.cond.wait_for(lambda: not self.outbox and self.caught_up > begun, timeout)
 
     def close(self):
         """Stop the thread: it ends its current exchange at once and sends nothing more."""
         with self.cond:
             self.closing = True
             self.cond.notify_all()
-        try:
-            if (sock := self.sock) is not None:  # (read once: the thread may clear it meanwhile)
-                sock.shutdown(socket.SHUT_RDWR)
-        except OSError:  # the exchange had just ended
-            pass
+        _shut(self.sockets)
         self.thread.join(5)
 
     def _queue(self, path, what, make_body):
         """Put make_body() as JSON at the end of the outbox; what cannot be JSON is logged, never raised."""
         try:
-            body = _dumps(make_body())
+            sent = make_body()
+            body = _dumps(sent)
         except (TypeError, ValueError, OverflowError, AttributeError) as e:
             return self._log(f"{what} cannot be sent ({e})")
+        ack = {"accepted": len(sent["groups"])} if "groups" in sent else {"ok": True}  # what a reply must say
         with self.cond:
-            self.outbox.append((path, body, what))
+            self.outbox.append((path, body, what, ack))
             self.outbox_bytes += len(body)
             while self.outbox_bytes > Limits.outbox_bytes and len(self.outbox) > 1:
                 self.outbox_bytes -= len(self.outbox.popleft()[1])
@@ -841,7 +844,7 @@ class SwarmClient:
     def _log(self, message):
         print(f"swarm client {self.peer}: {message}", file=sys.stderr, flush=True)
 
-    # --- the thread's side: all the network. Any OSError means "no usable answer now: try again later".
+    # --- the thread's side: all the network. Any error means "no usable answer now: try again later".
 
     def _run(self):
         backoff = 0.0
@@ -851,117 +854,174 @@ class SwarmClient:
             try:
                 if entry is not None:
                     self._send(entry)
-                elif self._poll():  # level with the server: wait for the next poll or a publish
+                elif self._poll():  # caught up with the server: wait for the next poll or a publish
                     self._sleep(Limits.poll_seconds)
                 if self.down:
                     lost = f"; {self.dropped} older entries did not fit the outbox" if self.dropped else ""
-                    self._log(f"server reachable again, sending what waited{lost}")
+                    self._log(f"the server answers again, sending what waited{lost}")
                     self.down, self.dropped = None, 0
                 backoff = 0.0
-            except OSError as e:
+            except Exception as e:  # said once, however long it lasts; a bug must not end the thread either
                 if not self.down and not self.closing:
-                    self._log(f"server unreachable ({str(e) or type(e).__name__}); training goes on, and what is "
-                              f"unsent waits in the outbox (up to {Limits.outbox_bytes >> 20} MB) until it is back")
+                    cause = e if isinstance(e, (OSError, BadRequest)) else f"unexpected error {e!r:.200}"
+                    self._log(f"{cause}; training goes on, and what is unsent waits in the outbox (up to "
+                              f"{Limits.outbox_bytes >> 20} MB) until the server answers")
                 self.down, backoff = str(e) or type(e).__name__, min(5.0, max(0.25, 2 * backoff))
                 self._sleep(backoff)
-            except Exception as e:  # a bug must not end the thread: log it, pause, go on
-                self._log(f"unexpected error {e!r:.200}")
-                self._sleep(1.0)
 
-    def _sleep(self, seconds):
+    def _sleep(self, seconds):  # until a publish or flush wakes it, except while it waits out trouble
         with self.cond:
-            self.cond.wait_for(lambda: self.wake or self.closing, seconds)
+            self.cond.wait_for(lambda: self.closing or (self.wake and not self.down), seconds)
             self.wake = False
 
     def _send(self, entry):
-        """POST the oldest outbox entry; it leaves the outbox once the server has it or refused it."""
-        status, data = self._request("POST", entry[0], entry[1])
-        if status != 200:  # a 4xx: the request itself is wrong, and sending the same bytes will not help
-            self._log(f"the server refused {entry[2]}, so it is dropped: HTTP {status}: {_said(data)}")
+        """POST the oldest outbox entry. It leaves the outbox once the server acknowledged it, or refused it
+        as malformed; a wrong token, a wrong URL or a 200 that acknowledges nothing keep it for later."""
+        path, body, what, ack = entry
+        status, reply = self._request("POST", path, body)
+        if status in (400, 413, 422):  # the same bytes would be refused again
+            self._log(f"the server refused {what}, so it is dropped: HTTP {status}: {_said(reply)}")
+        elif status != 200:
+            raise ConnectionError(_refusal(status, reply, self.url + path))
+        else:  # the acknowledgement: every group accepted, under a seq (or, for metrics, ok)
+            _want(isinstance(reply, dict) and ack.items() <= reply.items(), f"a reply to {path} acknowledges nothing")
+            check(reply, {"seq": SEQ} if "accepted" in ack else {}, "the server's acknowledgement")
         with self.cond:
             if self.outbox and self.outbox[0] is entry:  # (a full outbox may have dropped it meanwhile)
                 self.outbox.popleft()
-                self.outbox_bytes -= len(entry[1])
+                self.outbox_bytes -= len(body)
                 self.cond.notify_all()
 
     def _poll(self):
-        """Read one page after our position into the inbox -> True once level with the server."""
+        """Read one page after read_up_to into the inbox -> True once caught up with the server. A page it
+        cannot use (costly, malformed, past the server's newest seq, or a 400: the server lost our seq)
+        never stops it: it reads on from the server's newest group."""
         with self.cond:
-            self.polls += 1
-            poll, position = self.polls, self.position
-        if position is None:  # a new peer: start from the newest groups, not from the whole history
-            position = max(0, self._get("/health", HEALTH)["last_seq"] - Limits.recent_groups)
-        page = self._get(f"/rollouts?after={position}&exclude={self.peer}", PAGE)
-        groups, bad, seq = [], [], position
+            self.polls_begun += 1
+            poll, after = self.polls_begun, self.read_up_to
+        if after is None:  # a new peer: start from the newest groups, not from the whole history
+            after = max(0, self._newest() - Limits.recent_groups)
+        try:
+            page = self._get(f"/rollouts?after={after}&exclude={self.peer}", PAGE)
+            if page["last"] > self.newest + Limits.scan_groups:  # more than an honest swarm adds in a poll
+                self._newest()
+            _want(after <= page["next"] <= page["last"] <= self.newest + Limits.scan_groups, f"its seqs (next "
+                  f"{page['next']}, last {page['last']}) do not follow ours ({after}) and /health's ({self.newest})")
+        except BadRequest as e:
+            self.read_up_to = self._newest()
+            raise ConnectionError(f"a reply it cannot use ({e.message:.200}); reading on from the server's "
+                                  f"newest group ({self.read_up_to})") from None
+        groups, bad, seq = [], [], after
         for g in page["groups"]:  # a server may be buggy or hostile: each group is checked on arrival
             try:
                 g = check(g, STORED, "a received group")
                 _want(seq < g["seq"] <= page["next"], "its seq is out of order")
                 seq = g["seq"]
                 groups += [(g, len(_dumps(g)))] if g["peer"] != self.peer else []
-            except BadRequest as e:
-                bad.append(e.message)
+            except (BadRequest, ValueError) as e:  # (ValueError: a lone surrogate, which UTF-8 cannot carry)
+                bad.append(getattr(e, "message", str(e)))
         if bad:
             self._log(f"dropped {len(bad)} malformed groups from the server (the first: {bad[0][:200]})")
         with self.cond:
-            if page["last"] < position:  # the server lost groups we saw (a new folder?): start afresh
-                self._log(f"the server's newest seq {page['last']} is below ours ({position}); starting afresh")
-                self.position = None
-                return False
             self.inbox.extend(groups)
             self.inbox_bytes += sum(size for _, size in groups)
             while self.inbox_bytes > Limits.inbox_bytes:
                 self.inbox_bytes -= self.inbox.popleft()[1]
-            self.position = max(position, page["next"])
-            if page["next"] >= page["last"] or page["next"] <= position:  # nothing more to read for now
-                self.level = poll
+            self.read_up_to = page["next"]
+            if page["next"] >= page["last"] or page["next"] == after:  # nothing more to read for now
+                self.caught_up = poll
                 self.cond.notify_all()
-            return self.level == poll
+            return self.caught_up == poll
+
+    def _newest(self):  # the server's newest seq
+        self.newest = self._get("/health", HEALTH)["last_seq"]
+        return self.newest
 
     def _get(self, path, fields):
-        status, data = self._request("GET", path)
-        try:
-            _want(status == 200, f"HTTP {status}: {_said(data)}")
-            return check(data, fields)
-        except BadRequest as e:
-            raise ConnectionError(f"an unusable reply: {e.message:.200}") from None
+        """GET -> the reply, checked against `fields`. A 400 or a 200 it cannot use is BadRequest; a wrong
+        token or URL (a 4xx that keeps our place, said once) is an OSError, like the server's trouble."""
+        status, reply = self._request("GET", path)
+        if status not in (200, 400):
+            raise ConnectionError(_refusal(status, reply, self.url + path.partition("?")[0]))
+        _want(status == 200, f"HTTP 400: {_said(reply)}")
+        return check(reply, fields, f"the reply to {path.partition('?')[0]}")
 
-    def _request(self, method, path, body=b""):
-        """The one way this client talks: an HTTP/1.0 exchange on a fresh connection, with a deadline on
-        all of it (connect, send, every byte of the reply) -> (status, the reply's JSON). Only a 200 with
-        a JSON object or a 4xx that is the request's own fault comes back; all else is an OSError."""
-        deadline, reply = time.monotonic() + Limits.request_seconds, bytearray()
-        head = f"{method} {self.base}{path} HTTP/1.0\r\n{self.head}Content-Length: {len(body)}\r\n\r\n"
-        with socket.create_connection(self.address, timeout=Limits.request_seconds) as raw:
-            sock = self.tls.wrap_socket(raw, server_hostname=self.address[0]) if self.tls else raw
-            self.sock = sock  # so that close() can end this exchange at once
-            try:
-                sock.settimeout(max(0.001, deadline - time.monotonic()))
-                sock.sendall(head.encode() + body)
-                while len(reply) <= Limits.reply_bytes:
-                    if (left := deadline - time.monotonic()) <= 0:  # a trickle of bytes cannot outlast it
-                        raise TimeoutError("no whole reply in time")
-                    sock.settimeout(left)
-                    if not (chunk := sock.recv(1 << 16)):
-                        break
-                    reply += chunk
-            finally:
-                self.sock = None
-        head, _, payload = bytes(reply).partition(b"\r\n\r\n")
-        status = re.match(rb"HTTP/1\.[01] (\d{3})\b", head)
-        length = re.search(rb"\r\ncontent-length: *(\d+)", head, re.IGNORECASE)
-        if not status or (length and int(length.group(1)) != len(payload)):
-            raise ConnectionError("a reply that is not HTTP, or cut short")
-        status = int(status.group(1))
+    def _request(self, method, path, body=None):
+        """One HTTP exchange -> (status, the reply's JSON; None for an error reply that is not JSON).
+        requests bounds each read, not a whole reply: a timer shuts the socket at the deadline, as close()
+        does. The server's trouble (no whole reply in time, 5xx, 408, 429) is an OSError; a 200 that is not
+        JSON, or would hold the training loop too long in parsing (which holds the interpreter lock), is
+        BadRequest: it is not parsed when larger than Limits.reply_bytes or Limits.reply_values values."""
+        if self.closing:
+            raise ConnectionError("the client is closing")
+        deadline, reply, self.sockets = time.monotonic() + Limits.request_seconds, bytearray(), []
+        timer = threading.Timer(Limits.request_seconds, _shut, [self.sockets])
+        timer.start()
         try:
-            data = parse_json(payload)
+            with self.session.request(method, self.url + path, data=body, stream=True,
+                                      timeout=Limits.request_seconds) as r:
+                for chunk in r.iter_content(1 << 16):
+                    reply += chunk
+                    if len(reply) > Limits.reply_bytes:
+                        break
+        except OSError as e:  # (requests' errors are OSErrors too)
+            reply = e
+        finally:
+            timer.cancel()
+        if (late := time.monotonic() > deadline) or self.closing or isinstance(reply, OSError):  # (cut by the timer?)
+            raise ConnectionError(f"server unreachable ({_reason(None if late else reply)})")
+        if (r.status_code != 200 and not 400 <= r.status_code < 500) or r.status_code in (408, 429):
+            raise ConnectionError(f"server unreachable (HTTP {r.status_code})")
+        try:
+            _want(len(reply) <= Limits.reply_bytes, f"a reply of more than {Limits.reply_bytes} bytes")
+            _want(sum(map(reply.count, b"{[,:")) <= Limits.reply_values, f"over {Limits.reply_values} JSON values")
+            return r.status_code, parse_json(reply)
         except BadRequest:
-            data = None
-        if (status != 200 and not 400 <= status < 500) or status in (408, 429):  # the server's trouble: later
-            raise ConnectionError(f"HTTP {status}")
-        if status == 200 and not isinstance(data, dict):
-            raise ConnectionError("a reply that is not a JSON object")
-        return status, data
+            if r.status_code == 200:
+                raise
+            return r.status_code, None
+
+    def _opened(self, sock):  # requests opened a connection for this exchange: close() ends it from now on
+        self.sockets.append(sock)
+        if self.closing:
+            _shut([sock])
+
+
+class _Adapter(requests.adapters.HTTPAdapter):
+    """requests' own transport, but each connection it opens is shown to opened(socket)."""
+    def __init__(self, opened):
+        super().__init__()
+        self.opened = opened
+
+    def get_connection_with_tls_context(self, *args, **kwargs):
+        pool, opened = super().get_connection_with_tls_context(*args, **kwargs), self.opened
+        if "ConnectionCls" not in vars(pool):  # once per pool: its ConnectionCls makes every connection
+            class Connection(pool.ConnectionCls):
+                def connect(self):
+                    super().connect()
+                    opened(self.sock)
+            pool.ConnectionCls = Connection
+        return pool
+
+
+def _shut(sockets):  # end an exchange at once, from another thread
+    for sock in list(sockets):
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # it had just ended
+            pass
+
+
+def _refusal(status, reply, url):  # why a 4xx keeps the data waiting, naming the likely cause
+    token = "this peer's token is not the server's: pass it with --token or $SWARM_TOKEN"
+    cause = {401: token, 403: token, 404: "is that the swarm server's URL, or does a proxy send it elsewhere?"}
+    return f"HTTP {status} from {url}: {cause.get(status) or _said(reply)}"
+
+
+def _reason(e):  # the words that matter in requests' long messages ("Connection refused"); no error: too late
+    found = re.findall(r"\[Errno -?\d+\] ([^'\"()\[\]]+)|(Read timed out|Connection aborted)", str(e)) if \
+        isinstance(e, OSError) else [("no whole reply in time", "")]
+    return "".join(found[-1]).strip() if found else type(e).__name__
 
 
 def _said(data):  # the one sentence of an error reply

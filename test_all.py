@@ -2189,7 +2189,7 @@ def test_swarm_client_never_stalls_and_delivers_once_the_server_is_back(tmp_path
         err = capsys.readouterr().err
         for kind in kinds:
             assert err.count(f"swarm client peer-{kind}: server unreachable") == 1, (kind, err)
-            assert f"swarm client peer-{kind}: server reachable again" in err
+            assert f"swarm client peer-{kind}: the server answers again" in err
     finally:
         for client in clients.values():
             client.close()
@@ -2274,6 +2274,159 @@ def test_swarm_new_peer_starts_from_recent_groups_and_a_resumed_one_keeps_its_cu
     resumed = _sw_clients(url, "resumed", cursor=250)
     assert resumed.flush(10) and [g["seq"] for g in resumed.fetch()] == list(range(251, 301))
     assert resumed.cursor == 300
+
+
+@pytest.fixture
+def _sw_fake():
+    """Make servers with _sw_fake(answer): every request is answered by answer(method, path, body) ->
+    (status, a JSON-able reply or bytes[, headers]). Every one is shut at the end of the test."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    made = []
+
+    def make(answer):
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                status, reply, *headers = answer(self.command, self.path, body)
+                reply = reply if isinstance(reply, bytes) else json.dumps(reply).encode()
+                self.send_response(status)
+                for name, value in (headers[0] if headers else {}).items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            do_POST = do_GET
+
+            def log_message(self, *args):
+                pass
+
+        made.append(ThreadingHTTPServer(("127.0.0.1", 0), Handler))
+        made[-1].handle_error = lambda request, address: None  # a client that hangs up is no news
+        threading.Thread(target=made[-1].serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{made[-1].server_address[1]}"
+
+    yield make
+    for httpd in made:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def _sw_honest(stored, method, path):
+    """What a swarm server holding `stored` (groups with seq 1, 2, ...) answers a GET."""
+    if path.startswith("/health"):
+        return 200, {"ok": True, "groups": len(stored), "peers": 1, "last_seq": len(stored)}
+    after = int(re.search(r"after=(\d+)", path).group(1))
+    if after > len(stored):
+        return 400, {"error": "after must be a whole number from 0 to the newest seq."}
+    return 200, {"groups": stored[after:], "next": len(stored), "last": len(stored)}
+
+
+def _sw_stored(seq, **change):
+    return {**_sw_group(seq), "peer": "other", "round": seq, "seq": seq, "time": 1.7e9, **change}
+
+
+def test_swarm_client_speaks_through_requests_and_follows_redirects(_sw_server, _sw_clients, _sw_fake):
+    server, url, folder = _sw_server
+    moved = _sw_fake(lambda method, path, body: (307, b"", {"Location": url + path}))  # (307 keeps a POST a POST)
+    alice = _sw_clients(moved, "alice", cursor=0)
+    alice.publish(0, [_sw_group(0)])
+    _sw_post(url, "bob", 0, [_sw_group(1)])
+    assert alice.flush(20)
+    assert [g["peer"] for g in _sw_read_all(url)] == ["bob", "alice"] and [g["peer"] for g in alice.fetch()] == ["bob"]
+    assert isinstance(alice.session, requests.Session)
+
+
+def test_swarm_client_takes_no_reply_that_would_hold_the_training_loop(monkeypatch, capsys, _sw_clients, _sw_fake):
+    costs = []  # the JSON values in every reply the client parsed
+
+    def parse(raw):
+        costs.append(sum(map(bytes(raw).count, b"{[,:")))
+        return swarm.json.loads(raw)
+
+    monkeypatch.setattr(swarm, "parse_json", parse)
+    stored = [_sw_stored(seq) for seq in range(1, 6)]
+    bomb = b'{"groups":[' + b",".join([b"{}"] * (swarm.Limits.reply_values + 1000)) + b'],"next":5,"last":5}'
+    fake = _sw_fake(lambda method, path, body: (200, bomb) if "after=0&" in path else _sw_honest(stored, method, path))
+    client = _sw_clients(fake, "victim", cursor=0)
+    assert client.flush(20)
+    stored.append(_sw_stored(6))
+    assert client.flush(20) and [g["seq"] for g in client.fetch()] == [6]  # it read on past what it could not use
+    assert costs and max(costs) <= swarm.Limits.reply_values  # the bomb was never parsed
+    assert swarm.Limits.reply_bytes <= swarm.Limits.body_bytes + (1 << 20)  # the largest page a server sends
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "cannot use" in err[0] and "JSON values" in err[0] and "answers again" in err[1], err
+
+
+@pytest.mark.parametrize("poison", ["cursor", "surrogate"])
+def test_swarm_client_reads_on_past_a_reply_it_cannot_use(poison, capsys, _sw_clients, _sw_fake):
+    stored, poisoned = [], []
+
+    def answer(method, path, body):
+        status, reply = _sw_honest(stored, method, path)
+        if poison == "cursor" and path.startswith("/rollouts") and stored and not poisoned:
+            poisoned.append(len(stored))
+            reply.update(next=10**15, last=10**15)  # once; then the server refuses after=10**15 with a 400
+        return status, reply
+
+    fake = _sw_fake(answer)
+    client, got, cursors = _sw_clients(fake, "victim", cursor=0), [], []
+    for seq in range(1, 11):
+        stored.append(_sw_stored(seq, question="\ud800") if poison == "surrogate" and seq == 3 else _sw_stored(seq))
+        poisoned += [3] if poison == "surrogate" and seq == 3 else []
+        assert client.flush(20)
+        got += [g["seq"] for g in client.fetch()]
+        cursors.append(client.cursor)  # what a checkpoint would save
+    assert set(range(poisoned[0] + 1, 11)) <= set(got) and max(cursors) <= 10, (got, cursors)
+    for _ in range(3):
+        assert client.flush(20)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert 1 <= len(err) <= 2, err  # said once (and, after a skip, once that it reads again), never every poll
+    if poison == "cursor":  # a checkpoint that already holds a poisoned cursor: the server answers it with a 400
+        resumed = _sw_clients(fake, "resumed", cursor=10**15)
+        assert resumed.flush(20)
+        stored.append(_sw_stored(11))
+        assert resumed.flush(20) and [g["seq"] for g in resumed.fetch()] == [11] and resumed.cursor == 11
+
+
+@pytest.mark.parametrize("status, says", [(401, "token"), (403, "token"), (404, "proxy"), (200, "acknowledge")])
+def test_swarm_client_keeps_a_batch_the_server_did_not_acknowledge(status, says, capsys, _sw_clients, _sw_fake):
+    posts, honest = [], threading.Event()
+
+    def answer(method, path, body):
+        if method == "GET":
+            return _sw_honest([], method, path)
+        posts.append(json.loads(body))
+        if honest.is_set():
+            return 200, {"accepted": len(posts[-1]["groups"]), "seq": len(posts[-1]["groups"])}
+        return status, {} if status == 200 else {"error": "No."}
+
+    client, t0 = _sw_clients(_sw_fake(answer), "alice"), time.time()
+    client.publish(0, [_sw_group(0)])
+    while len(posts) < 3 and time.time() < t0 + 60:
+        time.sleep(0.05)
+    assert len(posts) >= 3 and len(client.outbox) == 1  # tried again and again, and kept it
+    honest.set()
+    assert client.flush(20) and not client.outbox and {p["batch_id"] for p in posts} == {posts[0]["batch_id"]}
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and says in err[0] and "answers again" in err[1], err
+
+
+@pytest.mark.parametrize("status", [400, 413, 422])
+def test_swarm_client_drops_a_batch_the_server_refuses_as_malformed(status, capsys, _sw_clients, _sw_fake):
+    posts = []
+
+    def answer(method, path, body):
+        if method == "GET":
+            return _sw_honest([], method, path)
+        posts.append(path)
+        return status, {"error": "That batch is wrong."}
+
+    client = _sw_clients(_sw_fake(answer), "alice")
+    client.publish(0, [_sw_group(0)])
+    assert client.flush(20) and not client.outbox and posts == ["/rollouts"]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"dropped: HTTP {status}: That batch is wrong." in err[0], err
 
 
 def test_swarm_render_svg_parses():

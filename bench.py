@@ -469,6 +469,69 @@ def _hostile_requests():
             + [("bad query or path", r) for r in get] + [("protocol abuse", r) for r in protocol])
 
 
+def fuzzed_requests(n, seed=0):
+    """n requests made by mutating valid ones at random (seeded) -> [(mutation, raw bytes)]: a value of the
+    JSON body replaced by a hostile one (wrong types, lone surrogates, huge numbers, control characters,
+    deep nesting), a field dropped or added, a query parameter changed, or the head bent (a header twice,
+    a space before the colon, tabs for spaces, stray bytes). Every length is true, so none waits."""
+    rng = random.Random(seed)
+    group = {"task": "t", "question": "q", "answer": "a", "metadata": {"k": [1, {"z": "v"}]}, "completions": ["c", "d"],
+             "stopped": [True, False], "model": "m"}
+    bodies = {"/rollouts": {"peer": "p", "round": 1, "batch_id": "b", "groups": [group]},
+              "/metrics": {"peer": "p", "round": 1, "metrics": {"loss": 0.5, "local_reward": None}}}
+    nasty = [None, True, False, -1, 0, 2**63, 1.5, -0.0, 1e308, "", "\ud800", "a\udfff", "\ud83d\ude00", "\x00",
+             "x" * 70_000, "caf\u00e9", "<b>", "../x", [], [None], [[[[[[[[[[[]]]]]]]]]]], {}, {"\ud800": 1}, {"": 1}]
+    raw_nasty = ["1e999", "-1e999", "1" * 5000, "NaN", "-Infinity", '"\\ud800"', '"\\udc00\\ud800"', "[" * 50 + "]" * 50]
+
+    def paths(x, here=()):  # every place a value sits in x
+        yield here
+        for k, v in (x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, list) else ()):
+            yield from paths(v, here + (k,))
+
+    def head(method, target, body, extra=()):
+        lines = [f"{method} {target} HTTP/1.1", "Host: x", "Connection: close", *extra]
+        return ("\r\n".join(lines + [f"Content-Length: {len(body)}", "", ""])).encode("latin-1") + body
+
+    out = []
+    for _ in range(n):
+        path = rng.choice(["/rollouts", "/metrics", "/rollouts?", "/health"])
+        body, target = json.loads(json.dumps(bodies.get(path, {}))), path
+        kind = rng.choice(["value", "raw value", "drop", "add", "query", "head"] if path in bodies else ["query", "head"])
+        text = None
+        if kind in ("value", "raw value", "drop", "add"):
+            spot = rng.choice([p for p in paths(body) if p])
+            parent = body
+            for k in spot[:-1]:
+                parent = parent[k]
+            if kind == "value":
+                parent[spot[-1]] = rng.choice(nasty)
+            elif kind == "drop":
+                del parent[spot[-1]]
+            elif kind == "add" and isinstance(parent, dict):
+                parent[rng.choice(["\ud800", "x" * 100, "seq", "time", "peer"])] = rng.choice(nasty)
+            else:
+                marker = "\u0001MARK\u0001"
+                parent[spot[-1]] = marker
+                text = json.dumps(body).replace(json.dumps(marker), rng.choice(raw_nasty))
+        data = (text or json.dumps(body)).encode() if path in bodies else b""
+        method = "POST" if path in bodies else "GET"
+        if kind == "query":
+            method, target = "GET", rng.choice(["/rollouts", "/metrics"]) + "?" + "&".join(
+                f"{rng.choice(['after', 'limit', 'exclude', 'x'])}={rng.choice(['0', '-1', '1e3', '%ff', '%00', '%ud800', '9' * 20, '', 'a b', '1&after=2'])}"
+                for _ in range(rng.randint(1, 4)))
+            data = b""
+        raw = head(method, target, data)
+        if kind == "head":
+            raw = rng.choice([head(method, target, data, [f"Content-Length: {len(data)}"]),
+                              head(method, target, data, ["Authorization: Bearer x", "Authorization: Bearer y"]),
+                              raw.replace(b"Host: x", b"Host : x"), raw.replace(b" ", b"\t", 2),
+                              raw.replace(b"Host: x", b"Host: x\r\n x"), raw.replace(b"HTTP/1.1", b"HTTP/1.1 x", 1),
+                              raw.replace(b"Host", bytes([rng.randrange(256)]) + b"Host"), raw.replace(b"\r\n", b"\n"),
+                              raw.replace(b"Host: x", b"Host: \xff\x00")])
+        out.append((kind, raw))
+    return out
+
+
 def _raw(url, data):
     """Send raw bytes -> the reply's status (0: closed without a reply)."""
     import socket

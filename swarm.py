@@ -126,11 +126,11 @@ def _dumps(x):  # compact UTF-8 JSON: what is stored, served and sent
     return json.dumps(x, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
-def rule(test, says, convert=None):
-    """The rule "`test(value)` holds", which fails with "<where> must be <says>."."""
+def rule(test, says, convert=lambda value, where: value):
+    """The rule "test(value) holds", which fails with "<where> must be <says>."; convert makes the copy."""
     def checked(value, where):
         _want(test(value), f"{where} must be {says}.")
-        return convert(value) if convert else value
+        return convert(value, where)
     return checked
 
 
@@ -143,12 +143,9 @@ def number(most, whole=True):  # JSON true is no number here; a float may be wri
                 f"a {'whole ' * whole}number from 0 to {most:g}")
 
 
-def items(most, each=None, least=0):
-    """The rule for a list of `least` to `most` values, each passing the rule `each` (None: anything)."""
-    def checked(value, where):
-        _want(isinstance(value, list) and least <= len(value) <= most, f"{where} must be a list of {least} to {most} items.")
-        return [each(v, f"{where}[{i}]") for i, v in enumerate(value)] if each else value
-    return checked
+def items(most, each=None, least=0):  # a list of least to most values, each passing the rule each (None: any)
+    return rule(lambda v: isinstance(v, list) and least <= len(v) <= most, f"a list of {least} to {most} items",
+                lambda v, where: [each(x, f"{where}[{i}]") for i, x in enumerate(v)] if each else v)
 
 
 def fields(table, optional={}, also=()):
@@ -192,7 +189,7 @@ PRUNED = fields({"seq": SEQ, "replies": items(math.inf, fields(  # pruned.json
 NUMBERS = rule(lambda v: isinstance(v, dict) and len(v) <= 64 and all(0 < len(k) <= 64 and (x is None or _sane(x))
                                                                       for k, x in v.items()),
                "an object of at most 64 names (1 to 64 characters) to numbers within ±1e15 or null",
-               lambda v: {k: None if x is None else float(x) for k, x in v.items()})
+               lambda v, where: {k: None if x is None else float(x) for k, x in v.items()})
 METRICS = fields({"peer": PEER, "round": ROUND, "metrics": NUMBERS})
 ROW = fields({"n": SEQ, "peer": PEER, "round": ROUND, "time": TIME, "metrics": NUMBERS})  # a metrics.jsonl line
 PAGE = fields({"groups": items(math.inf), "next": SEQ, "last": SEQ})  # a GET /rollouts reply
@@ -247,6 +244,8 @@ class RolloutStore:
     last seq, a restart continues the numbering whatever the files hold. Two locks: `write_lock` lets
     one writer at a time touch the folder (one global order; a post costs one fsync), and `lock` guards
     the in-memory state for the moment an update or a read takes, so readers never wait for a disk."""
+
+    copies = ("pruned.json", "pruned-copy.json")  # two copies: a damaged one alone loses nothing
 
     def __init__(self, folder, keep_bytes=Limits.keep_bytes):
         self.folder, self.keep_bytes = os.path.abspath(folder), keep_bytes
@@ -326,7 +325,7 @@ class RolloutStore:
             self.pruned = int(doomed[-1][6:18])  # batch-<12 digits>.json
             kept = {(p, b) for _, p, b, _, _ in self.batches}
             gone = [{"peer": p, "batch_id": b, **r} for (p, b), r in self.replies.items() if (p, b) not in kept]
-        for name in PRUNED_FILES:  # two copies: a damaged one alone loses nothing
+        for name in self.copies:
             self._write_atomic(name, _dumps({"seq": self.pruned, "replies": gone}))
         for name in doomed:
             self._remove(name)
@@ -334,7 +333,7 @@ class RolloutStore:
     def _load(self):
         """Read the folder back: pruned.json, every batch file in seq order, metrics.jsonl. Whatever a file
         holds, a bad one is logged and skipped, and no seq named by a file is ever used again."""
-        for pruned in filter(None, (self._read(name, PRUNED) for name in PRUNED_FILES)):
+        for pruned in filter(None, (self._read(name, PRUNED) for name in self.copies)):
             self.pruned = self.last_seq = max(self.pruned, pruned[0]["seq"])
             for r in pruned[0]["replies"]:
                 self._remember(r["peer"], r["batch_id"], {"accepted": r["accepted"], "seq": r["seq"]})
@@ -387,14 +386,11 @@ class RolloutStore:
         with self.write_lock:
             row = {"n": self.metrics[-1][0] + 1 if self.metrics else 1, "peer": peer, "round": round_,
                    "time": _now(), "metrics": metrics}
-            try:  # best effort: no fsync
-                with self._open("metrics.jsonl", "ab") as f:
-                    f.write(b"\n" * self.metrics_cut + _dumps(row) + b"\n")  # never onto a cut line
-                    size = f.tell()
-            except OSError:
-                self.metrics_cut = True
-                raise
-            self.metrics_cut = False
+            line, self.metrics_cut = b"\n" * self.metrics_cut + _dumps(row) + b"\n", True  # never onto a cut line
+            with self._open("metrics.jsonl", "ab") as f:  # best effort: no fsync
+                f.write(line)
+                size = f.tell()
+            self.metrics_cut = False  # (written whole)
             with self.lock:
                 self._keep_metrics(row)
             if size > 2 * Limits.metrics_bytes:  # keep the file bounded too: rewrite it with the rows kept
@@ -425,7 +421,7 @@ class RolloutStore:
     # -- the folder itself
 
     def _lock_folder(self):
-        """-> an open descriptor of the folder, flock-ed: a second server on it is refused, and no stray
+        """Open the folder and flock it (self.folder_fd): a second server on it is refused, and no stray
         `rm` of a lock file can change that (there is none). Every file is opened relative to it."""
         try:
             os.makedirs(self.folder, exist_ok=True)
@@ -434,7 +430,6 @@ class RolloutStore:
             self._open(".tmp-probe", "wb").close()  # can we write here?
             if fcntl is not None:
                 fcntl.flock(self.folder_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return self.folder_fd
         except OSError as e:
             if self.folder_fd is not None:
                 os.close(self.folder_fd)
@@ -446,7 +441,11 @@ class RolloutStore:
         """A regular file of the locked folder, opened relative to its descriptor: never through a link,
         never a FIFO or a device. Writing, it refuses (503) if the folder's path now names another folder
         (`mv D D.old; mkdir D`): a second server may be writing there, and our batches would not be found."""
-        if mode != "rb" and not os.path.samestat(os.fstat(self.folder_fd), _stat(self.folder)):
+        try:
+            moved = mode != "rb" and not os.path.samestat(os.fstat(self.folder_fd), os.stat(self.folder))
+        except FileNotFoundError:
+            moved = True
+        if moved:
             _log(f"{self.folder} was moved or replaced while this server ran; it stores nothing until restarted")
             raise BadRequest("The server's folder was moved or replaced, so nothing was stored; send it again "
                              "once the server is restarted.", 503, {"Retry-After": "10"})
@@ -494,16 +493,6 @@ def _now():  # the server's clock as a TIME field holds it, so that no clock mak
     return min(max(time.time(), 0.0), 1e11)
 
 
-def _stat(path):
-    try:
-        return os.stat(path)
-    except OSError:  # gone: it is not our folder
-        return os.stat_result((0,) * 10)
-
-
-PRUNED_FILES = ("pruned.json", "pruned-copy.json")
-
-
 def _page(entries, after, limit, exclude):
     """entries: (number, peer, UTF-8 JSON, ...) in number order -> (the JSON texts after `after` that are
     not `exclude`'s, the number to continue after): at most `limit` (None: any) and Limits.page_bytes,
@@ -528,7 +517,7 @@ ROUTES = {"/": {"GET": "page"}, "/health": {"GET": "health"}, "/peers": {"GET": 
           "/rollouts": {"GET": "get_rollouts", "POST": "post_rollouts"},
           "/metrics": {"GET": "get_metrics", "POST": "post_metrics"}}
 JSON = "application/json"
-Request = collections.namedtuple("Request", "method target headers body close")
+Request = collections.namedtuple("Request", "method target headers body")
 
 
 def _error(message):
@@ -549,12 +538,10 @@ async def _drop_input(reader):
 
 
 def _int_param(query, name, default, lowest, highest):
-    values = query.get(name)
-    if not values:
-        return default
-    _want(re.fullmatch(r"[0-9]{1,15}", values[-1]) and lowest <= int(values[-1]) <= highest,
+    value = query.get(name, [str(default)])[-1]
+    _want(re.fullmatch(r"[0-9]{1,15}", value) and lowest <= int(value) <= highest,
           f"{name} must be a whole number from {lowest} to {highest}.")
-    return int(values[-1])
+    return int(value)
 
 
 class SwarmServer:
@@ -562,8 +549,8 @@ class SwarmServer:
     deadline, so a slow or idle connection costs a buffer, not a thread; two small pools of threads
     answer complete requests, one for reads and one for writes. A request's way through:
 
-        _accept -> _connection (waits for a request) -> _exchange: _read_request (under the deadline),
-        _answer in a worker thread (route, token, then one short method per route), _send the reply
+        _accept -> _connection: _read_request (line, headers, token, body: all under one deadline),
+        _answer in a worker thread (route, then one short method per route), _send the reply, close
 
     shutdown() stops serving, closes the connections, then the store."""
 
@@ -576,9 +563,8 @@ class SwarmServer:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if resource else -1  # -1: no limit
         # every connection holds a descriptor: leave 64 of them for the batch files
         self.max_connections = max(4, min(Limits.connections, soft - 64)) if soft > 0 else Limits.connections
-        self.open = set()                   # every connection; then those that may be closed for a new one
-        self.idle, self.bodies = {}, {}     # (dicts keep insertion order: the first has waited longest):
-                                            # idle or sending a head, and sending a body
+        self.open, self.waiting = set(), {}  # every connection; those that may be closed for a new one ->
+                                             # 0 if idle or sending a head, 1 if sending a body (in order)
         self.in_flight = 0                   # bytes of request bodies and replies held right now
         self.pools = {method: ThreadPoolExecutor(Limits.workers, thread_name_prefix=f"swarm-{method}")
                       for method in ("GET", "POST")}
@@ -619,33 +605,37 @@ class SwarmServer:
         """Close the connection that has waited longest without a request the server may answer: first
         among those idle or still sending a head (which proves nothing: not even the token), then among
         those still sending a body. -> False if every connection is being answered."""
-        for waiting in (self.idle, self.bodies):
-            if waiting:
-                writer = next(iter(waiting))
-                self._forget(writer)  # at once, so that a burst never picks it twice
-                writer.transport.abort()
-                return True
-        return False
+        if not self.waiting:
+            return False
+        writer = min(self.waiting, key=self.waiting.get)  # the first of the lowest rank
+        self._forget(writer)  # at once, so that a burst never picks it twice
+        writer.transport.abort()
+        return True
 
     def _forget(self, writer):
         self.open.discard(writer)
-        self.idle.pop(writer, None)
-        self.bodies.pop(writer, None)
+        self.waiting.pop(writer, None)
 
     async def _connection(self, reader, writer):
-        """One connection: wait for a request, then exchange it for a reply; repeat while it stays open."""
+        """One connection, one request: read it whole under the deadline, answer it in a worker thread,
+        send the reply, close. (Nothing can ride behind a body as a second request, and no connection
+        holds a place between requests.) The body counts in self.in_flight until the reply has gone."""
         writer.transport.set_write_buffer_limits(0)  # so that drain() returns once the reply has left
+        self.waiting[writer], body = 0, bytearray()
         try:
-            while True:
-                self.idle[writer] = None
-                first = await asyncio.wait_for(reader.read(1), Limits.request_seconds)  # idle: just close
-                if first in (b"", b"\x16") or not await self._exchange(first, reader, writer):
-                    return  # gone, closing, or a TLS handshake (this server speaks plain HTTP)
-        except BadRequest as e:  # the rest of the request is unread: answer, then close
-            self.bodies.pop(writer, None)
-            self.idle.setdefault(writer)  # evictable while it lingers
             try:
-                await self._send(writer, e.status, JSON, _error(e.message), e.headers, close=True)
+                request = await asyncio.wait_for(self._read_request(reader, writer, body), Limits.request_seconds)
+            except asyncio.TimeoutError:
+                raise BadRequest(f"The request did not arrive whole within {Limits.request_seconds:g} s.", 408) from None
+            reply = await self.loop.run_in_executor(self.pools.get(request.method, self.pools["GET"]),
+                                                    self._answer, request)
+            await self._send(writer, *reply, head_only=request.method == "HEAD")
+            if self.verbose:
+                _log(f"{writer.get_extra_info('peername')} {request.method} {request.target[:200]} {reply[0]}")
+        except BadRequest as e:  # the rest of the request is unread: answer, then close
+            self.waiting[writer] = 0  # first to go while it lingers
+            try:
+                await self._send(writer, e.status, JSON, _error(e.message), e.headers)
                 writer.write_eof()  # and read what the client still sends for a moment, so that closing
                 await asyncio.wait_for(_drop_input(reader), 2.0)  # does not reset it before it reads the reply
             except (OSError, asyncio.TimeoutError):
@@ -653,40 +643,22 @@ class SwarmServer:
         except (OSError, EOFError, asyncio.TimeoutError):
             pass  # a client that hangs up, idles or stops reading its reply is not news
         finally:
+            self.in_flight -= len(body)
             self._forget(writer)
             writer.transport.abort()
 
-    async def _exchange(self, first, reader, writer):
-        """Read one request whole under the deadline, answer it in a worker thread, send the reply -> keep
-        the connection open? A coroutine of its own, so that no body or reply outlives the exchange while
-        the connection waits for the next request; the body counts in self.in_flight until then."""
-        body = bytearray()
-        try:
-            try:
-                request = await asyncio.wait_for(self._read_request(first, reader, writer, body),
-                                                 Limits.request_seconds)
-            except asyncio.TimeoutError:
-                raise BadRequest(f"The request did not arrive whole within {Limits.request_seconds:g} s.",
-                                 408) from None
-            reply = await self.loop.run_in_executor(self.pools.get(request.method, self.pools["GET"]),
-                                                    self._answer, request)
-            await self._send(writer, *reply, close=request.close, head_only=request.method == "HEAD")
-        finally:
-            self.in_flight -= len(body)
-        if self.verbose:
-            _log(f"{writer.get_extra_info('peername')} {request.method} {request.target[:200]} {reply[0]}")
-        return not request.close
-
-    async def _read_request(self, first, reader, writer, body):
-        """The rest of the request line, the headers, and the body (into `body`) -> Request. Strict, so that
+    async def _read_request(self, reader, writer, body):
+        """The request line, the headers, and the body (into `body`) -> Request. Strict, so that
         no request reads differently here and in a proxy in front: one space between the parts of the
         request line, 'Name: value' headers, each name once. The token is checked before any body is read,
         and the body counts towards Limits.in_flight_bytes as its bytes arrive, so a sender who only
         declares a length costs nothing."""
+        if (first := await reader.read(1)) in (b"", b"\x16"):  # gone, or TLS (this server speaks plain HTTP)
+            raise EOFError("no request")
         line = first.decode("latin-1") + await _readline(reader, 414, "The request line")
-        parts = re.fullmatch(r"([!-~]+) ([!-~]+) (HTTP/1\.[01])\r?\n", line)
+        parts = re.fullmatch(r"([!-~]+) ([!-~]+) HTTP/1\.[01]\r?\n", line)
         _want(parts, "This server speaks plain HTTP/1.1 and did not understand the request line.")
-        method, target, version = parts.groups()
+        method, target = parts.groups()
         headers, lines = {}, 0
         while (line := await _readline(reader, 431, "A header line")) not in ("\r\n", "\n"):
             lines += 1
@@ -706,9 +678,7 @@ class SwarmServer:
               "A POST needs a Content-Length header (no chunked bodies).", 411)
         _want(re.fullmatch(r"[0-9]{1,12}", length), "Content-Length must be a whole number.")
         _want(int(length) <= Limits.body_bytes, f"The body is {length} bytes; the limit is {Limits.body_bytes}.", 413)
-        self.idle.pop(writer, None)
-        if int(length):
-            self.bodies[writer] = None
+        self.waiting[writer] = 1  # sending its body: evicted after those that sent no head yet
         if int(length) and headers.get("expect", "").lower() == "100-continue":
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         while len(body) < int(length):
@@ -719,17 +689,16 @@ class SwarmServer:
                 raise BadRequest("The server is busy; send it again in a moment.", 503, {"Retry-After": "1"})
             self.in_flight += len(chunk)  # given back by _exchange once the reply has gone
             body += chunk
-        self.bodies.pop(writer, None)
-        close = version == "HTTP/1.0" or headers.get("connection", "").lower() == "close"
-        return Request(method, target, headers, body, close)
+        self.waiting.pop(writer, None)
+        return Request(method, target, headers, body)
 
-    async def _send(self, writer, status, content_type, body, headers=None, close=False, head_only=False):
+    async def _send(self, writer, status, content_type, body, headers=None, head_only=False):
         if len(body) > 65536 and self.in_flight + len(body) > Limits.in_flight_bytes:  # bound what waits
             status, content_type, body = 503, JSON, _error("The server is busy; ask again in a moment.")
             headers = {"Retry-After": "1"}
         head = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: {content_type}\r\n" \
                f"Content-Length: {len(body)}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-        data = (head + "Connection: close\r\n" * close + "\r\n").encode() + (b"" if head_only else body)
+        data = (head + "Connection: close\r\n\r\n").encode() + (b"" if head_only else body)
         self.in_flight += len(data)
         try:
             writer.write(data)

@@ -9,8 +9,8 @@ token ids, log-probs or weights) with the swarm, and trains on its I local group
 from what the other peers shared. Peers never wait for each other: a peer takes whatever has arrived.
 
 How this file does it, in reading order:
-- Whatever arrives from outside (a request, a file read back, a server's reply) is checked against one
-  table of fields and limits by one function, `check`. Every other bound is a figure in `Limits`.
+- Whatever arrives from outside (a request, a file read back, a server's reply) is checked by rules
+  built from a few small functions (`fields`, `items`, `text`, ...). Every other bound is in `Limits`.
 - RolloutStore, the core: POST /rollouts appends a batch file and numbers its groups 1, 2, 3, ...
   (`seq`); GET /rollouts?after=SEQ reads the groups after a sequence number.
 - SwarmServer, the HTTP around it (`python swarm.py --dir swarm_data --port 8000`, standard library
@@ -72,7 +72,7 @@ class Limits:
     and a server from making a client hold more."""
     body_bytes = 8 << 20        # one request body (413 beyond it); bodies over 1/8 of it are answered one
                                 # at a time, as parsing one may take several times its bytes
-    json_values = 1 << 20       # objects, lists and items in one JSON text (413 beyond it)
+    json_values = 1 << 20       # commas, objects and lists outside strings in one JSON text (413 beyond)
     page_bytes = 1 << 20        # one reply page of /rollouts or /metrics (a page holds at least one item)
     page_groups = 1024          # groups in one /rollouts page (?limit=, default 256)
     scan_groups = 16 * 1024     # groups one read may step over (the reader's own, which it excludes)
@@ -311,8 +311,9 @@ class RolloutStore:
 
     def _retain(self):
         """Past --keep-bytes, delete the oldest batches down to 90% of it (the newest always stays). First
-        pruned.json records the newest deleted seq and the deleted batches' idempotency records, so after
-        a restart the numbering goes on and a late retry of a deleted batch is still not stored twice."""
+        pruned.json and its copy record the newest deleted seq and the deleted batches' idempotency
+        records, so after a restart the numbering goes on and a late retry of a deleted batch is still not
+        stored twice, even if one of the two files is damaged."""
         if self.kept_bytes <= self.keep_bytes or len(self.batches) < 2:
             return
         with self.lock:

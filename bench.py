@@ -866,7 +866,8 @@ def attack_memory(keep_mb=64, post_mb=256, writers=4, largest=False):
         def writer(w):
             session = requests.Session()
             for i in range(posts):
-                session.post(url + "/rollouts", json=body(w, i), timeout=60)
+                while session.post(url + "/rollouts", json=body(w, i), timeout=60).status_code == 503:
+                    time.sleep(0.2)  # busy: in flight are 64 MB of bodies already; send it again
 
         threads = [threading.Thread(target=writer, args=(w,)) for w in range(writers)]
         for t in threads:

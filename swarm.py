@@ -533,9 +533,9 @@ async def _readline(reader, status, what):
         raise BadRequest(f"{what} is longer than {Limits.line_bytes} bytes.", status) from None
 
 
-async def _drop_input(reader):
-    while await reader.read(1 << 16):
-        pass
+async def _drop_input(reader, most=1 << 20):  # what a refused client still sends: up to 1 MB of it
+    while most > 0 and (chunk := await reader.read(1 << 16)):
+        most -= len(chunk)
 
 
 def _int_param(query, name, default, lowest, highest):
@@ -634,7 +634,9 @@ class SwarmServer:
             if self.verbose:
                 _log(f"{writer.get_extra_info('peername')} {request.method} {request.target[:200]} {reply[0]}")
         except BadRequest as e:  # the rest of the request is unread: answer, then close
-            self.waiting[writer] = 0  # first to go while it lingers
+            self.waiting[writer] = 0  # first to go while it lingers, holding no body
+            self.in_flight -= len(body)
+            body.clear()
             try:
                 await self._send(writer, e.status, JSON, _error(e.message), e.headers)
                 writer.write_eof()  # and read what the client still sends for a moment, so that closing

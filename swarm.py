@@ -217,11 +217,7 @@ def parse_json(raw):
         if re.search(r"\\u[dD][89a-fA-F]", text):
             _dumps(value)  # raises UnicodeEncodeError on a lone surrogate
         return value
-    except RecursionError:
-        raise BadRequest("The JSON is nested too deeply.") from None
-    except UnicodeEncodeError:
-        raise BadRequest("The JSON holds a lone surrogate (such as \\ud800), which is not text.") from None
-    except ValueError as e:  # includes JSONDecodeError, bodies that are not UTF-8, 5000-digit numbers
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, not UTF-8, a lone surrogate, 5000 digits, too deep
         raise BadRequest(f"The body is not valid JSON: {str(e)[:120]}.") from None
 
 
@@ -603,9 +599,8 @@ class SwarmServer:
             self.loop.create_task(self._connection(reader, writer))
 
     def _evict(self):
-        """Close the connection that has waited longest without a request the server may answer: first
-        among those idle or still sending a head (which proves nothing: not even the token), then among
-        those still sending a body. -> False if every connection is being answered."""
+        """Close the connection waiting longest among those idle or still sending a head (which proves
+        nothing, not even the token), else among those sending a body -> False if there is none."""
         if not self.waiting:
             return False
         writer = min(self.waiting, key=self.waiting.get)  # the first of the lowest rank

@@ -357,10 +357,9 @@ def attack_flood(slow=500, seconds=20):
     declaring a body they never send; each reconnects when the server closes it) while an honest client
     alternates GET /health and POST /rollouts on fresh connections."""
     import socket
-    import requests
     proc, url, folder = _server()
     host, port = url[7:].rsplit(":", 1)
-    stop, opened, lat, errors = threading.Event(), [0], {"GET /health": [], "POST /rollouts": []}, [0]
+    stop, opened = threading.Event(), [0]
 
     def connect(k):
         s = socket.create_connection((host, int(port)), timeout=5)
@@ -374,7 +373,7 @@ def attack_flood(slow=500, seconds=20):
         while not stop.wait(2.0):
             for k, s in enumerate(conns):
                 try:
-                    if s.recv(65536, socket.MSG_PEEK) == b"":
+                    if s.recv(65536) == b"":  # (a reply is read and dropped; a close makes a new one)
                         raise OSError("closed")
                 except BlockingIOError:
                     pass
@@ -393,22 +392,8 @@ def attack_flood(slow=500, seconds=20):
     flooder.start()
     try:
         time.sleep(3)  # let the flood build up
-        cpu0, t0, r = _cpu_seconds(proc.pid), time.time(), 0
-        while time.time() < t0 + seconds:
-            for what in lat:
-                t = time.perf_counter()
-                try:
-                    if what.startswith("GET"):
-                        ok = requests.get(url + "/health", timeout=10).status_code == 200
-                    else:
-                        ok = requests.post(url + "/rollouts", timeout=10, json={
-                            "peer": "honest", "round": r, "batch_id": f"h{r}", "groups": _groups(r, 1)}).status_code == 200
-                except requests.RequestException:
-                    ok = False
-                lat[what].append(1000 * (time.perf_counter() - t))
-                errors[0] += not ok
-            r += 1
-            time.sleep(0.1)
+        cpu0, t0 = _cpu_seconds(proc.pid), time.time()
+        honest = _honest(url, seconds)
         cpu = (_cpu_seconds(proc.pid) - cpu0) / (time.time() - t0)
         rss = _rss_mb(proc.pid, "VmHWM")
     finally:
@@ -417,10 +402,179 @@ def attack_flood(slow=500, seconds=20):
         proc.kill()
         proc.wait()
         shutil.rmtree(folder, ignore_errors=True)
-    return {"slow_connections": slow, "slow_connects_made": opened[0], "honest_requests": sum(map(len, lat.values())),
-            "honest_errors": errors[0], **{f"{w} p50_ms": _pct(v, 0.5) for w, v in lat.items()},
-            **{f"{w} p99_ms": _pct(v, 0.99) for w, v in lat.items()}, "server_cpu_cores": round(cpu, 3),
+    return {"slow_connections": slow, "slow_connects_made": opened[0], **honest, "server_cpu_cores": round(cpu, 3),
             "server_peak_rss_mb": round(rss, 1)}
+
+
+def _honest(url, seconds, headers=None):
+    """An honest client alternating GET /health and POST /rollouts on fresh connections for `seconds`
+    -> its failures and latency percentiles (ms)."""
+    import requests
+    lat, errors, t0, r = {"GET /health": [], "POST /rollouts": []}, 0, time.time(), 0
+    while time.time() < t0 + seconds:
+        for what in lat:
+            t = time.perf_counter()
+            try:
+                if what.startswith("GET"):
+                    ok = requests.get(url + "/health", headers=headers, timeout=10).status_code == 200
+                else:
+                    ok = requests.post(url + "/rollouts", headers=headers, timeout=10, json={
+                        "peer": "honest", "round": r, "batch_id": f"h{r}", "groups": _groups(r, 1)}).status_code == 200
+            except requests.RequestException:
+                ok = False
+            lat[what].append(1000 * (time.perf_counter() - t))
+            errors += not ok
+        r += 1
+        time.sleep(0.1)
+    return {"honest_requests": sum(map(len, lat.values())), "honest_errors": errors,
+            **{f"{w} p50_ms": _pct(v, 0.5) for w, v in lat.items()}, **{f"{w} p99_ms": _pct(v, 0.99) for w, v in lat.items()}}
+
+
+def _descriptors(pid):
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return 0
+
+
+def attack_busy_cap(busy=1100, limit=1024, seconds=15):
+    """`busy` connections that each send one byte of a request line and stop (made again when the server
+    closes them), against a server whose descriptor limit is `limit` (so a cap of limit - 64), while an
+    honest client alternates GET and POST; the server's peak count of descriptors shows any overshoot."""
+    import resource
+    import socket
+    proc, url, folder = _server(preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)))
+    host, port = url[7:].rsplit(":", 1)
+    stop, made, peak = threading.Event(), [0], [0]
+
+    def connect():
+        try:
+            s = socket.create_connection((host, int(port)), timeout=5)
+            s.send(b"G")
+            s.setblocking(False)
+            made[0] += 1
+            return s
+        except OSError:
+            return None
+
+    def hold():
+        conns = [connect() for _ in range(busy)]
+        while not stop.wait(0.5):
+            peak[0] = max(peak[0], _descriptors(proc.pid))
+            for k, s in enumerate(conns):
+                try:
+                    if s is None or s.recv(65536) == b"":
+                        raise OSError("closed")
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    s and s.close()
+                    conns[k] = connect()
+        for s in conns:
+            s and s.close()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        time.sleep(3)
+        honest = _honest(url, seconds)
+        return {"busy_connections": busy, "descriptor_limit": limit, "busy_connects_made": made[0], **honest,
+                "server_peak_descriptors": peak[0], "server_alive": proc.poll() is None}
+    finally:
+        stop.set()
+        holder.join()
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def attack_stalled_bodies(senders=8, seconds=15):
+    """With a token: `senders` connections without it, each sending a body of 8 MB minus one byte and then
+    stalling (again whenever the server closes them), while an honest client with the token alternates
+    GET and POST."""
+    import socket
+    import swarm
+    proc, url, folder = _server(None, "--token", "s3cret")
+    host, port = url[7:].rsplit(":", 1)
+    stop, made = threading.Event(), [0]
+    size = swarm.Limits.body_bytes
+    data = b"POST /rollouts HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % size + b"x" * (size - 1)
+
+    def sender():
+        while not stop.is_set():
+            try:
+                with socket.create_connection((host, int(port)), timeout=2) as s:
+                    made[0] += 1
+                    s.sendall(data)
+                    while not stop.is_set():
+                        try:
+                            if s.recv(65536) == b"":
+                                break
+                        except socket.timeout:
+                            pass
+            except OSError:
+                time.sleep(0.05)
+
+    threads = [threading.Thread(target=sender) for _ in range(senders)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(3)
+        honest = _honest(url, seconds, headers={"Authorization": "Bearer s3cret"})
+        return {"stalled_senders": senders, "their_connects": made[0], **honest}
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def attack_parse_bombs(writers=4, seconds=15):
+    """`writers` clients posting bodies of nested empty objects without end: 8 MB of {"x":[{},{},...]}
+    (2.8 million objects) and the largest such body the server parses (half a million, 1.5 MB), while
+    GET /health is timed; the server's peak resident memory."""
+    import requests
+    import swarm
+    proc, url, folder = _server()
+    stop, statuses = threading.Event(), {}
+    bodies = [b'{"x":[' + b"{}," * (swarm.Limits.body_bytes // 3 - 4) + b"{}]}",
+              b'{"x":[' + b"{}," * (swarm.Limits.json_values // 2 - 2) + b"{}]}"]
+
+    def bomber(w):
+        session, k = requests.Session(), w
+        while not stop.is_set():
+            try:
+                status = session.post(url + "/rollouts", data=bodies[k % 2], timeout=30).status_code
+            except requests.RequestException:
+                status = "error"
+            statuses[status] = statuses.get(status, 0) + 1
+            k += 1
+
+    threads = [threading.Thread(target=bomber, args=(w,)) for w in range(writers)]
+    for t in threads:
+        t.start()
+    health, t0 = [], time.time()
+    try:
+        while time.time() < t0 + seconds:
+            t = time.perf_counter()
+            try:
+                requests.get(url + "/health", timeout=30)
+            except requests.RequestException:
+                pass
+            health.append(1000 * (time.perf_counter() - t))
+            time.sleep(0.05)
+        return {"writers": writers, "bomb_replies": {str(k): v for k, v in sorted(statuses.items(), key=str)},
+                "health_p50_ms": _pct(health, 0.5), "health_p99_ms": _pct(health, 0.99),
+                "health_max_ms": round(max(health), 1), "server_peak_rss_mb": round(_rss_mb(proc.pid, "VmHWM"), 1)}
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _hostile_requests():
@@ -441,10 +595,11 @@ def _hostile_requests():
     bad_tops += [{k: v for k, v in ok.items() if k != field} for field in ok] + [
         dict(ok, peer="../x"), dict(ok, batch_id="a/b"), dict(ok, groups=[g] * 300), [ok], "ok"]
     bad_bodies = [b"{", b"[" * 100_000, b"\xff\xfe", b"NaN", b'{"peer": 1e999}', b"1" * 5000, b"null", b"[]",
-                  b'{"peer": "p", "round": Infinity}', b"\x00" * 100, b'{"a": "\\ud800"}']
+                  b'{"peer": "p", "round": Infinity}', b"\x00" * 100, b'{"a": "\\ud800"}',
+                  json.dumps(dict(ok, groups=[dict(g, question="\ud800")])).encode(), b'{"a": "\xed\xa0\x80"}']
     metrics = [{"peer": "p", "round": 1, "metrics": m} for m in (
         {"a": 10 ** 400}, {"a": 1e300}, {"a": -1e16}, {"a": "x"}, {"a": [1]}, {"a": True}, {"": 1}, {"x" * 65: 1},
-        {str(k): 1 for k in range(65)}, [1], None)] + [{"peer": "<b>", "round": 1, "metrics": {}},
+        {str(k): 1 for k in range(65)}, [1], None, {"\ud800": 1})] + [{"peer": "<b>", "round": 1, "metrics": {}},
                                                        {"peer": "p", "round": -1, "metrics": {}}]
     get = [b"GET /rollouts?after=-1 HTTP/1.1\r\n\r\n", b"GET /rollouts?limit=0 HTTP/1.1\r\n\r\n",
            b"GET /rollouts?limit=99999 HTTP/1.1\r\n\r\n", b"GET /rollouts?exclude=%3Cb%3E HTTP/1.1\r\n\r\n",
@@ -462,13 +617,79 @@ def _hostile_requests():
                 b"POST /rollouts HTTP/1.1\r\n\r\n", b"POST /rollouts HTTP/1.1\r\nContent-Length: -1\r\n\r\n",
                 b"POST /rollouts HTTP/1.1\r\nContent-Length: 99999999999\r\n\r\n",
                 b"POST /rollouts HTTP/1.1\r\nContent-Length: 100\r\n\r\n{",  # a lying length: waits for the deadline
-                b"POST /metrics HTTP/1.1\r\nContent-Length: 10\r\nContent-Length: 99\r\n\r\n0123456789"]
+                b"POST /metrics HTTP/1.1\r\nContent-Length: 10\r\nContent-Length: 99\r\n\r\n0123456789",
+                b"POST /metrics HTTP/1.1\r\nContent-Length : 24\r\n\r\nGET /health HTTP/1.1\r\n\r\n",
+                b"GET\t/health\tHTTP/1.1\r\n\r\n", b"GET /health HTTP/1.1\r\nX: a\r\n b\r\n\r\n"]
     return ([("bad JSON body", post(p, b)) for b in bad_bodies for p in ("/rollouts", "/metrics")]
             + [("bad batch", post("/rollouts", x)) for x in bad_tops]
             + [("bad group", post("/rollouts", dict(ok, batch_id=f"g{i}", groups=[x]))) for i, x in enumerate(bad_groups)]
             + [("unknown method", r) for r in methods]
             + [("bad metrics", post("/metrics", m)) for m in metrics]
-            + [("bad query or path", r) for r in get] + [("protocol abuse", r) for r in protocol])
+            + [("bad query or path", r) for r in get] + [("protocol abuse", r) for r in protocol]
+            + [("fuzzed (fuzzed_requests)", r) for _, r in fuzzed_requests(500, seed=1)])
+
+
+def fuzzed_requests(n, seed=0):
+    """n requests made by mutating valid ones at random (seeded) -> [(mutation, raw bytes)]: a value of the
+    JSON body replaced by a hostile one (wrong types, lone surrogates, huge numbers, control characters,
+    deep nesting), a field dropped or added, a query parameter changed, or the head bent (a header twice,
+    a space before the colon, tabs for spaces, stray bytes). Every length is true, so none waits."""
+    rng = random.Random(seed)
+    group = {"task": "t", "question": "q", "answer": "a", "metadata": {"k": [1, {"z": "v"}]}, "completions": ["c", "d"],
+             "stopped": [True, False], "model": "m"}
+    bodies = {"/rollouts": {"peer": "p", "round": 1, "batch_id": "b", "groups": [group]},
+              "/metrics": {"peer": "p", "round": 1, "metrics": {"loss": 0.5, "local_reward": None}}}
+    nasty = [None, True, False, -1, 0, 2**63, 1.5, -0.0, 1e308, "", "\ud800", "a\udfff", "\ud83d\ude00", "\x00",
+             "x" * 70_000, "caf\u00e9", "<b>", "../x", [], [None], [[[[[[[[[[[]]]]]]]]]]], {}, {"\ud800": 1}, {"": 1}]
+    raw_nasty = ["1e999", "-1e999", "1" * 5000, "NaN", "-Infinity", '"\\ud800"', '"\\udc00\\ud800"', "[" * 50 + "]" * 50]
+
+    def paths(x, here=()):  # every place a value sits in x
+        yield here
+        for k, v in (x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, list) else ()):
+            yield from paths(v, here + (k,))
+
+    def head(method, target, body, extra=()):
+        lines = [f"{method} {target} HTTP/1.1", "Host: x", "Connection: close", *extra]
+        return ("\r\n".join(lines + [f"Content-Length: {len(body)}", "", ""])).encode("latin-1") + body
+
+    out = []
+    for _ in range(n):
+        path = rng.choice(["/rollouts", "/metrics", "/rollouts?", "/health"])
+        body, target = json.loads(json.dumps(bodies.get(path, {}))), path
+        kind = rng.choice(["value", "raw value", "drop", "add", "query", "head"] if path in bodies else ["query", "head"])
+        text = None
+        if kind in ("value", "raw value", "drop", "add"):
+            spot = rng.choice([p for p in paths(body) if p])
+            parent = body
+            for k in spot[:-1]:
+                parent = parent[k]
+            if kind == "value":
+                parent[spot[-1]] = rng.choice(nasty)
+            elif kind == "drop":
+                del parent[spot[-1]]
+            elif kind == "add" and isinstance(parent, dict):
+                parent[rng.choice(["\ud800", "x" * 100, "seq", "time", "peer"])] = rng.choice(nasty)
+            else:
+                marker = "\u0001MARK\u0001"
+                parent[spot[-1]] = marker
+                text = json.dumps(body).replace(json.dumps(marker), rng.choice(raw_nasty))
+        data = (text or json.dumps(body)).encode() if path in bodies else b""
+        method = "POST" if path in bodies else "GET"
+        if kind == "query":
+            method, target = "GET", rng.choice(["/rollouts", "/metrics"]) + "?" + "&".join(
+                f"{rng.choice(['after', 'limit', 'exclude', 'x'])}={rng.choice(['0', '-1', '1e3', '%ff', '%00', '%ud800', '9' * 20, '', 'a b', '1&after=2'])}"
+                for _ in range(rng.randint(1, 4)))
+            data = b""
+        raw = head(method, target, data)
+        if kind == "head":
+            raw = rng.choice([head(method, target, data, [f"Content-Length: {len(data)}"]),
+                              head(method, target, data, ["Authorization: Bearer x", "Authorization: Bearer y"]),
+                              raw.replace(b"Host: x", b"Host : x"), raw.replace(b" ", b"\t", 2),
+                              raw.replace(b"Host: x", b"Host: x\r\n x"), raw.replace(b"HTTP/1.1", b"HTTP/1.1 x", 1),
+                              raw.replace(b"Host", bytes([rng.randrange(256)]) + b"Host"), raw.replace(b"\r\n", b"\n"),
+                              raw.replace(b"Host: x", b"Host: \xff\x00")])
+        out.append((kind, raw))
+    return out
 
 
 def _raw(url, data):
@@ -754,20 +975,23 @@ def attack_poisoned_reads(groups=40, seconds=8):
     return results
 
 
-def attack_memory(keep_mb=64, post_mb=256, writers=4):
-    """Fill a server with --keep-bytes keep_mb far past it: its disk use and resident memory."""
+def attack_memory(keep_mb=64, post_mb=256, writers=4, largest=False):
+    """Fill a server with --keep-bytes keep_mb far past it: its disk use and resident memory. Posts of
+    32 groups of 8 completions of 1,000 characters (~260 KB), or with `largest` the largest valid bodies
+    (4 groups of 64 completions of 31,000 characters: 7.6 MB)."""
     import requests
     proc, url, folder = _server(None, "--keep-bytes", f"{keep_mb}M")
     try:
         empty_rss, peak_disk = _rss_mb(proc.pid), 0
-        body = lambda w, i: {"peer": f"w{w}", "round": i, "batch_id": f"{w}-{i}",
-                             "groups": _groups(f"{w}-{i}", 32, 8, 1000)}  # ~260 KB a post
-        posts = post_mb * 1024 // 260 // writers
+        shape, kb = ((4, 64, 31_000), 7_800) if largest else ((32, 8, 1000), 260)
+        body = lambda w, i: {"peer": f"w{w}", "round": i, "batch_id": f"{w}-{i}", "groups": _groups(f"{w}-{i}", *shape)}
+        posts = max(1, post_mb * 1024 // kb // writers)
 
         def writer(w):
             session = requests.Session()
             for i in range(posts):
-                session.post(url + "/rollouts", json=body(w, i), timeout=60)
+                while session.post(url + "/rollouts", json=body(w, i), timeout=60).status_code == 503:
+                    time.sleep(0.2)  # busy: in flight are 64 MB of bodies already; send it again
 
         threads = [threading.Thread(target=writer, args=(w,)) for w in range(writers)]
         for t in threads:
@@ -777,7 +1001,7 @@ def attack_memory(keep_mb=64, post_mb=256, writers=4):
                                            if os.path.exists(os.path.join(folder, n))))
             time.sleep(0.2)
         disk = sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder))
-        return {"keep_mb": keep_mb, "posted_mb": round(posts * writers * 260 / 1024), "disk_mb": round(disk / 2**20, 1),
+        return {"keep_mb": keep_mb, "posted_mb": round(posts * writers * kb / 1024), "disk_mb": round(disk / 2**20, 1),
                 "peak_disk_mb": round(peak_disk / 2**20, 1), "empty_rss_mb": round(empty_rss, 1),
                 "final_rss_mb": round(_rss_mb(proc.pid), 1), "peak_rss_mb": round(_rss_mb(proc.pid, "VmHWM"), 1)}
     finally:
@@ -787,10 +1011,15 @@ def attack_memory(keep_mb=64, post_mb=256, writers=4):
 
 
 def bench_attack(args):
-    for name, fn in (("slow-connection flood", lambda: attack_flood(args.slow)), ("hostile requests", attack_hostile),
-                     ("kill -9 cycles", lambda: attack_kill9(args.cycles)), ("client vs bad servers", attack_client),
-                     ("client vs a large reply", attack_large_reply), ("client vs poisoned reads", attack_poisoned_reads),
-                     ("memory and disk", attack_memory)):
+    attacks = {"slow-connection flood": lambda: attack_flood(args.slow), "hostile requests": attack_hostile,
+               "busy connections at the cap": attack_busy_cap, "stalled bodies without the token": attack_stalled_bodies,
+               "parse bombs": attack_parse_bombs, "kill -9 cycles": lambda: attack_kill9(args.cycles),
+               "client vs bad servers": attack_client, "client vs a large reply": attack_large_reply,
+               "client vs poisoned reads": attack_poisoned_reads, "memory and disk": attack_memory,
+               "memory and disk, largest bodies": lambda: attack_memory(256, 512, 16, largest=True)}
+    for name, fn in attacks.items():
+        if args.only and not any(word in name for word in args.only):
+            continue
         t0 = time.time()
         r = fn()
         print(json.dumps({"what": name, **r, "seconds": round(time.time() - t0, 1)}) if args.json else
@@ -965,6 +1194,7 @@ def main():
     p.add_argument("--attack", action="store_true", help="what the server and client survive (README's reliability)")
     p.add_argument("--slow", type=int, default=500, help="--attack: slow connections held open")
     p.add_argument("--cycles", type=int, default=10, help="--attack: kill -9 cycles")
+    p.add_argument("--only", nargs="+", help="--attack: only the attacks whose names hold one of these words")
     p.add_argument("--parity", type=int, metavar="N", help="reward.py's scorers vs reasoning_gym's, N items per family")
     p.add_argument("--lines", action="store_true", help="the reading path and file sizes against their budgets")
     p.add_argument("--json", action="store_true", help="one JSON object per measurement")

@@ -9,8 +9,8 @@ token ids, log-probs or weights) with the swarm, and trains on its I local group
 from what the other peers shared. Peers never wait for each other: a peer takes whatever has arrived.
 
 How this file does it, in reading order:
-- Whatever arrives from outside (a request, a file read back, a server's reply) is checked against one
-  table of fields and limits by one function, `check`. Every other bound is a figure in `Limits`.
+- Whatever arrives from outside (a request, a file read back, a server's reply) is checked by rules
+  built from a few small functions (`fields`, `items`, `text`, ...). Every other bound is in `Limits`.
 - RolloutStore, the core: POST /rollouts appends a batch file and numbers its groups 1, 2, 3, ...
   (`seq`); GET /rollouts?after=SEQ reads the groups after a sequence number.
 - SwarmServer, the HTTP around it (`python swarm.py --dir swarm_data --port 8000`, standard library
@@ -41,6 +41,7 @@ import argparse
 import asyncio
 import bisect
 import collections
+import contextlib
 import errno
 import hmac
 import html
@@ -50,6 +51,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -69,7 +71,9 @@ except ImportError:
 class Limits:
     """Every bound in one place (sizes in bytes): what keeps a sender from making the server hold more,
     and a server from making a client hold more."""
-    body_bytes = 8 << 20        # one request body (413 beyond it)
+    body_bytes = 8 << 20        # one request body (413 beyond it); bodies over 1/8 of it are answered one
+                                # at a time, as parsing one may take several times its bytes
+    json_values = 1 << 20       # commas, objects and lists outside strings in one JSON text (413 beyond)
     page_bytes = 1 << 20        # one reply page of /rollouts or /metrics (a page holds at least one item)
     page_groups = 1024          # groups in one /rollouts page (?limit=, default 256)
     scan_groups = 16 * 1024     # groups one read may step over (the reader's own, which it excludes)
@@ -98,26 +102,8 @@ class Limits:
 
 
 # -----------------------------------------------------------------------------
-# What may arrive from outside (requests, files read back, a server's replies): one table, one check.
-
-NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # peer names: safe in URLs, logs and HTML
-BATCH_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
-SEQ, ROUND, TIME = ("int", 10**15), ("int", 10**12), ("float", 1e11)
-GROUP = {  # field -> (kind, limit): a rollout group on the wire
-    "task": ("label", 256), "question": ("text", 16_000), "answer": ("text", 4_000),
-    "metadata": ("object", 16_000), "completions": ("texts", (64, 32_000)),
-    "stopped": ("flags", "completions"), "model": ("text", 256)}
-OPTIONAL = {"metadata": {}, "model": ""}
-STORED = {**GROUP, "peer": ("name", NAME), "round": ROUND, "seq": SEQ, "time": TIME}  # as served
-PUBLISH = {"peer": ("name", NAME), "round": ROUND, "batch_id": ("name", BATCH_ID), "groups": ("list", (256, GROUP))}
-BATCH = {**PUBLISH, "time": TIME, "groups": ("list", (256, STORED))}                # a batch file
-REPLY = {"peer": ("name", NAME), "batch_id": ("name", BATCH_ID), "accepted": ("int", 256), "seq": SEQ}
-PRUNED = {"seq": SEQ, "replies": ("list", (None, REPLY))}                           # pruned.json
-METRICS = {"peer": ("name", NAME), "round": ROUND, "metrics": ("numbers", 64)}
-ROW = {**METRICS, "n": SEQ, "time": TIME}                                           # a metrics.jsonl line
-PAGE = {"groups": ("list", (None, None)), "next": SEQ, "last": SEQ}                 # a GET /rollouts reply
-HEALTH = {"last_seq": SEQ}
-
+# What may arrive from outside (requests, files read back, a server's replies) is checked by rules: a
+# rule takes (value, where) and returns a clean copy of the value, or raises BadRequest in one sentence.
 
 class BadRequest(Exception):
     """What the other side got wrong, in one sentence, with the HTTP status that says so."""
@@ -144,48 +130,74 @@ def _dumps(x):  # compact UTF-8 JSON: what is stored, served and sent
     return json.dumps(x, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
-def check(obj, fields, where=""):
-    """Check a JSON object against a table of fields -> a clean copy holding only those fields, or
-    BadRequest with one sentence naming the first problem."""
-    _want(isinstance(obj, dict), f"{where or 'The body'} must be a JSON object.")
-    clean = {}
-    for field, (kind, limit) in fields.items():
-        path = f"{where}.{field}" if where else field
-        if field not in obj:
-            _want(field in OPTIONAL, f"{where or 'The body'} is missing the field '{field}'.")
-            clean[field] = OPTIONAL[field]
-            continue
-        v = obj[field]
-        if kind in ("text", "label"):  # a label (a task name) may not be empty
-            ok = isinstance(v, str) and len(v) <= limit and (v or kind == "text")
-            rule = f"a {'non-empty ' * (kind == 'label')}string of at most {limit} characters"
-        elif kind == "name":
-            ok, rule = isinstance(v, str) and limit.fullmatch(v), f"a string matching {limit.pattern}"
-        elif kind in ("int", "float"):  # JSON true is no number here; a float may be written as an int
-            ok = _sane(v) and (kind == "float" or isinstance(v, int)) and 0 <= v <= limit
-            rule = f"a whole number from 0 to {limit}" if kind == "int" else f"a number from 0 to {limit:g}"
-        elif kind == "object":
-            ok = isinstance(v, dict) and not _too_deep(v, 8) and len(_dumps(v)) <= limit
-            rule = f"a JSON object nested at most 8 deep and at most {limit} bytes as JSON"
-        elif kind == "texts":
-            ok = isinstance(v, list) and 0 < len(v) <= limit[0] and all(
-                isinstance(t, str) and len(t) <= limit[1] for t in v)
-            rule = f"a list of 1 to {limit[0]} strings of at most {limit[1]} characters each"
-        elif kind == "flags":  # one boolean per item of another field
-            n = len(clean[limit])
-            ok = isinstance(v, list) and len(v) == n and all(isinstance(s, bool) for s in v)
-            rule = f"a list of {n} booleans, one per completion"
-        elif kind == "numbers":
-            ok = isinstance(v, dict) and len(v) <= limit and all(
-                0 < len(k) <= 64 and (x is None or _sane(x)) for k, x in v.items())
-            rule = f"an object of at most {limit} names (1 to 64 characters) to numbers within ±1e15 or null"
-            v = {k: None if x is None else float(x) for k, x in v.items()} if ok else v
-        elif kind == "list":  # limit: (most items or None, the table each item must pass or None)
-            ok, rule = isinstance(v, list) and len(v) <= (limit[0] or len(v)), f"a list of at most {limit[0]} items"
-            v = [check(x, limit[1], f"{path}[{i}]") for i, x in enumerate(v)] if ok and limit[1] else v
-        _want(ok, f"{path} must be {rule}.")
-        clean[field] = v
-    return clean
+def rule(test, says, convert=lambda value, where: value):
+    """The rule "test(value) holds", which fails with "<where> must be <says>."; convert makes the copy."""
+    def checked(value, where):
+        _want(test(value), f"{where} must be {says}.")
+        return convert(value, where)
+    return checked
+
+
+def text(most, least=0):
+    return rule(lambda v: isinstance(v, str) and least <= len(v) <= most, f"a string of {least} to {most} characters")
+
+
+def number(most, whole=True):  # JSON true is no number here; a float may be written as an int
+    return rule(lambda v: _sane(v) and (isinstance(v, int) or not whole) and 0 <= v <= most,
+                f"a {'whole ' * whole}number from 0 to {most:g}")
+
+
+def items(most, each=None, least=0):  # a list of least to most values, each passing the rule each (None: any)
+    return rule(lambda v: isinstance(v, list) and least <= len(v) <= most, f"a list of {least} to {most} items",
+                lambda v, where: [each(x, f"{where}[{i}]") for i, x in enumerate(v)] if each else v)
+
+
+def fields(table, optional={}, also=()):
+    """The rule for a JSON object with the fields of `table` (field -> rule) -> a copy with only those.
+    optional: field -> the value a missing field takes; also: (test of the copy, what it says) pairs."""
+    def checked(value, where):
+        _want(isinstance(value, dict), f"{where or 'The body'} must be a JSON object.")
+        clean = {}
+        for field, each in table.items():
+            _want(field in value or field in optional, f"{where or 'The body'} is missing the field '{field}'.")
+            clean[field] = each(value[field], f"{where}.{field}" if where else field) if field in value else optional[field]
+        for test, says in also:
+            _want(test(clean), f"In {where or 'the body'}, {says}.")
+        return clean
+    return checked
+
+
+def check(value, rule, where=""):
+    """A JSON value checked by a rule -> its clean copy, or BadRequest naming the first problem."""
+    return rule(value, where)
+
+
+NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # peer names: safe in URLs, logs and HTML
+PEER = rule(lambda v: isinstance(v, str) and NAME.fullmatch(v), f"a string matching {NAME.pattern}")
+BATCH_ID = rule(lambda v: isinstance(v, str) and re.fullmatch(r"[A-Za-z0-9_.:-]{1,128}", v), "an id of 1 to 128 characters "
+                "from A-Z, a-z, 0-9 and '_.:-'")
+SEQ, ROUND, TIME = number(10**15), number(10**12), number(1e11, whole=False)
+GROUP = {  # field -> rule: a rollout group on the wire
+    "task": text(256, 1), "question": text(16_000), "answer": text(4_000),
+    "metadata": rule(lambda v: isinstance(v, dict) and not _too_deep(v, 8) and len(_dumps(v)) <= 16_000,
+                     "a JSON object nested at most 8 deep and at most 16000 bytes as JSON"),
+    "completions": items(64, text(32_000), 1), "stopped": items(64, rule(lambda v: isinstance(v, bool), "true or false")),
+    "model": text(256)}
+OPTIONAL = {"metadata": {}, "model": ""}
+ALSO = [(lambda g: len(g["stopped"]) == len(g["completions"]), "stopped must hold one boolean per completion")]
+STORED = fields({**GROUP, "peer": PEER, "round": ROUND, "seq": SEQ, "time": TIME}, OPTIONAL, ALSO)  # as served
+PUBLISH = fields({"peer": PEER, "round": ROUND, "batch_id": BATCH_ID, "groups": items(256, fields(GROUP, OPTIONAL, ALSO))})
+BATCH = fields({"peer": PEER, "round": ROUND, "batch_id": BATCH_ID, "time": TIME, "groups": items(256, STORED)})
+PRUNED = fields({"seq": SEQ, "replies": items(math.inf, fields(  # pruned.json
+    {"peer": PEER, "batch_id": BATCH_ID, "accepted": number(256), "seq": SEQ}))})
+NUMBERS = rule(lambda v: isinstance(v, dict) and len(v) <= 64 and all(0 < len(k) <= 64 and (x is None or _sane(x))
+                                                                      for k, x in v.items()),
+               "an object of at most 64 names (1 to 64 characters) to numbers within ±1e15 or null",
+               lambda v, where: {k: None if x is None else float(x) for k, x in v.items()})
+METRICS = fields({"peer": PEER, "round": ROUND, "metrics": NUMBERS})
+ROW = fields({"n": SEQ, "peer": PEER, "round": ROUND, "time": TIME, "metrics": NUMBERS})  # a metrics.jsonl line
+PAGE = fields({"groups": items(math.inf), "next": SEQ, "last": SEQ})  # a GET /rollouts reply
+HEALTH = fields({"last_seq": SEQ})
 
 
 def _finite(text):  # JSON may spell numbers that cannot be served back as JSON: NaN, Infinity, 1e999
@@ -195,12 +207,21 @@ def _finite(text):  # JSON may spell numbers that cannot be served back as JSON:
 
 
 def parse_json(raw):
-    """Strict JSON -> a Python value, or BadRequest: no NaN or Infinity, nothing nested too deeply."""
+    """Strict UTF-8 JSON -> a Python value, or BadRequest: no NaN or Infinity, no lone surrogate such as
+    "\\ud800" (no UTF-8 can store or serve it), nothing nested too deeply, and at most Limits.json_values
+    objects, lists and items, since each costs memory far beyond its bytes (an 8 MB body of {},{},... is
+    230 MB as Python objects)."""
     try:
-        return json.loads(raw, parse_float=_finite, parse_constant=_finite)
-    except RecursionError:
-        raise BadRequest("The JSON is nested too deeply.") from None
-    except ValueError as e:  # includes JSONDecodeError, bodies that are not UTF-8, 5000-digit numbers
+        text = raw.decode() if isinstance(raw, (bytes, bytearray)) else raw  # strict: no encoded surrogates
+        if text.count(",") + text.count("{") + text.count("[") > Limits.json_values:  # then count outside strings
+            bare = re.sub(r'"[^"]*"', "", text.replace("\\\\", "").replace('\\"', ""))  # linear: no backtracking
+            _want(bare.count(",") + bare.count("{") + bare.count("[") <= Limits.json_values,
+                  f"The JSON holds more than {Limits.json_values} values; send fewer at once.", 413)
+        value = json.loads(text, parse_float=_finite, parse_constant=_finite)
+        if re.search(r"\\u[dD][89a-fA-F]", text):
+            _dumps(value)  # raises UnicodeEncodeError on a lone surrogate
+        return value
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, not UTF-8, a lone surrogate, 5000 digits, too deep
         raise BadRequest(f"The body is not valid JSON: {str(e)[:120]}.") from None
 
 
@@ -224,6 +245,8 @@ class RolloutStore:
     one writer at a time touch the folder (one global order; a post costs one fsync), and `lock` guards
     the in-memory state for the moment an update or a read takes, so readers never wait for a disk."""
 
+    copies = ("pruned.json", "pruned-copy.json")  # two copies: a damaged one alone loses nothing
+
     def __init__(self, folder, keep_bytes=Limits.keep_bytes):
         self.folder, self.keep_bytes = os.path.abspath(folder), keep_bytes
         self.write_lock, self.lock = threading.Lock(), threading.Lock()
@@ -235,8 +258,9 @@ class RolloutStore:
         self.replies = collections.OrderedDict()  # (peer, batch_id) -> reply; outlives the batch (bounded)
         self.peers = collections.OrderedDict()    # peer -> {"last_seen", "last_round", "groups"}, by recency
         self.metrics, self.metrics_bytes = [], 0  # (n, peer, row as a JSON line, row) per kept metrics row
-        self.closed = False
-        self.folder_fd = self._lock_folder()
+        self.closed = self.metrics_cut = False    # metrics_cut: a failed write may have left half a line
+        self.folder_fd = None
+        self._lock_folder()
         try:
             self._load()
         except BaseException:
@@ -248,7 +272,7 @@ class RolloutStore:
         with self.write_lock:
             if (peer, batch_id) in self.replies or not groups:  # a retry gets the first reply: stored once
                 return self.replies.get((peer, batch_id), {"accepted": 0, "seq": self.last_seq})
-            now, first = time.time(), self.last_seq + 1
+            now, first = _now(), self.last_seq + 1
             record = {"peer": peer, "round": round_, "batch_id": batch_id, "time": now, "groups": [
                 {**g, "peer": peer, "round": round_, "seq": first + k, "time": now} for k, g in enumerate(groups)]}
             name, data = f"batch-{first + len(groups) - 1:012d}.json", _dumps(record)
@@ -287,8 +311,9 @@ class RolloutStore:
 
     def _retain(self):
         """Past --keep-bytes, delete the oldest batches down to 90% of it (the newest always stays). First
-        pruned.json records the newest deleted seq and the deleted batches' idempotency records, so after
-        a restart the numbering goes on and a late retry of a deleted batch is still not stored twice."""
+        pruned.json and its copy record the newest deleted seq and the deleted batches' idempotency
+        records, so after a restart the numbering goes on and a late retry of a deleted batch is still not
+        stored twice, even if one of the two files is damaged."""
         if self.kept_bytes <= self.keep_bytes or len(self.batches) < 2:
             return
         with self.lock:
@@ -301,19 +326,19 @@ class RolloutStore:
             self.pruned = int(doomed[-1][6:18])  # batch-<12 digits>.json
             kept = {(p, b) for _, p, b, _, _ in self.batches}
             gone = [{"peer": p, "batch_id": b, **r} for (p, b), r in self.replies.items() if (p, b) not in kept]
-        self._write_atomic("pruned.json", _dumps({"seq": self.pruned, "replies": gone}))
+        for name in self.copies:
+            self._write_atomic(name, _dumps({"seq": self.pruned, "replies": gone}))
         for name in doomed:
             self._remove(name)
 
     def _load(self):
         """Read the folder back: pruned.json, every batch file in seq order, metrics.jsonl. Whatever a file
         holds, a bad one is logged and skipped, and no seq named by a file is ever used again."""
-        pruned = self._read("pruned.json", PRUNED)
-        if pruned:
-            self.pruned = self.last_seq = pruned[0]["seq"]
+        for pruned in filter(None, (self._read(name, PRUNED) for name in self.copies)):
+            self.pruned = self.last_seq = max(self.pruned, pruned[0]["seq"])
             for r in pruned[0]["replies"]:
                 self._remember(r["peer"], r["batch_id"], {"accepted": r["accepted"], "seq": r["seq"]})
-        for name in sorted(os.listdir(self.folder)):  # 12-digit names: in seq order
+        for name in sorted(os.listdir(self.folder_fd)):  # 12-digit names: in seq order
             found = re.fullmatch(r"batch-(\d{12})\.json", name)
             last = int(found.group(1)) if found else 0
             if name.startswith(".tmp-") or (found and last <= self.pruned):
@@ -326,42 +351,47 @@ class RolloutStore:
             elif batch:
                 _log(f"skipping batch file {name}: its groups are not numbered up to the seq in its name")
             self.last_seq = max(self.last_seq, last)  # its name alone uses up the numbers, even if unreadable
-        bad, path = 0, os.path.join(self.folder, "metrics.jsonl")
-        for line in open(path, "rb") if os.path.exists(path) else ():
+        data, bad = self._read("metrics.jsonl"), 0
+        for line in (data or b"").splitlines():
             try:
                 row = check(parse_json(line), ROW)
                 _want(not self.metrics or row["n"] > self.metrics[-1][0], "out of order")
                 self._keep_metrics(row)
             except BadRequest:
                 bad += 1  # e.g. the last line, cut short by kill -9
-        if bad:
-            _log(f"skipped {bad} unreadable lines in metrics.jsonl")
+        if bad or data == b"" or data and not data.endswith(b"\n"):  # so that no row is appended to half a line
+            _log(f"skipped {bad} unreadable lines in metrics.jsonl") if bad else None
+            self._write_atomic("metrics.jsonl", b"".join(m[2] for m in self.metrics))
         if self.last_seq:
             _log(f"reloaded {len(self.index)} groups in {len(self.batches)} batches from {self.folder}; "
                  f"numbering continues after seq {self.last_seq}")
         self._retain()
 
-    def _read(self, name, fields):
-        """A JSON file of the folder checked against a table -> (clean object, bytes), or None if it is
-        missing or bad (logged)."""
+    def _read(self, name, rule=None):
+        """A file of the folder -> its bytes, or with a rule (clean JSON, bytes); None if it is missing,
+        b"" or None if it is not a regular file or is unreadable or bad (logged)."""
         try:
-            with open(os.path.join(self.folder, name), "rb") as f:
-                data = f.read()
-            return check(parse_json(data), fields, name), len(data)
+            with self._open(name) as f:
+                data = f.read(4 * Limits.body_bytes + 1)  # more than this server ever writes in one file
+            _want(len(data) <= 4 * Limits.body_bytes, "it is larger than any file this server writes")
+            return (check(parse_json(data), rule, name), len(data)) if rule else data
         except FileNotFoundError:
             return None
         except (OSError, BadRequest) as e:
             _log(f"skipping unreadable {name} ({getattr(e, 'message', e)!s:.200})")
+            return None if rule else b""
 
     # -- metrics: an append-only log, bounded in bytes
 
     def add_metrics(self, peer, round_, metrics):
         with self.write_lock:
             row = {"n": self.metrics[-1][0] + 1 if self.metrics else 1, "peer": peer, "round": round_,
-                   "time": time.time(), "metrics": metrics}
-            with open(os.path.join(self.folder, "metrics.jsonl"), "ab") as f:  # best effort: no fsync
-                f.write(_dumps(row) + b"\n")
+                   "time": _now(), "metrics": metrics}
+            line, self.metrics_cut = b"\n" * self.metrics_cut + _dumps(row) + b"\n", True  # never onto a cut line
+            with self._open("metrics.jsonl", "ab") as f:  # best effort: no fsync
+                f.write(line)
                 size = f.tell()
+            self.metrics_cut = False  # (written whole)
             with self.lock:
                 self._keep_metrics(row)
             if size > 2 * Limits.metrics_bytes:  # keep the file bounded too: rewrite it with the rows kept
@@ -392,34 +422,54 @@ class RolloutStore:
     # -- the folder itself
 
     def _lock_folder(self):
-        """-> an open descriptor of the folder, flock-ed: a second server on it is refused, and no stray
-        `rm` of a lock file can change that (there is none)."""
+        """Open the folder and flock it (self.folder_fd): a second server on it is refused, and no stray
+        `rm` of a lock file can change that (there is none). Every file is opened relative to it."""
         try:
             os.makedirs(self.folder, exist_ok=True)
-            fd = os.open(self.folder, os.O_RDONLY)
-            open(os.path.join(self.folder, ".tmp-probe"), "wb").close()  # can we write here?
-        except OSError as e:
-            raise ValueError(f"cannot use --dir {self.folder} ({e.strerror or e}); "
-                             "give a folder the server can create and write.") from None
-        try:
+            self.folder_fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
+            self._remove(".tmp-probe")
+            self._open(".tmp-probe", "wb").close()  # can we write here?
             if fcntl is not None:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+                fcntl.flock(self.folder_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if self.folder_fd is not None:
+                os.close(self.folder_fd)
+            raise ValueError(f"another swarm server is already using --dir {self.folder}; stop it or choose another "
+                             "folder." if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else f"cannot use --dir "
+                             f"{self.folder} ({e.strerror or e}); give a folder the server can create and write.") from None
+
+    def _open(self, name, mode="rb"):
+        """A regular file of the locked folder, opened relative to its descriptor: never through a link,
+        never a FIFO or a device. Writing, it refuses (503) if the folder's path now names another folder
+        (`mv D D.old; mkdir D`): a second server may be writing there, and our batches would not be found."""
+        try:
+            moved = mode != "rb" and not os.path.samestat(os.fstat(self.folder_fd), os.stat(self.folder))
+        except FileNotFoundError:
+            moved = True
+        if moved:
+            _log(f"{self.folder} was moved or replaced while this server ran; it stores nothing until restarted")
+            raise BadRequest("The server's folder was moved or replaced, so nothing was stored; send it again "
+                             "once the server is restarted.", 503, {"Retry-After": "10"})
+        flags = {"rb": os.O_RDONLY, "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "ab": os.O_WRONLY | os.O_CREAT | os.O_APPEND}
+        fd = os.open(name, flags[mode] | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644, dir_fd=self.folder_fd)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            return open(fd, mode)
+        except BaseException:
             os.close(fd)
-            raise ValueError(f"another swarm server is already using --dir {self.folder}; "
-                             "stop it or choose another folder.") from None
-        return fd
+            raise
 
     def _write_atomic(self, name, data):
         """Write bytes to folder/name so that anyone (a reader, a restart after kill -9) sees all or nothing:
-        a temporary file, fsynced, renamed over the name, and the rename fsynced too."""
-        tmp = os.path.join(self.folder, ".tmp-" + name)
+        a temporary file, fsynced, renamed over the name (a link there is replaced, never followed), and
+        the rename fsynced too."""
         try:
-            with open(tmp, "wb") as f:
+            with self._open(".tmp-" + name, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, os.path.join(self.folder, name))
+            os.replace(".tmp-" + name, name, src_dir_fd=self.folder_fd, dst_dir_fd=self.folder_fd)
             os.fsync(self.folder_fd)
         except OSError:
             self._remove(".tmp-" + name)
@@ -427,7 +477,7 @@ class RolloutStore:
 
     def _remove(self, name):
         try:
-            os.remove(os.path.join(self.folder, name))
+            os.remove(name, dir_fd=self.folder_fd)  # a link is removed, not what it points to
         except FileNotFoundError:
             pass
         except OSError as e:  # pruned.json says it is deleted: the next start tries again
@@ -438,6 +488,10 @@ class RolloutStore:
             if not self.closed:
                 self.closed = True
                 os.close(self.folder_fd)  # releases the folder lock
+
+
+def _now():  # the server's clock as a TIME field holds it, so that no clock makes a stored file unreadable
+    return min(max(time.time(), 0.0), 1e11)
 
 
 def _page(entries, after, limit, exclude):
@@ -464,7 +518,7 @@ ROUTES = {"/": {"GET": "page"}, "/health": {"GET": "health"}, "/peers": {"GET": 
           "/rollouts": {"GET": "get_rollouts", "POST": "post_rollouts"},
           "/metrics": {"GET": "get_metrics", "POST": "post_metrics"}}
 JSON = "application/json"
-Request = collections.namedtuple("Request", "method target headers body close")
+Request = collections.namedtuple("Request", "method target headers body")
 
 
 def _error(message):
@@ -479,13 +533,16 @@ async def _readline(reader, status, what):
         raise BadRequest(f"{what} is longer than {Limits.line_bytes} bytes.", status) from None
 
 
+async def _drop_input(reader, most=1 << 20):  # what a refused client still sends: up to 1 MB of it
+    while most > 0 and (chunk := await reader.read(1 << 16)):
+        most -= len(chunk)
+
+
 def _int_param(query, name, default, lowest, highest):
-    values = query.get(name)
-    if not values:
-        return default
-    _want(re.fullmatch(r"[0-9]{1,15}", values[-1]) and lowest <= int(values[-1]) <= highest,
+    value = query.get(name, [str(default)])[-1]
+    _want(re.fullmatch(r"[0-9]{1,15}", value) and lowest <= int(value) <= highest,
           f"{name} must be a whole number from {lowest} to {highest}.")
-    return int(values[-1])
+    return int(value)
 
 
 class SwarmServer:
@@ -493,8 +550,8 @@ class SwarmServer:
     deadline, so a slow or idle connection costs a buffer, not a thread; two small pools of threads
     answer complete requests, one for reads and one for writes. A request's way through:
 
-        _accept -> _connection (waits for a request) -> _exchange: _read_request (under the deadline),
-        _answer in a worker thread (route, token, then one short method per route), _send the reply
+        _accept -> _connection: _read_request (line, headers, token, body: all under one deadline),
+        _answer in a worker thread (route, then one short method per route), _send the reply, close
 
     shutdown() stops serving, closes the connections, then the store."""
 
@@ -507,11 +564,12 @@ class SwarmServer:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if resource else -1  # -1: no limit
         # every connection holds a descriptor: leave 64 of them for the batch files
         self.max_connections = max(4, min(Limits.connections, soft - 64)) if soft > 0 else Limits.connections
-        self.open, self.waiting = set(), {}  # all connections; those waiting for a request (a dict keeps
-                                             # insertion order: the first has waited longest)
+        self.open, self.waiting = set(), {}  # every connection; those that may be closed for a new one ->
+                                             # 0 if idle or sending a head, 1 if sending a body (in order)
         self.in_flight = 0                   # bytes of request bodies and replies held right now
         self.pools = {method: ThreadPoolExecutor(Limits.workers, thread_name_prefix=f"swarm-{method}")
                       for method in ("GET", "POST")}
+        self.large = threading.Lock()        # held while a large body is answered: see Limits.body_bytes
         self.loop = asyncio.new_event_loop()
         self.loop.set_exception_handler(lambda loop, context: _log(
             f"{context['message']} {context.get('exception')!r:.200}"))
@@ -520,21 +578,22 @@ class SwarmServer:
         self.thread.start()
 
     async def _accept(self):
-        """Accept one connection at a time, so the cap holds before the next: at the cap, the connection
-        that has waited longest for a request is closed. Out of descriptors: pause, never spin."""
+        """Accept one connection at a time, so the cap holds before the next. At the cap, or out of
+        descriptors, the connection that has waited longest without a complete request is closed for it
+        (see _evict); with none to close, a new connection is refused, and accept() pauses, never spins."""
         while True:
             try:
                 sock, _ = await self.loop.sock_accept(self.listener)
             except OSError as e:
-                _log(f"cannot accept connections for now ({e.strerror}); trying again in 1 s")
-                await asyncio.sleep(1)
+                if e.errno not in (errno.EMFILE, errno.ENFILE) or not self._evict():
+                    _log(f"cannot accept connections for now ({e.strerror}); trying again in 1 s")
+                    await asyncio.sleep(1)
+                await asyncio.sleep(0)  # let an evicted connection close, giving its descriptor back
                 continue
-            if len(self.open) >= self.max_connections:
-                if not self.waiting:  # every connection is being answered: this one must go
-                    sock.close()
-                    continue
-                next(iter(self.waiting)).transport.abort()
-                await asyncio.sleep(0)  # let it close, giving its descriptor back
+            if len(self.open) >= self.max_connections and not self._evict():
+                sock.close()  # every connection is being answered: this one must go
+                continue
+            await asyncio.sleep(0)
             try:
                 reader, writer = await asyncio.open_connection(sock=sock, limit=Limits.line_bytes)
             except OSError:
@@ -543,69 +602,85 @@ class SwarmServer:
             self.open.add(writer)
             self.loop.create_task(self._connection(reader, writer))
 
+    def _evict(self):
+        """Close the connection waiting longest among those idle or still sending a head (which proves
+        nothing, not even the token), else among those sending a body -> False if there is none."""
+        if not self.waiting:
+            return False
+        writer = min(self.waiting, key=self.waiting.get)  # the first of the lowest rank
+        self._forget(writer)  # at once, so that a burst never picks it twice
+        writer.transport.abort()
+        return True
+
+    def _forget(self, writer):
+        self.open.discard(writer)
+        self.waiting.pop(writer, None)
+
     async def _connection(self, reader, writer):
-        """One connection: wait for a request, then exchange it for a reply; repeat while it stays open."""
+        """One connection, one request: read it whole under the deadline, answer it in a worker thread,
+        send the reply, close. (Nothing can ride behind a body as a second request, and no connection
+        holds a place between requests.) The body counts in self.in_flight until the reply has gone."""
         writer.transport.set_write_buffer_limits(0)  # so that drain() returns once the reply has left
+        self.waiting[writer], body = 0, bytearray()
         try:
-            while True:
-                self.waiting[writer] = None
-                first = await asyncio.wait_for(reader.read(1), Limits.request_seconds)  # idle: just close
-                del self.waiting[writer]
-                if first in (b"", b"\x16") or not await self._exchange(first, reader, writer):
-                    return  # gone, closing, or a TLS handshake (this server speaks plain HTTP)
-        except BadRequest as e:  # the rest of the request is unread: answer, then close
             try:
-                await self._send(writer, e.status, JSON, _error(e.message), e.headers, close=True)
+                request = await asyncio.wait_for(self._read_request(reader, writer, body), Limits.request_seconds)
+            except asyncio.TimeoutError:
+                raise BadRequest(f"The request did not arrive whole within {Limits.request_seconds:g} s.", 408) from None
+            reply = await self.loop.run_in_executor(self.pools.get(request.method, self.pools["GET"]),
+                                                    self._answer, request)
+            await self._send(writer, *reply, head_only=request.method == "HEAD")
+            if self.verbose:
+                _log(f"{writer.get_extra_info('peername')} {request.method} {request.target[:200]} {reply[0]}")
+        except BadRequest as e:  # the rest of the request is unread: answer, then close
+            self.waiting[writer] = 0  # first to go while it lingers, holding no body
+            self.in_flight -= len(body)
+            body.clear()
+            try:
+                await self._send(writer, e.status, JSON, _error(e.message), e.headers)
+                writer.write_eof()  # and read what the client still sends for a moment, so that closing
+                await asyncio.wait_for(_drop_input(reader), 2.0)  # does not reset it before it reads the reply
             except (OSError, asyncio.TimeoutError):
                 pass
         except (OSError, EOFError, asyncio.TimeoutError):
             pass  # a client that hangs up, idles or stops reading its reply is not news
         finally:
-            self.open.discard(writer)
-            self.waiting.pop(writer, None)
+            self.in_flight -= len(body)
+            self._forget(writer)
             writer.transport.abort()
 
-    async def _exchange(self, first, reader, writer):
-        """Read one request whole under the deadline, answer it in a worker thread, send the reply -> keep
-        the connection open? A coroutine of its own, so that no body or reply outlives the exchange while
-        the connection waits for the next request; the body counts in self.in_flight until then."""
-        body = bytearray()
-        try:
-            try:
-                request = await asyncio.wait_for(self._read_request(first, reader, writer, body),
-                                                 Limits.request_seconds)
-            except asyncio.TimeoutError:
-                raise BadRequest(f"The request did not arrive whole within {Limits.request_seconds:g} s.",
-                                 408) from None
-            reply = await self.loop.run_in_executor(self.pools.get(request.method, self.pools["GET"]),
-                                                    self._answer, request)
-            await self._send(writer, *reply, close=request.close, head_only=request.method == "HEAD")
-        finally:
-            self.in_flight -= len(body)
-        if self.verbose:
-            _log(f"{writer.get_extra_info('peername')} {request.method} {request.target[:200]} {reply[0]}")
-        return not request.close
-
-    async def _read_request(self, first, reader, writer, body):
-        """The rest of the request line, the headers, and the body (into `body`) -> Request. The body
-        counts towards Limits.in_flight_bytes as its bytes arrive, so a sender who only declares a length
-        costs nothing."""
-        parts = (first.decode("latin-1") + await _readline(reader, 414, "The request line")).split()
-        _want(len(parts) == 3 and parts[2] in ("HTTP/1.0", "HTTP/1.1"),
-              "This server speaks plain HTTP/1.1 and did not understand the request line.")
-        method, target, version = parts
+    async def _read_request(self, reader, writer, body):
+        """The request line, the headers, and the body (into `body`) -> Request. Strict, so that
+        no request reads differently here and in a proxy in front: one space between the parts of the
+        request line, 'Name: value' headers, each name once. The token is checked before any body is read,
+        and the body counts towards Limits.in_flight_bytes as its bytes arrive, so a sender who only
+        declares a length costs nothing."""
+        if (first := await reader.read(1)) in (b"", b"\x16"):  # gone, or TLS (this server speaks plain HTTP)
+            raise EOFError("no request")
+        line = first.decode("latin-1") + await _readline(reader, 414, "The request line")
+        parts = re.fullmatch(r"([!-~]+) ([!-~]+) HTTP/1\.[01]\r?\n", line)
+        _want(parts, "This server speaks plain HTTP/1.1 and did not understand the request line.")
+        method, target = parts.groups()
         headers, lines = {}, 0
-        while (line := await _readline(reader, 431, "A header line")).strip():
+        while (line := await _readline(reader, 431, "A header line")) not in ("\r\n", "\n"):
             lines += 1
             _want(lines <= Limits.header_lines, f"The request has more than {Limits.header_lines} header lines.", 431)
-            name, colon, value = line.partition(":")
-            _want(colon and name.strip(), "Each header line must be 'Name: value'.")
-            headers[name.strip().lower()] = value.strip()
+            header = re.fullmatch(r"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*(.*?)[ \t]*\r?\n", line)
+            _want(header, "Each header line must be 'Name: value'.")
+            name = header[1].lower()  # a name given twice has both values, as RFC 9110 combines them
+            headers[name] = f"{headers[name]}, {header[2]}" if name in headers else header[2]
+        if self.token and (method != "GET" or not self.public_reads):  # public reads: GETs need none
+            scheme, _, given = headers.get("authorization", "").partition(" ")
+            _want(scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("latin-1"),
+                                                                     self.token.encode()),  # constant time
+                  "This server needs the header 'Authorization: Bearer <token>'; pass the swarm token.", 401,
+                  {"WWW-Authenticate": "Bearer"})
         length = headers.get("content-length", "0")
         _want("transfer-encoding" not in headers and (method != "POST" or "content-length" in headers),
               "A POST needs a Content-Length header (no chunked bodies).", 411)
         _want(re.fullmatch(r"[0-9]{1,12}", length), "Content-Length must be a whole number.")
         _want(int(length) <= Limits.body_bytes, f"The body is {length} bytes; the limit is {Limits.body_bytes}.", 413)
+        self.waiting[writer] = 1  # sending its body: evicted after those that sent no head yet
         if int(length) and headers.get("expect", "").lower() == "100-continue":
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         while len(body) < int(length):
@@ -616,16 +691,16 @@ class SwarmServer:
                 raise BadRequest("The server is busy; send it again in a moment.", 503, {"Retry-After": "1"})
             self.in_flight += len(chunk)  # given back by _exchange once the reply has gone
             body += chunk
-        close = version == "HTTP/1.0" or headers.get("connection", "").lower() == "close"
-        return Request(method, target, headers, body, close)
+        self.waiting.pop(writer, None)
+        return Request(method, target, headers, body)
 
-    async def _send(self, writer, status, content_type, body, headers=None, close=False, head_only=False):
+    async def _send(self, writer, status, content_type, body, headers=None, head_only=False):
         if len(body) > 65536 and self.in_flight + len(body) > Limits.in_flight_bytes:  # bound what waits
             status, content_type, body = 503, JSON, _error("The server is busy; ask again in a moment.")
             headers = {"Retry-After": "1"}
         head = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: {content_type}\r\n" \
                f"Content-Length: {len(body)}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-        data = (head + "Connection: close\r\n" * close + "\r\n").encode() + (b"" if head_only else body)
+        data = (head + "Connection: close\r\n\r\n").encode() + (b"" if head_only else body)
         self.in_flight += len(data)
         try:
             writer.write(data)
@@ -643,20 +718,17 @@ class SwarmServer:
             allowed = ", ".join(methods)
             _want(request.method in methods, f"{path} accepts only {allowed}, not {request.method[:20]}.", 405,
                   {"Allow": allowed})
-            if self.token and (request.method != "GET" or not self.public_reads):  # public reads: GETs need none
-                scheme, _, given = request.headers.get("authorization", "").partition(" ")
-                _want(scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("latin-1"),
-                                                                         self.token.encode()),  # constant time
-                      "This server needs the header 'Authorization: Bearer <token>'; pass the swarm token.", 401,
-                      {"WWW-Authenticate": "Bearer"})
             _want(query.count("&") < 16, "The query string has too many fields.")
             q = parse_qs(query, keep_blank_values=True)
-            return (*getattr(self, "_" + methods[request.method])(q, request.body), {})
+            with self.large if len(request.body) > Limits.body_bytes // 8 else contextlib.nullcontext():
+                return (*getattr(self, "_" + methods[request.method])(q, request.body), {})
         except BadRequest as e:
             return e.status, JSON, _error(e.message), e.headers
         except Exception as e:
             if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):  # the sender keeps its data: later
                 return 507, JSON, _error("The server's disk is full, so nothing was stored; send it again later."), {}
+            if getattr(e, "errno", None) in (errno.EMFILE, errno.ENFILE):
+                return 503, JSON, _error("The server is busy; send it again in a moment."), {"Retry-After": "1"}
             _log(f"unexpected error in {request.method[:20]} {request.target[:200]}: {e!r:.300}")
             return 500, JSON, _error("The server hit an unexpected error; it was logged and the server "
                                      "keeps serving."), {}

@@ -1663,6 +1663,12 @@ _SW_BAD = [  # (id, method, path, body: bytes | JSON value | None, headers, expe
     ("metric 400 digits", "POST", "/metrics", {"peer": "alice", "round": 1, "metrics": {"a": 10**400}}, {}, 400),
     ("metric 1e300", "POST", "/metrics", {"peer": "alice", "round": 1, "metrics": {"a": 1e300}}, {}, 400),
     ("metrics bad peer", "POST", "/metrics", {"peer": "<b>", "round": 1, "metrics": {}}, {}, 400),
+    ("lone surrogate in a question", "POST", "/rollouts", _sw_bad_group(question="q\ud800"), {}, 400),
+    ("lone surrogate in metadata", "POST", "/rollouts", _sw_bad_group(metadata={"k": ["\udc00"]}), {}, 400),
+    ("lone surrogate as a metrics key", "POST", "/metrics", {"peer": "a", "round": 1, "metrics": {"\ud800": 1}}, {}, 400),
+    ("surrogate encoded as UTF-8", "POST", "/rollouts", json.dumps(_sw_bad_group(question="Q")).encode().replace(
+        b'"Q"', b'"\xed\xa0\x80"'), {}, 400),
+    ("parse bomb", "POST", "/rollouts", b'{"x":[' + b"{}," * (1 << 20) + b'{}]}', {}, 413),
 ]
 
 
@@ -1694,6 +1700,11 @@ _SW_PROTOCOL = [  # (id, raw bytes, expected status; None: the server just close
     ("garbage line", b"\x00\x01\x02 hello\r\n\r\n", 400),
     ("chunked body", b"POST /rollouts HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 411),
     ("negative length", b"POST /rollouts HTTP/1.1\r\nContent-Length: -5\r\n\r\n", 400),
+    ("two lengths", b"POST /metrics HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 99\r\n\r\n{}", 400),
+    ("space before the colon", b"POST /metrics HTTP/1.1\r\nContent-Length : 24\r\n\r\nGET /health HTTP/1.1\r\n\r\n", 400),
+    ("tabs in the request line", b"GET\t/health\tHTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    ("tab in the target", b"GET /health\tHTTP/1.1 HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    ("folded header", b"GET /health HTTP/1.1\r\nHost: x\r\n y\r\n\r\n", 400),
     ("tls hello", bytes.fromhex("16030100c8010000c40303") + bytes(190), None),
 ]
 
@@ -1709,6 +1720,19 @@ def test_swarm_protocol_abuse_gets_a_prompt_json_4xx(_sw_server):
         elif not data.startswith(b"HEAD"):
             assert set(reply) == {"error"} and reply["error"].endswith("."), name
     assert requests.get(url + "/health", timeout=5).json() == {"ok": True, "groups": 0, "peers": 0, "last_seq": 0}
+
+
+def test_swarm_fuzzed_requests_never_get_a_5xx(_sw_server):
+    """500 requests mutated from valid ones (bench.fuzzed_requests: hostile values, lone surrogates, bent
+    heads, odd queries): every one gets a 2xx or a one-sentence 4xx, and the server keeps serving."""
+    import bench
+    server, url, folder = _sw_server
+    for kind, data in bench.fuzzed_requests(500, seed=1):
+        status, reply, _ = _sw_bytes(url, data)
+        assert status is not None and status < 500, (kind, data[:400])
+        if status >= 400:
+            assert set(reply) == {"error"} and reply["error"].endswith(".") and len(reply["error"]) < 300, data[:400]
+    assert requests.get(url + "/health", timeout=5).json()["ok"] is True
 
 
 def test_swarm_unexpected_error_is_500(_sw_server, monkeypatch):
@@ -1762,6 +1786,32 @@ def test_swarm_token_guards_reads_and_writes(tmp_path, monkeypatch, _sw_clients)
             swarm.start_server(str(tmp_path / "t"), token=bad)
         with pytest.raises(ValueError, match="printable ASCII"):
             swarm.SwarmClient("http://127.0.0.1:9", "a", token=bad)
+
+
+def test_swarm_token_is_checked_before_any_body_is_read(tmp_path, monkeypatch):
+    """Senders without the token who declare large bodies and stall cost nothing: each gets its 401 from
+    its headers alone, and honest writes are never refused as busy. A wrong token with a large body still
+    reads its 401: the server drops the rest for a moment before closing, so the close resets nothing."""
+    import socket
+    monkeypatch.setattr(swarm.Limits, "in_flight_bytes", 1_000_000)
+    server, url = swarm.start_server(str(tmp_path / "s"), token="s3cret")
+    u, stalled = urlsplit(url), []
+    try:
+        for _ in range(8):
+            stalled.append(socket.create_connection((u.hostname, u.port), timeout=5))
+            stalled[-1].sendall(b"POST /rollouts HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % (swarm.Limits.body_bytes - 1)
+                                + b"x" * 200_000)
+        time.sleep(0.5)  # (time for the server to read what they sent)
+        auth = {"Authorization": "Bearer s3cret"}
+        assert [_sw_post(url, "alice", k, [_sw_group(k)], headers=auth).status_code for k in range(5)] == [200] * 5
+        for s in stalled:
+            assert s.recv(65536).startswith(b"HTTP/1.1 401 ")
+        r = requests.post(url + "/rollouts", data=b"x" * (4 << 20), headers={"Authorization": "Bearer wrong"}, timeout=10)
+        assert r.status_code == 401 and "token" in r.json()["error"]
+    finally:
+        for s in stalled:
+            s.close()
+        server.shutdown()
 
 
 def test_swarm_token_from_a_file_or_the_environment(tmp_path):
@@ -1871,6 +1921,89 @@ def test_swarm_folder_lock_survives_a_stray_rm(tmp_path):
     swarm.start_server(folder)[0].shutdown()  # and once it is stopped, the folder is free
 
 
+def test_swarm_moved_folder_stores_nothing_more(tmp_path):
+    """`mv D D.old; mkdir D` while a server runs lets a second server lock the new D. The first one keeps
+    every file it wrote (it works relative to the folder it locked) and refuses new writes with a 503,
+    which clients retry later, so no acknowledged batch goes missing and no seq is written twice."""
+    folder = tmp_path / "d"
+    first, url1 = swarm.start_server(str(folder))
+    try:
+        assert _sw_post(url1, "alice", 0, [_sw_group(0)]).json() == {"accepted": 1, "seq": 1}
+        os.rename(folder, tmp_path / "d.old")
+        os.mkdir(folder)
+        second, url2 = swarm.start_server(str(folder))
+        try:
+            r = _sw_post(url1, "alice", 1, [_sw_group(1)])
+            assert r.status_code == 503 and "moved or replaced" in r.json()["error"]
+            assert requests.post(url1 + "/metrics", json={"peer": "a", "round": 0, "metrics": {}}, timeout=5).status_code == 503
+            assert _sw_post(url2, "bob", 0, [_sw_group(2)]).json() == {"accepted": 1, "seq": 1}
+        finally:
+            second.shutdown()
+    finally:
+        first.shutdown()
+    for name, peers in (("d.old", ["alice"]), ("d", ["bob"])):
+        server, url = swarm.start_server(str(tmp_path / name))
+        try:
+            assert [g["peer"] for g in _sw_read_all(url)] == peers
+        finally:
+            server.shutdown()
+
+
+def test_swarm_folder_files_are_regular_files_never_links_or_fifos(tmp_path):
+    """A FIFO named like a batch file or metrics.jsonl does not hang the start; links are never followed,
+    neither to read a batch from outside the folder nor to truncate or append to a file outside it."""
+    outside = tmp_path / "outside"
+    server, url = swarm.start_server(str(outside))
+    _sw_post(url, "mallory", 0, [_sw_group(0)])
+    server.shutdown()
+    folder = tmp_path / "s"
+    folder.mkdir()
+    (tmp_path / "victim").write_text("keep me\n")
+    os.symlink(outside / _sw_files(str(outside))[0], folder / "batch-000000000001.json")
+    os.symlink(tmp_path / "victim", folder / ".tmp-probe")
+    os.symlink(tmp_path / "victim", folder / "metrics.jsonl")
+    os.mkfifo(folder / "batch-000000000005.json")
+    started = []
+    thread = threading.Thread(target=lambda: started.append(swarm.start_server(str(folder))), daemon=True)
+    thread.start()
+    thread.join(30)
+    assert started, "the server hung at start-up"
+    server, url = started[0]
+    try:
+        assert _sw_read_all(url) == []  # the linked batch is not read; the names still reserve seqs 1 to 5
+        assert _sw_post(url, "alice", 0, [_sw_group(1)]).json() == {"accepted": 1, "seq": 6}
+        assert requests.post(url + "/metrics", json={"peer": "a", "round": 0, "metrics": {"x": 1}}, timeout=5).status_code == 200
+        assert (tmp_path / "victim").read_text() == "keep me\n"
+        assert not os.path.islink(folder / "metrics.jsonl")
+    finally:
+        server.shutdown()
+
+
+def test_swarm_no_clock_and_no_cut_line_loses_an_acknowledged_row(tmp_path, monkeypatch):
+    """A clock below 0 or past 1e11 still stores batches and rows a restart can read; a metrics line cut
+    by kill -9 costs that line only, never the row appended after it."""
+    folder = str(tmp_path / "s")
+    for k, clock in enumerate((-5.0, 2e11)):
+        server, url = swarm.start_server(folder)
+        monkeypatch.setattr(time, "time", lambda: clock)
+        try:
+            assert server.store.publish("alice", k, f"b{k}", [_sw_group(k)])["accepted"] == 1
+            server.store.add_metrics("alice", k, {"local_reward": 0.5})
+        finally:
+            monkeypatch.undo()
+            server.shutdown()
+    with open(os.path.join(folder, "metrics.jsonl"), "ab") as f:
+        f.write(b'{"n":3,"peer":"alice","rou')  # a row cut by kill -9
+    for k in (2, 3):
+        server, url = swarm.start_server(folder)
+        try:
+            assert [g["round"] for g in _sw_read_all(url)] == [0, 1]
+            assert [row["round"] for row in requests.get(url + "/metrics", timeout=5).json()["metrics"]] == list(range(k))
+            server.store.add_metrics("alice", k, {"local_reward": 0.5})
+        finally:
+            server.shutdown()
+
+
 def test_swarm_retention_is_bounded_in_bytes(tmp_path):
     folder = str(tmp_path / "s")
     one = len(swarm._dumps({"peer": "alice", "round": 0, "batch_id": "alice-0", "time": time.time(), "groups": [
@@ -1895,10 +2028,18 @@ def test_swarm_retention_is_bounded_in_bytes(tmp_path):
         assert _sw_post(url, "bob", 0, [_sw_group(1)]).json()["seq"] == 31
     finally:
         server.shutdown()
+    with open(os.path.join(folder, "pruned.json"), "wb") as f:  # damaged: its copy still protects
+        f.write(b'{"seq": 24, "replies": [{"peer"')
+    server, url = swarm.start_server(folder, keep_bytes=3 * one)
+    try:
+        assert _sw_post(url, "alice", 2, [_sw_group(6)]).json() == {"accepted": 3, "seq": 9}
+        assert _sw_post(url, "bob", 1, [_sw_group(1)]).json()["seq"] == 32
+    finally:
+        server.shutdown()
     server, url = swarm.start_server(folder, keep_bytes=1)  # each batch alone is over the limit
     try:
-        assert _sw_post(url, "carol", 0, [_sw_group(1)]).json()["seq"] == 32
-        assert [g["seq"] for g in _sw_read_all(url)] == [32] and len(_sw_files(folder)) == 1
+        assert _sw_post(url, "carol", 0, [_sw_group(1)]).json()["seq"] == 33
+        assert [g["seq"] for g in _sw_read_all(url)] == [33] and len(_sw_files(folder)) == 1
     finally:
         server.shutdown()
 
@@ -2098,6 +2239,36 @@ def test_swarm_connection_cap_under_a_low_descriptor_limit(tmp_path):
         assert ok == 12 and proc.poll() is None
     finally:
         for s in idle:
+            s.close()
+        _sw_stop(proc)
+
+
+def test_swarm_busy_connections_at_the_cap_never_lock_honest_ones_out(tmp_path):
+    """With 128 descriptors (a cap of 64 connections), 200 connections opened in a burst that each send
+    one byte of a request line and stop must not lock honest clients out (they prove nothing, so they
+    go first), and the server never overshoots its cap: an honest POST can still open its batch file."""
+    import resource
+    import socket
+
+    def low_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+
+    proc, url = _sw_spawn(str(tmp_path / "s"), str(tmp_path / "log"), preexec_fn=low_limit)
+    u, busy, ok = urlsplit(url), [], 0
+    try:
+        for _ in range(200):
+            busy.append(socket.create_connection((u.hostname, u.port), timeout=5))
+            busy[-1].sendall(b"G")
+        for k in range(6):
+            try:
+                ok += requests.get(url + "/health", timeout=5).status_code == 200
+                ok += _sw_post(url, "honest", k, [_sw_group(k)]).status_code == 200
+            except requests.RequestException:
+                pass
+            assert len(os.listdir(f"/proc/{proc.pid}/fd")) <= 128 - 32
+        assert ok == 12 and proc.poll() is None
+    finally:
+        for s in busy:
             s.close()
         _sw_stop(proc)
 

@@ -957,7 +957,7 @@ class SwarmClient:
             raise ConnectionError(_refusal(status, reply, self.url + path))
         else:  # the acknowledgement: every group accepted, under a seq (or, for metrics, ok)
             _want(isinstance(reply, dict) and ack.items() <= reply.items(), f"a reply to {path} acknowledges nothing")
-            check(reply, {"seq": SEQ} if "accepted" in ack else {}, "the server's acknowledgement")
+            check(reply, fields({"seq": SEQ} if "accepted" in ack else {}), "the server's acknowledgement")
         with self.cond:
             if self.outbox and self.outbox[0] is entry:  # (a full outbox may have dropped it meanwhile)
                 self.outbox.popleft()

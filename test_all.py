@@ -736,6 +736,24 @@ def test_sample_seeded_draws_equal_an_uncached_loop():
     assert len({tuple(x) for x in got}) > 1  # the draws do differ between rows
 
 
+def test_sample_cli_prints_completions_and_rewards_of_a_task_item(tmp_path, capsys):
+    """python sample.py MODEL "question": four completions of a model folder; of a task's item (made by
+    --task, or a question that is one of its items), each with its reward."""
+    save_tiny(tmp_path / "tiny", std=None)
+    sample.main([str(tmp_path / "tiny"), "what is 2 + 2"])
+    out = capsys.readouterr().out
+    assert out.startswith("question: what is 2 + 2") and out.count("--- completion") == 4 and "reward" not in out
+    item = reward.TASKS["repeat_number"].generate(random.Random(7))
+    for argv in (["--task", "repeat_number", "--seed", "7"], [item["question"], "--task", "repeat_number"]):
+        sample.main([str(tmp_path / "tiny"), *argv])
+        out = capsys.readouterr().out
+        assert f"question: {item['question']}\nanswer: {item['answer']}" in out
+        assert len(re.findall(r"--- completion \d, reward [01]:", out)) == 4
+    run = subprocess.run([sys.executable, os.path.join(HERE, "sample.py"), str(tmp_path / "missing"), "hi"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "Traceback" not in run.stderr and run.stderr.startswith("sample.py: ")
+
+
 # ===================================================================================================
 # grpo.py
 # ===================================================================================================
@@ -1757,6 +1775,24 @@ def test_swarm_dashboard_and_metrics(_sw_server, _sw_clients):
         assert requests.get(url + "/", timeout=5).status_code == 200
     finally:
         server.shutdown()
+
+
+def test_swarm_dashboard_shows_each_peers_newest_completions_escaped(_sw_server, _sw_clients):
+    """Beside the chart: each peer's newest question and completions, escaped (they are text from
+    outside); the table counts rounds as the logs do (a peer that finished round 0 shows 0)."""
+    server, url, folder = _sw_server
+    eve, ann = _sw_clients(url, "eve"), _sw_clients(url, "ann")
+    eve.publish(0, [_sw_group(completions=["old"], stopped=[True])])
+    eve.publish(1, [_sw_group(question="<script>alert(1)</script>?", completions=["<b>bold</b> & <img src=x>"],
+                              stopped=[True])])
+    ann.publish(1, [_sw_group(completions=["ann says 2"], stopped=[True])])  # round 1 started,
+    ann.post_metrics(0, {"local_reward": 0.5, "round": 0})                   # round 0 done
+    assert eve.flush(10) and ann.flush(10)
+    page = requests.get(url + "/", timeout=5).text
+    assert "<script>" not in page and "<img" not in page and "<b>bold" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;?" in page and "&lt;b&gt;bold&lt;/b&gt; &amp; &lt;img src=x&gt;" in page
+    assert "ann says 2" in page and ">old<" not in page  # the newest group of each peer
+    assert re.search(r"<td>ann</td><td>0</td>", page)
 
 
 def test_swarm_full_disk_is_507_and_loses_nothing(_sw_server, monkeypatch, _sw_clients):

@@ -2725,6 +2725,7 @@ def test_train_ctrl_c_keeps_the_training_and_resume_goes_on_at_the_next_round(ti
     rounds = [json.loads(line)["round"] for line in open(out / "p" / "metrics.jsonl")]
     saved = train.last_checkpoint(str(out / "p"))["round"]
     assert len(rounds) >= 2 and rounds == list(range(saved + 1))  # the last completed round is saved
+    assert json.loads(open(out / "p" / "samples.jsonl").readline())["round"] == 0  # what it said, from round 0
     assert f"python train.py --plot {out}" in said and "--resume" in said.splitlines()[-1]
     again = train.Peer(train.parse_args(argv + ["--rounds", str(saved + 2), "--resume"]), log=quiet)
     assert again.start_round == saved + 1

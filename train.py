@@ -17,15 +17,15 @@ on every peer in turn):
      the *local* verifier, and drop groups that reward.verify_item rejects (a poisoned ground truth)
      or whose rewards are all equal (no advantage); pool the survivors and draw J uniformly;
   6. take one GRPO step on the I + J groups (grpo.py);
-  7. log the round to metrics.jsonl, post it to the dashboard, checkpoint every --save-every rounds.
+  7. log the round to metrics.jsonl, post it to the dashboard, checkpoint every --save-every rounds
+     (and the last completed round at the end or on Ctrl-C: --resume goes on from it).
 Peers never wait for each other: a peer trains on whatever external groups have arrived.
 
-Defaults: I = 4 local and J = 4 external groups are the paper's best configuration (+94% cumulative
-reward over peers in silo, with 8 Qwen2.5-0.5B peers). Its baseline, peers in silo, trains on 8/0:
-I + J stays 8. So a peer with J = 0, or with no swarm to join, takes I = 8 unless --local is given
-(on the CPU, where I and J shrink to 2 each, I = 4). The other defaults (G = 8, temperature 1.0, clip
-0.2 / 0.28, no KL, DAPO's token-mean loss, 256 new tokens, one optimizer step per round) are common
-GRPO settings, chosen to match what the paper's code is described to do where we know it.
+Defaults (parser, each declared once): I = 4 local and J = 4 external groups are the paper's best
+configuration (+94% cumulative reward over peers in silo, with 8 Qwen2.5-0.5B peers). Its baseline, in
+silo, trains on 8/0: a peer with J = 0, or with no swarm to join, takes I + J as I. The rest (G = 8,
+temperature 1.0, clip 0.2 / 0.28, no KL, DAPO's token-mean loss, 256 new tokens, one step per round)
+are common GRPO settings, chosen to match what the paper's code is described to do where we know it.
 
 Seeds, so that runs can be paired: a peer's questions, its sampling and its draws of external groups
 come from separate random streams, each derived from its --seed alone. Round r's questions come from
@@ -57,10 +57,8 @@ Deviations from the paper, and why:
   (reward.verify_item); the paper trusts the sender's ground truth.
 - Weights are trained in float32 (bfloat16 autocast on CUDA) and copied into a bfloat16 sampler each
   round: pure-bf16 weights would round away updates of size 1e-6.
-- No GPU: unless the flags are given, a CPU run shrinks G, I, J and the completion length so that it
-  shows progress within minutes, and says so. To fit several peers in a CPU machine's memory it also
-  recomputes activations in the backward pass (--grad-checkpoint) and uses micro-batches of 4; the
-  gradient is the same either way.
+- No GPU: the defaults shrink G, I, J and the completion length so that a CPU run shows progress
+  within minutes, and save memory with the same gradient (parser; --help shows this machine's).
 """
 
 import argparse
@@ -75,6 +73,7 @@ import os
 import random
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -83,6 +82,7 @@ import sys
 import time
 
 import torch
+from tqdm import tqdm
 
 import grpo
 import model as M
@@ -95,10 +95,13 @@ import swarm
 
 
 def parse_args(argv=None):
-    """The run's settings: the flags (parser), then the CPU shrink and the silo rule (fill_defaults).
-    A bad flag gets one sentence from argparse and exit status 2."""
-    p = parser()
-    args = p.parse_args(argv, argparse.Namespace(**dict.fromkeys(CPU_SHRINK)))  # None: not given
+    """The run's settings: the flags, whose defaults are this machine's (parser), then the silo rule.
+    A bad flag gets one sentence from argparse and exit status 2, before any model is loaded."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    device = argparse.ArgumentParser(add_help=False)
+    device.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p = parser(device.parse_known_args(argv)[0].device)  # the defaults depend on it: --help shows them
+    args = p.parse_args(argv)
     args.token = getattr(args, "token", None) or os.environ.get("SWARM_TOKEN")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device {args.device} was asked for, but torch sees no CUDA GPU")
@@ -106,20 +109,38 @@ def parse_args(argv=None):
         p.error("--resume needs --out: the run folder to continue")
     try:
         args.task_list = resolve_tasks(args.tasks, args.model)
+        swarm.check_token(args.token)
     except ValueError as e:
         p.error(str(e))
     if args.external and not (args.swarm or args.peers):  # explicit J > 0 with nothing to take groups from
         p.error("--external needs --swarm URL or --peers N; without a swarm leave it out (in silo I takes I + J)")
-    fill_defaults(p, args)
+    # the silo rule: a peer with J = 0, or with no swarm to join, takes I + J as I (the paper's 8/0 against 4/4)
+    I, J = swarm_size(args.device)
+    if args.external is None:
+        args.external = J if args.swarm or args.peers else 0
+    if args.local is None:
+        args.local = I if args.external else I + J
+    check_resume(p, args)
+    args.out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     return args
 
 
-def parser():
-    shrink = ", ".join(f"--{k.replace('_', '-')} {'on' if v is True else v}" for k, v in CPU_SHRINK.items())
+def swarm_size(device):
+    """The default (I, J): the paper's best, 4 local and 4 external groups a round; 2 and 2 on a CPU."""
+    return (2, 2) if device == "cpu" else (4, 4)
+
+
+def parser(device):
+    """Every flag, with its meaning and its default on `device`. A CPU is ~100x slower at this than a GPU
+    and several peers share its memory, so there I, J, G and the completion length are smaller, and the
+    backward pass recomputes activations in micro-batches of 4 (the same gradient, less memory)."""
+    cpu, (I, J) = device == "cpu", swarm_size(device)
     p = argparse.ArgumentParser(description="SAPO: swarm sampling policy optimization (arXiv 2509.08721)",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                epilog=f"The defaults shown are a GPU's. On the CPU the flags left unset take: {shrink}. "
-                                       "Without --swarm or --peers, --external is 0 (in silo) and --local I + J.")
+                                formatter_class=Help, allow_abbrev=False,
+                                epilog=f"The defaults shown are this machine's ({device}): "
+                                       + ("smaller than a GPU's (4, 4, 8, 256, 16, off) for --local, --external, "
+                                          "--generations, --max-new-tokens, --micro-batch and --grad-checkpoint."
+                                          if cpu else "a CPU's are smaller, see the README."))
     a = p.add_argument
     # what to run
     a("--peers", type=at_least(0), nargs="?", const=4, default=0, help="start a swarm of N peers on this machine (alone: 4)")
@@ -139,59 +160,48 @@ def parser():
     a("--one-shot", action=argparse.BooleanOptionalAction, default=True,
       help="show one worked example of the task family as an earlier chat turn")
     # SAPO (the paper's best: I = 4, J = 4; its baseline in silo: I = 8, J = 0)
-    a("--local", type=at_least(1), default=4,
-      help="I: local questions per round (in silo, i.e. J = 0 or no swarm: I + J of the defaults, 8)")
-    a("--external", type=at_least(0), default=4, help="J: external groups trained on per round (0: silo)")
-    a("--generations", type=at_least(2), default=8, help="G: completions per question (GRPO compares them)")
+    a("--local", type=at_least(1),
+      help=f"I: local questions per round (default: {I}; {I + J} in silo, i.e. with J = 0, so that the silo "
+           "trains on as many groups as a swarm peer, as the paper's baseline does)")
+    a("--external", type=at_least(0),
+      help=f"J: external groups trained on per round (default: {J} with --swarm or --peers, else 0: in silo)")
+    a("--generations", type=at_least(2), default=4 if cpu else 8, help="G: completions per question, compared by GRPO")
     a("--rounds", type=at_least(1), default=2000, help="rounds to train")
-    a("--max-new-tokens", type=at_least(1), default=256, help="completion length limit in tokens")
+    a("--max-new-tokens", type=at_least(1), default=64 if cpu else 256, help="completion length limit in tokens")
     a("--temperature", type=positive, default=1.0, help="sampling temperature")
     # GRPO
     a("--lr", type=positive, default=1e-5, help="AdamW learning rate (measured, see README)")
     a("--epsilon", type=fraction, default=0.2, help="lower clip: ratio >= 1 - epsilon")
     a("--epsilon-high", type=at_least(0.0, float), default=0.28, help="upper clip: ratio <= 1 + epsilon_high (DAPO)")
     a("--beta", type=at_least(0.0, float), default=0.0, help="weight of the k3 KL penalty to the initial model")
-    a("--loss-type", default="token_mean", choices=["token_mean", "seq_mean", "constant"])
+    a("--loss-type", default="token_mean", choices=["token_mean", "seq_mean", "constant"],
+      help="how token losses are averaged: DAPO's token mean, GRPO's per-sequence mean, or Dr. GRPO's constant")
     a("--adv-scale", default="group", choices=["group", "batch", "none"], help="advantage normalisation")
     a("--inner-steps", type=at_least(1), default=1, help="optimizer steps on each round's batch (1: one step per round)")
     a("--max-grad-norm", type=positive, default=1.0, help="gradient clipping norm")
-    a("--micro-batch", type=at_least(1), default=16, help="completions per forward/backward, gradients accumulated")
-    a("--grad-checkpoint", action=argparse.BooleanOptionalAction, default=False,
+    a("--micro-batch", type=at_least(1), default=4 if cpu else 16, help="completions per forward and backward pass")
+    a("--grad-checkpoint", action=argparse.BooleanOptionalAction, default=cpu,
       help="recompute activations in the backward pass")
     # machinery
     a("--seed", type=int, default=0,
       help="this peer's seed (questions, sampling, external draws, init); peer k of --peers gets peer_seed(seed, k)")
-    a("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda, cpu, cuda:1, ...")
+    a("--device", default=device, help="cuda, cpu, cuda:1, ...")
     a("--dtype", choices=["bfloat16", "float16", "float32"],
       help="dtype of the sampling copy of the weights (default: bfloat16 on CUDA, float32 on CPU)")
-    a("--out", help="run folder (default: runs/<date-time>); each peer writes OUT/<name>/")
-    a("--save-every", type=at_least(0), default=50, help="checkpoint every K rounds (0: only at the end)")
+    a("--out", type=writable_folder, help="run folder (default: runs/<date-time>); each peer writes OUT/<name>/")
+    a("--save-every", type=at_least(0), default=50, help="checkpoint every K rounds (0: only at the end or on a stop)")
     a("--sample-every", type=at_least(0), default=10, help="write some completions to samples.jsonl every K rounds")
     a("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     a("--quiet", action="store_true", help="no progress bar (a line per round instead)")
     return p
 
 
-# No GPU: a CPU is ~100x slower at this and several peers share its memory, so on the CPU the flags
-# left unset take these values (main prints which). Micro-batches and checkpointing keep the gradient.
-CPU_SHRINK = dict(local=2, external=2, generations=4, max_new_tokens=64, micro_batch=4, grad_checkpoint=True)
+class Help(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with every default said once: argparse's "(default: X)", unless the help says it in words."""
 
-
-def fill_defaults(p, args):
-    """Give the flags left unset (None) their defaults: CPU_SHRINK's on the CPU, the parser's elsewhere.
-    A peer in silo (J = 0, or no swarm to join) takes I + J of those as I: the paper's baseline, 8/0
-    against the swarm's 4/4, trains on as many groups a round. args.shrunk and args.silo say what
-    happened, for main to print."""
-    default = {k: CPU_SHRINK[k] if args.device == "cpu" else p.get_default(k) for k in CPU_SHRINK}
-    if args.external is None and not (args.swarm or args.peers):
-        args.external = 0
-    args.silo = args.local is None and args.external == 0
-    if args.silo:
-        args.local = default["local"] + default["external"]
-    args.shrunk = [k for k in CPU_SHRINK if getattr(args, k) is None and default[k] != p.get_default(k)]
-    for k in CPU_SHRINK:
-        if getattr(args, k) is None:
-            setattr(args, k, default[k])
+    def _get_help_string(self, action):
+        said = action.default is None or action.default is False or "default" in action.help
+        return action.help if said else super()._get_help_string(action)
 
 
 def at_least(low, kind=int):
@@ -226,6 +236,38 @@ def matching(pattern, what):
             raise argparse.ArgumentTypeError(f"must be {what}, not {text!r}")
         return text
     return string
+
+
+def writable_folder(path):
+    """An argparse type: a folder that exists or can be made, and written in (checked, not made yet)."""
+    here = os.path.abspath(path)
+    while not os.path.exists(here):
+        here = os.path.dirname(here)
+    if not os.path.isdir(here):
+        raise argparse.ArgumentTypeError(f"{here} is a file, not a folder: give a folder for the run")
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write in {here}: give a folder of yours")
+    return path
+
+
+def check_resume(p, args):
+    """--resume without --name: the one peer in --out, or one sentence, before any model is loaded, if it
+    holds none, several, or a swarm launched with --peers N (swarm/ beside peer0, peer1, ...)."""
+    if not args.resume or args.name:
+        return
+    out, peers = args.out, sorted(glob.glob(os.path.join(glob.escape(args.out), "*", "settings.json")))
+    peers = [os.path.basename(os.path.dirname(f)) for f in peers]
+    launched = os.path.isdir(os.path.join(out, "swarm")) * sum(bool(re.fullmatch(r"peer\d+", n)) for n in peers)
+    if launched and args.peers != launched:
+        p.error(f"{out} holds a swarm of {launched} peers: resume it with "
+                f"python train.py --peers {launched} --resume --out {out}")
+    if not peers:
+        p.error(f"there is nothing to resume in {out}: no peer has started there; leave out --resume to start a run")
+    if len(peers) > 1 and not args.peers:
+        p.error(f"{args.out} holds {len(peers)} peers ({', '.join(peers)}): pass --name to say which one to resume")
+    if args.peers and not launched:
+        p.error(f"{args.out} holds no swarm launched with --peers: resume it without --peers")
+    args.name = None if args.peers else peers[0]
 
 
 POOL_ROUNDS = 2  # a pooled external group is stale once its producer has published a group this many rounds newer
@@ -513,29 +555,51 @@ class Peer:
     # -- the loop, checkpoints and resume ---------------------------------------------------------
 
     def run(self):
-        args = self.args
-        bar = None
-        if not args.quiet:
-            from tqdm import tqdm
-            bar = tqdm(total=args.rounds, initial=self.start_round, desc=self.name, dynamic_ncols=True)
-        r = self.start_round - 1
-        for r in range(self.start_round, args.rounds):
-            m = self.round(r)
-            if bar is not None:
+        """Rounds start_round to --rounds - 1, then a checkpoint of the last. Ctrl-C or SIGTERM (the
+        launcher's stop) abandons a round that is still sampling, when the model is as the last round left
+        it, and lets a round that is changing the model finish; either way the last completed round is
+        saved and --resume continues at the next. Returns whether it was stopped so."""
+        args, done = self.args, self.start_round - 1  # done: the last completed round
+        self.busy = self.stopping = False
+        handlers = {sig: signal.signal(sig, self.interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+        bar = tqdm(total=args.rounds, initial=self.start_round, desc=self.name, dynamic_ncols=True, bar_format=BAR,
+                   disable=args.quiet)
+        try:
+            for r in range(self.start_round, args.rounds):
+                collected = self.collect(r)  # a stop up to here abandons round r
+                self.busy = True             # from here on the model changes: a stop waits for the round's end
+                m, done = self.learn(r, collected), r
+                if args.save_every and (r + 1) % args.save_every == 0:
+                    self.save(r)
+                self.busy = False
                 bar.update(1)
-                bar.set_postfix(progress(m))
-            else:
-                self.log(f"round {r}: local_reward {m['local_reward']:.3f} (batch_reward {m['batch_reward']:.3f}, "
-                         f"the paper's figure) external {m['external_used']} len {m['completion_len']:.0f} "
-                         f"sample {m['sample_tok_per_s']:.0f} tok/s, {m['round_seconds']:.1f} s")
-            if args.save_every and (r + 1) % args.save_every == 0:
-                self.save(r)
-        if bar is not None:
-            bar.close()
-        if r >= self.start_round and not (args.save_every and (r + 1) % args.save_every == 0):
-            self.save(r)
+                bar.set_postfix(progress(m, args.rounds))
+                if args.quiet:
+                    self.log(f"round {r}: local_reward {m['local_reward']:.3f} (batch_reward {m['batch_reward']:.3f}, "
+                             f"the paper's figure) external {m['external_used']} len {m['completion_len']:.0f} "
+                             f"sample {m['sample_tok_per_s']:.0f} tok/s, {m['round_seconds']:.1f} s")
+                if self.stopping:
+                    break
+        except KeyboardInterrupt:
+            self.stopping = True
+        self.busy = True  # the last checkpoint is written whatever arrives now
+        bar.close()
+        if done >= self.start_round and not (args.save_every and (done + 1) % args.save_every == 0):
+            self.save(done)
+        if self.stopping:
+            self.log(f"stopped after round {done}, the last completed one, which is saved" if done >= 0 else "stopped")
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         if self.client is not None:
             self.client.close()
+        return self.stopping
+
+    def interrupt(self, signum, frame):
+        """Ctrl-C or SIGTERM during run(): stop now if the model is unchanged since the last round, else at
+        the end of this one."""
+        self.stopping = True
+        if not self.busy:
+            raise KeyboardInterrupt
 
     def save(self, round_):
         """checkpoint-<round>/: a Hugging Face folder transformers can load, plus optimizer, RNG and swarm
@@ -585,28 +649,25 @@ def last_checkpoint(folder):
 
 def peer_name(args, log):
     """--name, or else the host name plus a random suffix: two peers on one host must differ, because
-    the server and the client leave out a peer's own groups by name. --resume without --name picks up
-    this host's one peer in --out."""
+    the server and the client leave out a peer's own groups by name."""
     if args.name:
         return args.name
-    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:57] or "peer"
-    if args.resume:
-        mine = sorted(os.path.basename(d) for d in glob.glob(os.path.join(glob.escape(args.out), "*"))
-                      if re.fullmatch(re.escape(host) + r"-[0-9a-f]{6}", os.path.basename(d)))
-        if len(mine) == 1:
-            return mine[0]
-        if mine:
-            raise SystemExit(f"{args.out} holds {len(mine)} peers of this host ({', '.join(mine)}): "
-                             "pass --name to say which one to resume")
-    name = f"{host}-{secrets.token_hex(3)}"
+    name = f"{re.sub(r'[^A-Za-z0-9_.-]', '-', socket.gethostname())[:57] or 'peer'}-{secrets.token_hex(3)}"
     log(f"this peer's name in the swarm: {name} (--name sets it)")
     return name
 
 
-def progress(m):
+def progress(m, rounds):
     """A progress bar's numbers: the local reward (the skill) first; the batch reward beside it is the
-    paper's figure, the mean over the training batch, external groups included."""
-    return dict(reward=f"{m['local_reward']:.2f}", batch=f"{m['batch_reward']:.2f}", ext=m["external_used"])
+    paper's figure, the mean over the training batch, external groups included. Then the peer's own
+    pace, from its last round's time (the launcher's clock would count the peers' start too)."""
+    seconds = max(m["round_seconds"], 1e-9)
+    left = (rounds - m["round"] - 1) * seconds
+    return dict(reward=f"{m['local_reward']:.2f}", batch=f"{m['batch_reward']:.2f}", ext=int(m["external_used"]),
+                pace=f"{60 / seconds:.2g} rounds/min", left=f"{left // 3600:.0f}h{left % 3600 // 60:02.0f}m")
+
+
+BAR = "{desc}: {n_fmt}/{total_fmt} rounds{postfix} |{bar}|"  # no tqdm rate or clock: the pace is the peer's own
 
 
 def frac_zero_std(groups):
@@ -636,11 +697,11 @@ def release_memory():
 PEER_BYTES_PER_PARAM = 26
 
 
-def launch(args):
-    """Start a swarm server on a free loopback port and args.peers peer processes, show their progress
-    together, stop them all on Ctrl-C. A peer that dies is reported and the others go on; the launcher
-    then exits non-zero, saying why where it can."""
-    from tqdm import tqdm
+def launch(args, argv):
+    """Start a swarm server on a free loopback port, in this process, and args.peers peer processes; show
+    their progress together, from the metrics they post; stop them all on Ctrl-C (each saves its last
+    completed round). A peer that dies is reported and the others go on; the launcher then exits
+    non-zero, saying why where it can."""
     if not args.resume and glob.glob(os.path.join(args.out, "*", "metrics.jsonl")):
         raise SystemExit(f"{args.out} already holds a run: pass --resume to continue it, or another --out")
     try:  # once, here: a first download or GGUF dequantisation must not run in every peer at once
@@ -649,66 +710,69 @@ def launch(args):
         raise SystemExit(f"train.py: {e}") from None
     check_memory(args.peers, args.device, count_params(folder))
     os.makedirs(args.out, exist_ok=True)
-    children = []
-    signal.signal(signal.SIGTERM, interrupt)
-    signal.signal(signal.SIGHUP, interrupt)  # the terminal closed: stop the children too
     try:
-        url = start_server(args, children)
-        print(f"swarm server {url}  (dashboard: open {url}/ in a browser)")
-        procs = {f"peer{k}": start_peer(args, k, url, children) for k in range(args.peers)}
-        bars = {n: tqdm(total=args.rounds, desc=n, position=k, dynamic_ncols=True) for k, n in enumerate(procs)}
-        failed = {}
+        server, url = swarm.start_server(os.path.join(args.out, "swarm"), token=args.token)  # in this process
+    except ValueError as e:
+        raise SystemExit(f"train.py: {e}") from None
+    children, failed, stopped = [], {}, False
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as Ctrl-C does
+    signal.signal(signal.SIGHUP, signal.default_int_handler)  # the terminal closed: stop the children too
+    try:
+        print(f"dashboard: {url}/ (open it in a browser to see each peer's reward and latest completions)")
+        procs = {f"peer{k}": start_peer(args, argv, k, url, children) for k in range(args.peers)}
+        bars = {n: tqdm(total=args.rounds, desc=n, position=k, dynamic_ncols=True, bar_format=BAR)
+                for k, n in enumerate(procs)}
+        seen, last = 0, {}  # the peers' metrics as the server got them: the newest row of each
         while len(failed) < len(procs) and any(p.poll() is None for p in procs.values()):
             time.sleep(1.0)
+            rows, seen, _ = server.store.read_metrics(seen)
+            last.update((row["peer"], row["metrics"]) for row in map(json.loads, rows))
             for n, proc in procs.items():
-                last = last_metrics(os.path.join(args.out, n, "metrics.jsonl"))
-                if last:
-                    bars[n].n = last["round"] + 1
-                    bars[n].set_postfix(progress(last), refresh=False)
+                if n in last:
+                    bars[n].n = int(last[n]["round"]) + 1
+                    bars[n].set_postfix(progress(last[n], args.rounds), refresh=False)
                     bars[n].refresh()
                 if proc.poll() not in (None, 0) and n not in failed:
                     failed[n] = f"{n} {why_stopped(proc.returncode)}: see {args.out}/{n}/log.txt"
                     tqdm.write(failed[n] + "; the others go on")
         for b in bars.values():
             b.close()
-        print(f"{len(procs) - len(failed)} of {len(procs)} peers finished; metrics in {args.out}/<peer>/metrics.jsonl; "
-              f"chart: python train.py --plot {args.out}")
-        if failed:
-            raise SystemExit("\n".join(failed.values()))
+        print(f"{len(procs) - len(failed)} of {len(procs)} peers finished")
     except KeyboardInterrupt:
-        print("\nstopping every peer and the server...")
-        raise SystemExit(130)
+        print(f"\nstopping every peer (each saves its last completed round, up to {STOP_SECONDS} s) and the server...")
+        stopped = True
     finally:
         stop_all(children)
+        server.shutdown()
+    print(next_steps(args, argv))
+    if stopped or failed:
+        raise SystemExit(130 if stopped else "\n".join(failed.values()))
 
 
-def child_env(args):
-    """The launcher's environment for a child: the token goes there, never on a command line (ps)."""
-    return dict(os.environ, **({"SWARM_TOKEN": args.token} if args.token else {}))
+def next_steps(args, argv):
+    """Where a run that ended or stopped is, and the commands to chart it and to go on with it."""
+    flags = [f for f in without_token(argv) if f != "--resume"] + ["--out", args.out] * ("--out" not in argv)
+    go_on = shlex.join(["python", "train.py", *flags, "--resume"])
+    return (f"the run is in {args.out}; chart it: python train.py --plot {shlex.quote(args.out)}\n"
+            f"go on with it (a larger --rounds trains longer): {go_on}")
 
 
-def start_server(args, children):
-    """The rollout server as a child process on a free loopback port; returns its URL."""
-    server_log = open(os.path.join(args.out, "server.log"), "a")
-    env = child_env(args)
-    server = subprocess.Popen([sys.executable, "-u", os.path.join(HERE, "swarm.py"), "--port", "0",
-                               "--dir", os.path.join(args.out, "swarm")],
-                              stdout=subprocess.PIPE, stderr=server_log, text=True, start_new_session=True, env=env)
-    children.append(server)
-    found = re.search(r"http://\S+", server.stdout.readline())
-    if not found:
-        raise SystemExit(f"the swarm server did not start; see {args.out}/server.log")
-    return found.group(0)
+def without_token(argv):
+    """A command line without its --token: the token goes to a child in its environment, never on a
+    command line, where ps shows it."""
+    return [f for k, f in enumerate(argv) if not (f == "--token" or f.startswith("--token=")
+                                                  or (k and argv[k - 1] == "--token"))]
 
 
-def start_peer(args, k, url, children):
-    """Peer k as a child process: this command line's settings, resolved here once and passed as flags,
-    with its own name, seed (peer_seed) and the server's URL; the token goes in its environment."""
+def start_peer(args, argv, k, url, children):
+    """Peer k as a child process: this command line's flags (a later flag wins) with its own name, seed
+    (peer_seed), the server's URL and the run folder, and the token in its environment. It reads the
+    flags as the launcher did: the same machine, so the same defaults."""
     name = f"peer{k}"
-    flags = as_flags(argparse.Namespace(**dict(vars(args), peers=0, swarm=url, name=name, quiet=True,
-                                               seed=peer_seed(args.seed, k))))
+    flags = [*without_token(argv), "--peers", "0", "--swarm", url, "--name", name, "--quiet",
+             "--seed", str(peer_seed(args.seed, k)), "--out", args.out]
     os.makedirs(os.path.join(args.out, name), exist_ok=True)
-    env = child_env(args)
+    env = dict(os.environ, **({"SWARM_TOKEN": args.token} if args.token else {}))
     if args.device == "cpu":  # share the cores instead of every peer fighting for all of them
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.peers)))
     proc = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), *flags],
@@ -718,29 +782,17 @@ def start_peer(args, k, url, children):
     return proc
 
 
-def as_flags(args):
-    """Settings as a command line that parse_args reads back into the same settings. Left out: what is
-    derived from flags (task_list, silo, shrunk) and --token, which must not show in ps."""
-    flags = []
-    for action in parser()._actions:
-        value, flag = getattr(args, action.dest, None), (action.option_strings or [None])[0]
-        if flag is None or action.dest in ("help", "token") or value is None:
-            continue
-        if isinstance(action, argparse.BooleanOptionalAction):
-            flags.append(flag if value else "--no-" + flag[2:])
-        elif value is not False:  # False: a store_true flag not given
-            flags += [flag] if value is True else [flag, str(value)]
-    return flags
+STOP_SECONDS = 120  # a stopped peer finishes a GRPO step and writes its checkpoint before it is killed
 
 
 def stop_all(children):
-    """Stop every child: SIGTERM, then SIGKILL after 15 s."""
+    """Stop every child: SIGTERM, then SIGKILL after STOP_SECONDS."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second Ctrl-C must not cut this short
         signal.signal(sig, signal.SIG_IGN)
     for proc in children:
         if proc.poll() is None:
             proc.terminate()
-    deadline = time.time() + 15
+    deadline = time.time() + STOP_SECONDS
     for proc in children:
         try:
             proc.wait(timeout=max(0.1, deadline - time.time()))
@@ -792,66 +844,51 @@ def check_memory(peers, device, params):
                      + (f"try --peers {fits}." if fits else "not even one peer fits; free some memory first."))
 
 
-def last_metrics(path):
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 4096))
-            lines = f.read().decode(errors="replace").strip().splitlines()
-        return json.loads(lines[-1]) if lines else None
-    except (OSError, ValueError):
-        return None
-
-
 def plot(run_dir, window=10):
-    """RUN_DIR/reward.svg, two charts of every peer's reward per round (a running mean over `window`
-    rounds): on top the local reward, the peer's skill; below it the batch reward, the paper's figure,
-    which also counts the external groups trained on (always of mixed reward, so it reads higher)."""
+    """RUN_DIR/reward.svg, every peer's reward per round (a running mean over `window` rounds): on top the
+    local reward, the peer's skill; below it the batch reward, the paper's figure, which also counts the
+    external groups trained on (always of mixed reward, so it reads higher). A run in silo trains on
+    its local groups only, where the two are the same: it gets the top chart alone."""
+    runs = {}
+    for path in sorted(glob.glob(os.path.join(glob.escape(run_dir), "*", "metrics.jsonl"))):
+        with open(path) as f:
+            runs[os.path.basename(os.path.dirname(path))] = [json.loads(line) for line in f if line.strip()]
+    if not runs:
+        raise SystemExit(f"no <peer>/metrics.jsonl under {run_dir}: give the folder of a run")
+    kinds = [("local_reward", "local reward (the skill)"),
+             ("batch_reward", "batch reward (the paper's figure: the training batch, external groups too)")]
+    if all(row["batch_reward"] == row["local_reward"] for rows in runs.values() for row in rows):
+        kinds = kinds[:1]
     charts = []
-    for key, title in (("local_reward", "local reward (the skill)"),
-                       ("batch_reward", "batch reward (the paper's figure: the training batch, external groups too)")):
-        series = {}
-        for path in sorted(glob.glob(os.path.join(glob.escape(run_dir), "*", "metrics.jsonl"))):
-            with open(path) as f:
-                rows = [json.loads(line) for line in f if line.strip()]
-            values = [row[key] for row in rows]
-            series[os.path.basename(os.path.dirname(path))] = [
-                (row["round"], mean(values[max(0, k + 1 - window):k + 1])) for k, row in enumerate(rows)]
-        if not series:
-            raise SystemExit(f"no <peer>/metrics.jsonl under {run_dir}: give the folder of a run")
-        charts.append(swarm.render_svg(series, title=f"{title}, running mean over {window} rounds"))
-    below = charts[1].replace("<svg ", '<svg y="360" ', 1)
+    for k, (key, title) in enumerate(kinds):
+        series = {name: [(row["round"], mean([x[key] for x in rows[max(0, i + 1 - window):i + 1]]))
+                         for i, row in enumerate(rows)] for name, rows in runs.items()}
+        chart = swarm.render_svg(series, title=f"{title}, running mean over {window} rounds")
+        charts.append(chart.replace("<svg ", f'<svg y="{360 * k}" ', 1))  # one above the other
     out = os.path.join(run_dir, "reward.svg")
-    with open(out, "w") as f:  # the two charts, one above the other, in one SVG
-        f.write(f'<svg xmlns="http://www.w3.org/2000/svg" width="760" height="720">\n{charts[0]}\n{below}\n</svg>\n')
+    with open(out, "w") as f:
+        f.write(f'<svg xmlns="http://www.w3.org/2000/svg" width="760" height="{360 * len(charts)}">\n'
+                + "\n".join(charts) + "\n</svg>\n")
     print(f"wrote {out}")
 
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def interrupt(signum, frame):  # SIGTERM from the launcher: stop as Ctrl-C would
-    raise KeyboardInterrupt
-
-
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if args.plot:
         return plot(args.plot)
-    args.out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    if args.shrunk:
-        print(f"no GPU: using smaller defaults for {', '.join('--' + k.replace('_', '-') for k in args.shrunk)} "
-              f"({', '.join(f'{k}={getattr(args, k)}' for k in args.shrunk)}); set them to override")
-    if args.silo:
-        print(f"in silo (J = 0): I = {args.local} local groups a round, the I + J of a swarm peer "
-              "(the paper's baseline, 8/0 against 4/4); --local sets it")
+    print(f"run folder: {args.out}" + (f"; dashboard: {args.swarm.rstrip('/')}/" if args.swarm else "")
+          + f"; I = {args.local}, J = {args.external}{' (in silo)' * (not args.external)}, G = {args.generations}, "
+          f"{args.max_new_tokens} new tokens, {args.rounds} rounds on {args.device} (--help shows the defaults)")
     if args.peers:
-        return launch(args)
-    signal.signal(signal.SIGTERM, interrupt)
+        return launch(args, argv)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # the launcher's stop: as Ctrl-C
     try:
-        Peer(args).run()
-    except KeyboardInterrupt:
-        print("stopped", file=sys.stderr)
+        stopped = Peer(args).run()
+    except KeyboardInterrupt:  # while the model loads
+        stopped = True
+    print(next_steps(args, argv))
+    if stopped:
         sys.exit(130)
 
 

@@ -18,6 +18,8 @@ How this file does it, in reading order:
 - SwarmClient, what a peer uses: its calls only touch in-memory queues and a thread does the HTTP, so
   training never waits for the network. With the server down a peer trains in silo (the paper's
   baseline) and catches up when it returns.
+- RedisClient, the same client with Redis Streams as the store (a redis:// URL; swarm.connect picks by
+  URL): for a swarm one Python server cannot carry, with Redis's ACL users in the token's place.
 - A dashboard: peers POST /metrics once a round; GET / draws every peer's local reward per round.
 
 Deviations from the paper, and why:
@@ -978,11 +980,9 @@ def _said(data):  # the one sentence of an error reply
 
 # -----------------------------------------------------------------------------
 # Redis Streams as the store: SwarmClient's queues, thread and checks, with Redis commands for its exchanges.
-
-# A batch, atomically. KEYS: the seq counter, the stream (one entry a group, its ID the group's seq),
-# producers by the time of their newest batch, this batch's reply (kept ARGV[5] s: a retry is stored
-# once). ARGV: peer, round, MAXLEN, window seconds, ARGV[5], the groups. sapo:window:PEER holds the seq
-# ranges of the peer's newest Limits.window_batches (2) batches, and expires with the peer's window.
+# A batch, atomically. KEYS: seq counter, stream (an entry a group, its ID the seq), producers by newest
+# batch time, the batch's reply (kept ARGV[5] s: a retry is stored once). ARGV: peer, round, MAXLEN, window
+# seconds, ARGV[5], groups. sapo:window:PEER: the seq ranges of PEER's newest 2 batches, until its window ends.
 PUBLISH_LUA = """local reply, t, n = redis.call('GET', KEYS[4]), redis.call('TIME'), #ARGV - 5
 if reply then return reply end
 local now, last, window = t[1] + t[2] / 1e6, redis.call('INCRBY', KEYS[1], n), 'sapo:window:' .. ARGV[1]
@@ -995,9 +995,9 @@ redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - ARGV[4])
 reply = '{"accepted":' .. n .. ',"seq":' .. last .. '}'
 redis.call('SET', KEYS[4], reply, 'EX', ARGV[5])
 return reply"""
-# The sampled read (the window and draw of RolloutStore's), read-only. KEYS: the stream, the producers.
-# ARGV: K, the peer to exclude, seed, byte cap. A lazy shuffle of the producers' ranks takes out one that
-# is excluded, stale or drawn dry, so each pick is uniform over those left, and a read costs O(K).
+# The sampled read (RolloutStore's window and draw), read-only. KEYS: stream, producers. ARGV: K, peer to
+# exclude, seed, byte cap. A lazy shuffle of the producers' ranks takes out those excluded, stale or drawn
+# dry, so each pick is uniform over those left and a read costs O(K), whatever the number of producers.
 SAMPLE_LUA = """local k, x = tonumber(ARGV[1]), tonumber(ARGV[3]:sub(-9)) % 2147483646 + 1
 local n, out, undrawn, moved, size = redis.call('ZCARD', KEYS[2]), {}, {}, {}, 0
 local function rand(m) x = x * 16807 % 2147483647 return x % m end
@@ -1089,14 +1089,12 @@ class RedisClient(SwarmClient):
             poll = self.polls
         page = self._get(f"/rollouts?sample={self.sample}&exclude={self.peer}&seed={self.seeds.getrandbits(63)}",
                          {"groups": PAGE["groups"], "last": SEQ})
-        groups, bad = [], []
+        groups = []
         for g in page["groups"]:  # checked on arrival, as in SwarmClient._poll
             try:
                 groups.append(check(g, STORED, "a received group"))
             except BadRequest as e:
-                bad.append(e.message)
-        if bad:
-            self._log(f"dropped {len(bad)} malformed groups from the server (the first: {bad[0][:200]})")
+                self._log(f"dropped a malformed group from the server: {e.message:.200}")
         with self.cond:
             self.inbox.extend((g, 0) for g in groups if g["peer"] != self.peer)
             self.level = poll

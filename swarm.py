@@ -1102,9 +1102,8 @@ class RedisClient(SwarmClient):
             return self.polls >= self.asked
 
     def close(self):
-        self.closing = True
-        self.redis.connection_pool.disconnect()  # ends the thread's exchange at once
-        super().close()
+        super().close()  # (an exchange under way ends within Limits.request_seconds)
+        self.redis.close()
 
 
 def _stored(seq, fields):

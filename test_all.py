@@ -2477,12 +2477,12 @@ def test_swarm_redis_sampled_reads_are_bounded_by_k_and_fair_to_producers(_sw_re
 
 
 def test_swarm_redis_read_only_user_reads_but_cannot_publish(_sw_redis, _sw_clients, capsys):
-    """The read-only ACL user: reads work; a publish is refused with one log line naming why, and the
-    batches stay in the outbox. The password is never printed."""
+    """The read-only ACL user, its password given as the token: reads work; a publish is refused with one
+    log line naming why, and the batches stay in the outbox. The password is never printed."""
     writer = _sw_clients(_sw_redis.url(), "w")
     writer.publish(0, [_sw_group(1)])
     assert writer.flush(10)
-    reader = _sw_clients(_sw_redis.url("reader"), "ro", cursor=0)
+    reader = _sw_clients(f"redis://reader@127.0.0.1:{_sw_redis.port}/0", "ro", "reader-pw", cursor=0)  # (as $SWARM_TOKEN)
     assert reader.flush(10) and [g["peer"] for g in reader.fetch()] == ["w"]
     reader.publish(0, [_sw_group(2)])
     reader.publish(1, [_sw_group(3)])

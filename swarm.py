@@ -97,7 +97,7 @@ class Limits:
     sample_groups = 256         # the most groups one sampled read may ask for (?sample=K)
     window_batches = 2          # a sampled read draws from each producer's newest this many batches,
     window_seconds = 600        # of the producers whose newest batch arrived within this many seconds
-    stream_groups = 64 << 10    # Redis: groups its stream keeps (XADD MAXLEN ~), ~320 MB at 5 KB a group
+    stream_groups = 128 << 10   # Redis: groups its stream keeps (XADD MAXLEN ~): two rounds of 16,000 peers at I = 4
 
 
 # -----------------------------------------------------------------------------

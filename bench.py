@@ -5,7 +5,7 @@ ReasoningGym's.
 
     python bench.py                     # sampling: our generate() vs transformers' generate()
     python bench.py --train             # one GRPO training step's forward + backward: tokens/s, peak memory
-    python bench.py --swarm             # the rollout server under 32 simulated peers on loopback
+    python bench.py --swarm             # the rollout server under 32 simulated peers, then both stores under 200
     python bench.py --attack            # what the server and the client survive (README's reliability table)
     python bench.py --parity 200        # reward.py vs reasoning_gym 0.1.25, 200 items per family
     python bench.py --lines             # the reading path (each file up to its marker line) against its budget
@@ -28,7 +28,9 @@ process of its own, so neither sees the other's memory.
 Swarm: a server in a subprocess and --peers simulated peers (threads) that each publish one batch
 of groups and fetch the others' every round, for --rounds rounds: posts per second, p50/p99 sync and
 fetch latency (bench_swarm says which is which), acknowledged groups missing from a final full read,
-and groups a peer never received (both must be 0).
+and groups a peer never received (both must be 0). Then both stores, the server and a durable
+redis-server, under --store-peers simulated peers (bench_stores): posts/s, reads everything after a
+cursor and sampled reads of 16 groups, bytes a peer reads a round, the store's CPU per post and read.
 
 Attack: a flood of slow connections, crafted hostile requests, kill -9 under concurrent writers, a
 client facing servers that misbehave, and a server filled far past --keep-bytes (the attack_* functions).

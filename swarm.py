@@ -988,8 +988,8 @@ if reply then return reply end
 local now, last, window = t[1] + t[2] / 1e6, redis.call('INCRBY', KEYS[1], n), 'sapo:window:' .. ARGV[1]
 for i = 1, n do redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], (last - n + i) .. '-0', 'peer', ARGV[1],
   'round', ARGV[2], 'time', now, 'group', ARGV[5 + i]) end
-local older = (redis.call('GET', window) or ''):match('^%d+ %d+')
-redis.call('SET', window, (last - n + 1) .. ' ' .. last .. (older and ' ' .. older or ''), 'EX', ARGV[4])
+redis.call('SET', window, (last - n + 1) .. ' ' .. last .. ' ' .. ((redis.call('GET', window) or ''):match('^%d+ %d+')
+  or ''), 'EX', ARGV[4])
 redis.call('ZADD', KEYS[3], now, ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - ARGV[4])
 reply = '{"accepted":' .. n .. ',"seq":' .. last .. '}'
@@ -1106,12 +1106,11 @@ class RedisClient(SwarmClient):
         self.redis.close()
 
 
-def _stored(seq, fields):
-    """A stream entry -> the group as served (check() judges it; what is broken is None)."""
-    fields = fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2]))
+def _stored(seq, fields):  # a stream entry -> the group as served, or None (check() judges either)
+    f = fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2]))
     try:
-        return {**parse_json(fields["group"]), "peer": fields["peer"], "round": int(fields["round"]),
-                "seq": int(seq[:-2]), "time": float(fields["time"])}
+        return {**parse_json(f["group"]), "peer": f["peer"], "round": int(f["round"]), "seq": int(seq[:-2]),
+                "time": float(f["time"])}
     except (BadRequest, KeyError, ValueError, TypeError):
         return None
 

@@ -1029,7 +1029,8 @@ class RedisClient(SwarmClient):
     def __init__(self, url, peer, token=None, cursor=None, sample=None, seed=0):
         if sample is not None and not (isinstance(sample, int) and 1 <= sample <= Limits.sample_groups):
             raise ValueError(f"sample must be a whole number from 1 to {Limits.sample_groups}.")
-        self.sample, self.seeds, self.asked, self.seen = sample, random.Random(seed), 0, collections.deque(maxlen=4096)
+        self.sample, self.seeds, self.seen = sample, random.Random(seed), collections.deque(maxlen=4096)
+        self.asked = self.served = 0  # sampled reads asked for by fetch() and flush() / served by the thread
         super().__init__(url, peer, token, cursor)
 
     def _connect(self, u, token):
@@ -1083,9 +1084,9 @@ class RedisClient(SwarmClient):
         if not self.sample:
             return super()._poll()
         with self.cond:
-            if self.polls >= self.asked:
+            if self.served >= self.asked:
                 return True
-            self.polls += 1
+            asked, self.polls = self.asked, self.polls + 1
             poll = self.polls
         page = self._get(f"/rollouts?sample={self.sample}&exclude={self.peer}&seed={self.seeds.getrandbits(63)}",
                          {"groups": PAGE["groups"], "last": SEQ})
@@ -1097,9 +1098,9 @@ class RedisClient(SwarmClient):
                 self._log(f"dropped a malformed group from the server: {e.message:.200}")
         with self.cond:
             self.inbox.extend((g, 0) for g in groups if g["peer"] != self.peer)
-            self.level = poll
+            self.level, self.served = poll, asked  # (a read that failed is tried again)
             self.cond.notify_all()
-            return self.polls >= self.asked
+            return self.served >= self.asked
 
     def close(self):
         super().close()  # (an exchange under way ends within Limits.request_seconds)

@@ -2476,6 +2476,23 @@ def test_swarm_redis_sampled_reads_are_bounded_by_k_and_fair_to_producers(_sw_re
         fair.kill()
 
 
+def test_swarm_redis_a_sampled_read_that_failed_is_tried_again(_sw_redis, _sw_clients):
+    """fetch() asks for a sampled read while Redis is down: the read is tried again until it is served."""
+    writer = _sw_clients(_sw_redis.url(), "w")
+    writer.publish(0, [_sw_group(1)])
+    assert writer.flush(10)
+    reader = _sw_clients(_sw_redis.url(), "r", sample=4)  # idle: nothing asked for yet
+    _sw_redis.kill()
+    assert reader.fetch() == []  # asks for a read, which fails
+    deadline = time.time() + 60
+    while not reader.down and time.time() < deadline:
+        time.sleep(0.05)
+    _sw_redis.start()
+    while not reader.inbox and time.time() < deadline:
+        time.sleep(0.05)
+    assert [g["peer"] for g in reader.fetch()] == ["w"]
+
+
 def test_swarm_redis_read_only_user_reads_but_cannot_publish(_sw_redis, _sw_clients, capsys):
     """The read-only ACL user, its password given as the token: reads work; a publish is refused with one
     log line naming why, and the batches stay in the outbox. The password is never printed."""

@@ -965,10 +965,16 @@ def main():
     if args.attack:
         return bench_attack(args)
     if args.swarm:
+        if args.store_peers < 2:
+            p.error("--store-peers needs at least 2 peers")
         r = dict(what="swarm", **bench_swarm(peers=args.peers, rounds=args.rounds))
         print(json.dumps(r) if args.json else "swarm: " + ", ".join(f"{k} {v:,.1f}" if isinstance(v, float)
                                                                     else f"{k} {v}" for k, v in r.items() if k != "what"))
-        for store, r in bench_stores(peers=args.store_peers, rounds=3).items():
+        try:
+            stores = bench_stores(peers=args.store_peers, rounds=3)
+        except (ImportError, OSError, RuntimeError) as e:  # no redis-py, or no redis-server to start
+            sys.exit(f"bench.py: the store bench needs redis-server and redis-py (pip install redis): {e}")
+        for store, r in stores.items():
             print(json.dumps(dict(what=f"store {store}", **r)) if args.json else f"store {store}, "
                   f"{args.store_peers} peers: " + ", ".join(f"{k} {v}" for k, v in r.items()))
         return

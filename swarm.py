@@ -1013,7 +1013,8 @@ for _ = 1, 4 * k + 64 do
   if #seqs > 0 then
     local i = rand(#seqs) + 1
     local e = redis.call('XRANGE', KEYS[1], seqs[i] .. '-0', seqs[i] .. '-0')[1]
-    seqs[i], seqs[#seqs] = seqs[#seqs], nil
+    seqs[i] = seqs[#seqs]
+    seqs[#seqs] = nil
     if e then out[#out + 1], size = e, size + #e[2][8] end end
   if #seqs == 0 then n = n - 1 moved[j] = moved[n] or n end
 end

@@ -2469,8 +2469,9 @@ def test_swarm_redis_sampled_reads_are_bounded_by_k_and_fair_to_producers(_sw_re
         for peer, n in (("big", 16), ("b", 1), ("c", 1)):
             for r in range(2):
                 _sw_publish(_sw_clients(fair.url(), peer), r, [_sw_group(j) for j in range(n)])
-        drawn = [g["peer"] for seed in range(60)
-                 for g in client._request("GET", f"/rollouts?sample=2&exclude=x&seed={seed}")[1]["groups"]]
+        reads = [client._request("GET", f"/rollouts?sample=2&exclude=x&seed={seed}")[1]["groups"] for seed in range(60)]
+        assert all(len({g["seq"] for g in groups}) == 2 for groups in reads)  # never one group twice in a read
+        drawn = [g["peer"] for groups in reads for g in groups]
         assert len(drawn) == 120 and 0.2 < drawn.count("big") / 120 < 0.45, drawn.count("big")
     finally:
         fair.kill()

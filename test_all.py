@@ -3101,7 +3101,7 @@ def test_train_external_draw_does_not_depend_on_arrival_order(tiny, tmp_path):
 
 def test_train_resumed_peer_keeps_its_swarm_cursor(tiny, tmp_path, monkeypatch):
     made = []
-    monkeypatch.setattr(swarm, "SwarmClient", lambda *a, **k: made.append(k.get("cursor")) or FakeClient(*a, **k))
+    monkeypatch.setattr(swarm, "connect", lambda *a, **k: made.append(k.get("cursor")) or FakeClient(*a, **k))
     args = ["--swarm", "http://127.0.0.1:9", "--name", "a", "--rounds", "1"]
     peer = train.Peer(tiny_args(tmp_path, *args), log=quiet)
     peer.client.cursor = 1234

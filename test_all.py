@@ -2757,6 +2757,8 @@ def test_train_joins_a_redis_swarm_and_trains(tiny, tmp_path, monkeypatch, _sw_r
             rows = [p.learn(r, c) for p, c in zip(peers, collected)]
             assert all(m["round"] == r and m["stepped"] for m in rows)
         assert all(m["external_used"] > 0 for m in rows)
+        settings = json.load(open(tmp_path / "run" / "r0" / "settings.json"))
+        assert settings["swarm"] == f"redis://writer:***@127.0.0.1:{_sw_redis.port}/0"  # no password on disk
     finally:
         for p in peers:
             p.client.close()

@@ -384,8 +384,9 @@ class Peer:
                 self.client = swarm.connect(args.swarm, self.name, token=args.token, cursor=cursor)
             except ValueError as e:  # a URL it cannot use, or redis:// without the redis package
                 raise SystemExit(f"train.py: --swarm: {e}") from None
-        with open(settings, "w") as f:  # never the token: no secret goes to disk
-            json.dump({k: v for k, v in vars(args).items() if k != "token"}, f, indent=2)
+        with open(settings, "w") as f:  # never the token, nor a password in the URL: no secret goes to disk
+            json.dump({k: re.sub(r"(://[^/@]*?):[^/@]*@", r"\1:***@", v) if k == "swarm" and v else v
+                       for k, v in vars(args).items() if k != "token"}, f, indent=2)
 
     # -- one round: Algorithm 1 of the paper ------------------------------------------------------
 

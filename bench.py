@@ -5,7 +5,7 @@ ReasoningGym's.
 
     python bench.py                     # sampling: our generate() vs transformers' generate()
     python bench.py --train             # one GRPO training step's forward + backward: tokens/s, peak memory
-    python bench.py --swarm             # the rollout server under 32 simulated peers on loopback
+    python bench.py --swarm             # the rollout server under 32 simulated peers, then both stores under 200
     python bench.py --attack            # what the server and the client survive (README's reliability table)
     python bench.py --parity 200        # reward.py vs reasoning_gym 0.1.25, 200 items per family
     python bench.py --lines             # the reading path (each file up to its marker line) against its budget
@@ -28,7 +28,9 @@ process of its own, so neither sees the other's memory.
 Swarm: a server in a subprocess and --peers simulated peers (threads) that each publish one batch
 of groups and fetch the others' every round, for --rounds rounds: posts per second, p50/p99 sync and
 fetch latency (bench_swarm says which is which), acknowledged groups missing from a final full read,
-and groups a peer never received (both must be 0).
+and groups a peer never received (both must be 0). Then both stores, the server and a durable
+redis-server, under --store-peers simulated peers (bench_stores): posts/s, reads everything after a
+cursor and sampled reads of 16 groups, bytes a peer reads a round, the store's CPU per post and read.
 
 Attack: a flood of slow connections, crafted hostile requests, kill -9 under concurrent writers, a
 client facing servers that misbehave (silent, trickling, garbage, a 32 MB reply, poisoned replies), and
@@ -51,6 +53,7 @@ import os
 import random
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -336,6 +339,108 @@ def bench_swarm(peers=32, rounds=20, groups_per_post=4):
         proc.kill()
         proc.wait()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _redis_server(folder):
+    """redis-server on a free loopback port, durable (appendonly yes, appendfsync always) -> (process, url)."""
+    import redis
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", folder, "--save", "",
+                             "--appendonly", "yes", "--appendfsync", "always"], stdout=subprocess.DEVNULL)
+    url, deadline = f"redis://127.0.0.1:{port}/0", time.time() + 30
+    while True:
+        try:
+            redis.Redis.from_url(url).ping()
+            return proc, url
+        except redis.ConnectionError:
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError("redis-server did not start") from None
+            time.sleep(0.05)
+
+
+def bench_stores(peers=200, rounds=3, local=4, sample=16, workers=8):
+    """Both stores in one run, the embedded server (a swarm.py process) and a durable redis-server, under
+    `peers` simulated peers in this process: each round every peer publishes `local` groups, then reads
+    once: everything after its cursor ("cursor", up to 250 peers: beyond, it moves peers^2 x local groups
+    a round) or a sampled read of `sample` groups ("sampled"; for the HTTP server only its posts are
+    measured here, its sampled read being sample x bytes_per_group). The peers' exchanges are those of
+    swarm's clients (client._request, without their threads), from `workers` threads. -> per store:
+    posts/s, read p50/p99 ms, bytes read per peer per round, the server's CPU ms per post and per read
+    (from /proc), and its memory."""
+    import swarm
+    from concurrent.futures import ThreadPoolExecutor
+    folder, out = tempfile.mkdtemp(prefix="swarm-bench-"), {}
+    bytes_per_group = len(swarm._dumps(_groups("x", 1)[0]))
+    try:
+        for store in ("http", "redis"):
+            os.makedirs(os.path.join(folder, store))
+            proc, url = _server(os.path.join(folder, store))[:2] if store == "http" else \
+                _redis_server(os.path.join(folder, store))
+            clients = [swarm.connect(url, f"worker{k}", cursor=0) for k in range(workers)]
+            for c in clients:
+                c.close()  # only its exchanges are used, on behalf of the simulated peers
+            local_clients = threading.local()
+
+            def client():
+                if not hasattr(local_clients, "c"):
+                    local_clients.c = clients.pop()
+                return local_clients.c
+
+            def post(k, r):
+                body = swarm._dumps({"peer": f"peer{k:05d}", "round": r, "batch_id": f"peer{k:05d}-{r}",
+                                     "groups": _groups(f"peer {k} round {r}", local)})
+                assert client()._request("POST", "/rollouts", body)[0] == 200
+
+            def read(k, query):
+                t, size, after = time.perf_counter(), 0, position[k]
+                while True:  # a cursor read takes pages until it is level; a sampled read is one
+                    q = query.format(after=after, k=k, seed=random.getrandbits(63))
+                    status, page = client()._request("GET", f"/rollouts?{q}&exclude=peer{k:05d}")
+                    size += len(swarm._dumps(page["groups"]))
+                    if "after" not in query or page["next"] in (after, page["last"]):
+                        position[k] = page.get("next", after)
+                        return 1000 * (time.perf_counter() - t), size
+                    after = page["next"]
+
+            r = {"bytes_per_group": bytes_per_group}
+            position, cpu0, t0 = [0] * peers, _cpu_seconds(proc.pid), time.perf_counter()
+            modes = [("cursor", "after={after}")] * (peers <= 250) + [("sampled", f"sample={sample}&seed={{seed}}")]
+            if store == "http":  # (its sampled read is measured as posts only: the reads are computed)
+                modes[-1] = ("sampled", None)
+            with ThreadPoolExecutor(workers) as pool:
+                for mode, query in modes:
+                    post_s = cpu_post = cpu_read = 0.0
+                    reads = []
+                    for rnd in range(rounds):
+                        t, cpu = time.perf_counter(), _cpu_seconds(proc.pid)
+                        list(pool.map(post, range(peers), [rnd + 10 * (mode == "sampled")] * peers))
+                        post_s, cpu_post = post_s + time.perf_counter() - t, cpu_post + _cpu_seconds(proc.pid) - cpu
+                        cpu = _cpu_seconds(proc.pid)
+                        reads += list(pool.map(read, range(peers), [query] * peers)) if query else [(0, 0)] * peers
+                        cpu_read += (_cpu_seconds(proc.pid) - cpu) * (rnd > 0)
+                    ms = [m for m, _ in reads[peers:]]  # the first round's reads include the history
+                    if not query:
+                        r.update({f"{mode}_posts_per_s": peers * rounds / post_s,
+                                  f"{mode}_cpu_ms_per_post": 1000 * cpu_post / peers / rounds})
+                        continue
+                    r.update({f"{mode}_cpu_ms_per_read": 1000 * cpu_read / len(ms),
+                              f"{mode}_posts_per_s": peers * rounds / post_s, f"{mode}_cpu_ms_per_post":
+                              1000 * cpu_post / peers / rounds, f"{mode}_read_p50_ms": _pct(ms, 0.5),
+                              f"{mode}_read_p99_ms": _pct(ms, 0.99),
+                              f"{mode}_read_kb_per_peer_round": sum(b for _, b in reads[peers:]) / len(ms) / 1024})
+            r.update(wall_s=time.perf_counter() - t0, server_cpu_s=_cpu_seconds(proc.pid) - cpu0,
+                     server_rss_mb=_rss_mb(proc.pid))
+            if store == "redis":
+                import redis
+                r["redis_used_memory_mb"] = redis.Redis.from_url(url).info("memory")["used_memory"] / 2**20
+            out[store] = {k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}
+            proc.kill()
+            proc.wait()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return out
 
 
 # -----------------------------------------------------------------------------
@@ -1191,6 +1296,7 @@ def main():
     p.add_argument("--swarm", action="store_true", help="measure the rollout server under simulated peers")
     p.add_argument("--peers", type=int, default=32, help="--swarm: simulated peers")
     p.add_argument("--rounds", type=int, default=20, help="--swarm: rounds each peer posts and polls")
+    p.add_argument("--store-peers", type=int, default=200, help="--swarm: simulated peers for both stores")
     p.add_argument("--attack", action="store_true", help="what the server and client survive (README's reliability)")
     p.add_argument("--slow", type=int, default=500, help="--attack: slow connections held open")
     p.add_argument("--cycles", type=int, default=10, help="--attack: kill -9 cycles")
@@ -1213,9 +1319,18 @@ def main():
     if args.attack:
         return bench_attack(args)
     if args.swarm:
+        if args.store_peers < 2:
+            p.error("--store-peers needs at least 2 peers")
         r = dict(what="swarm", **bench_swarm(peers=args.peers, rounds=args.rounds))
         print(json.dumps(r) if args.json else "swarm: " + ", ".join(f"{k} {v:,.1f}" if isinstance(v, float)
                                                                     else f"{k} {v}" for k, v in r.items() if k != "what"))
+        try:
+            stores = bench_stores(peers=args.store_peers, rounds=3)
+        except (ImportError, OSError, RuntimeError) as e:  # no redis-py, or no redis-server to start
+            sys.exit(f"bench.py: the store bench needs redis-server and redis-py (pip install redis): {e}")
+        for store, r in stores.items():
+            print(json.dumps(dict(what=f"store {store}", **r)) if args.json else f"store {store}, "
+                  f"{args.store_peers} peers: " + ", ".join(f"{k} {v}" for k, v in r.items()))
         return
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

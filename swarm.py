@@ -18,6 +18,8 @@ How this file does it, in reading order:
 - SwarmClient, what a peer uses: its calls only touch in-memory queues and a thread does the HTTP
   (through requests), so training never waits for the network. With the server down a peer trains in
   silo (the paper's baseline) and catches up when it returns.
+- RedisClient, the same client with Redis Streams as the store (a redis:// URL; swarm.connect picks by
+  URL): for a swarm one Python server cannot carry, with Redis's ACL users in the token's place.
 - A dashboard: peers POST /metrics once a round; GET / draws every peer's local reward per round,
   beside what each peer's newest group says (escaped).
 
@@ -49,6 +51,7 @@ import html
 import json
 import math
 import os
+import random
 import re
 import signal
 import socket
@@ -100,6 +103,10 @@ class Limits:
     poll_seconds = 1.0          # client: how often it asks for new groups
     recent_groups = 64          # client: a new peer starts with the newest this many groups (two rounds
                                 # of an 8-peer swarm at I = 4), not with the whole history
+    sample_groups = 256         # the most groups one sampled read may ask for (?sample=K)
+    window_batches = 2          # a sampled read draws from each producer's newest this many batches,
+    window_seconds = 600        # of the producers whose newest batch arrived within this many seconds
+    stream_groups = 128 << 10   # Redis: groups its stream keeps (XADD MAXLEN ~): two rounds of 16,000 peers at I = 4
 
 
 # -----------------------------------------------------------------------------
@@ -838,17 +845,10 @@ class SwarmClient:
     The token defaults to $SWARM_TOKEN (never on a command line). Received groups pass the server's table."""
 
     def __init__(self, url, peer, token=None, cursor=None):
-        u = urlsplit(str(url))
-        if u.scheme not in ("http", "https") or not u.hostname:
-            raise ValueError(f"the swarm URL must look like http://HOST:PORT, not {str(url)[:80]!r}.")
         if not isinstance(peer, str) or not NAME.fullmatch(peer):
             raise ValueError("peer must be 1 to 64 characters from A-Z, a-z, 0-9, '_', '.' and '-'.")
-        token = check_token(token if token is not None else os.environ.get("SWARM_TOKEN"))
-        self.peer, self.url, self.session = peer, str(url).rstrip("/"), requests.Session()
-        self.session.headers.update({"Content-Type": JSON, "Connection": "close", "Accept-Encoding": "identity",
-                                     **({"Authorization": f"Bearer {token}"} if token else {})})
-        for scheme in ("http://", "https://"):
-            self.session.mount(scheme, _Adapter(self._opened))
+        self.peer = peer
+        self._connect(urlsplit(str(url)), token if token is not None else os.environ.get("SWARM_TOKEN"))
         self.cond = threading.Condition()  # guards all that follows; notified when the thread gets somewhere
         self.outbox, self.outbox_bytes = collections.deque(), 0  # (path, body, what, acknowledgement), oldest first
         self.inbox, self.inbox_bytes = collections.deque(), 0    # (group, bytes), oldest first
@@ -858,6 +858,16 @@ class SwarmClient:
         self.newest = 0  # the server's newest seq as /health last said it: no page may claim far more
         self.thread = threading.Thread(target=self._run, name=f"swarm-client-{peer}", daemon=True)
         self.thread.start()
+
+    def _connect(self, u, token):  # the transport: HTTP through requests here (RedisClient: Redis)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ValueError(f"the swarm URL must look like http://HOST:PORT, not {u.geturl()[:80]!r}.")
+        token = check_token(token)
+        self.url, self.session = u.geturl().rstrip("/"), requests.Session()
+        self.session.headers.update({"Content-Type": JSON, "Connection": "close", "Accept-Encoding": "identity",
+                                     **({"Authorization": f"Bearer {token}"} if token else {})})
+        for scheme in ("http://", "https://"):
+            self.session.mount(scheme, _Adapter(self._opened))
 
     # --- the training loop's side: queues only
 
@@ -1101,6 +1111,152 @@ def _reason(e):  # the words that matter in requests' long messages ("Connection
 
 def _said(data):  # the one sentence of an error reply
     return data.get("error") if isinstance(data, dict) else "(no message)"
+
+
+# -----------------------------------------------------------------------------
+# Redis Streams as the store: SwarmClient's queues, thread and checks, with Redis commands for its exchanges.
+# A batch, atomically. KEYS: seq counter, stream (an entry a group, its ID the seq), producers by newest
+# batch time, the batch's reply (kept ARGV[5] s: a retry is stored once). ARGV: peer, round, MAXLEN, window
+# seconds, ARGV[5], groups. sapo:window:PEER: the seq ranges of PEER's newest 2 batches, until its window ends.
+PUBLISH_LUA = """local reply, t, n = redis.call('GET', KEYS[4]), redis.call('TIME'), #ARGV - 5
+if reply then return reply end
+local now, last, window = t[1] + t[2] / 1e6, redis.call('INCRBY', KEYS[1], n), 'sapo:window:' .. ARGV[1]
+for i = 1, n do redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], (last - n + i) .. '-0', 'peer', ARGV[1],
+  'round', ARGV[2], 'time', now, 'group', ARGV[5 + i]) end
+redis.call('SET', window, (last - n + 1) .. ' ' .. last .. ' ' .. ((redis.call('GET', window) or ''):match('^%d+ %d+')
+  or ''), 'EX', ARGV[4])
+redis.call('ZADD', KEYS[3], now, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - ARGV[4])
+reply = '{"accepted":' .. n .. ',"seq":' .. last .. '}'
+redis.call('SET', KEYS[4], reply, 'EX', ARGV[5])
+return reply"""
+# The sampled read (RolloutStore's window and draw), read-only. KEYS: stream, producers. ARGV: K, peer to
+# exclude, seed, byte cap. A lazy shuffle of the producers' ranks takes out those excluded, stale or drawn
+# dry, so each pick is uniform over those left and a read costs O(K), whatever the number of producers.
+SAMPLE_LUA = """local k, x = tonumber(ARGV[1]), tonumber(ARGV[3]:sub(-9)) % 2147483646 + 1
+local n, out, undrawn, moved, size = redis.call('ZCARD', KEYS[2]), {}, {}, {}, 0
+local function rand(m) x = x * 16807 % 2147483647 return x % m end
+for _ = 1, 4 * k + 64 do
+  if #out == k or n == 0 or size > tonumber(ARGV[4]) then break end
+  local j = rand(n)
+  local p = redis.call('ZRANGE', KEYS[2], moved[j] or j, moved[j] or j)[1]
+  if not undrawn[p] then
+    undrawn[p] = {}
+    for a, b in (p ~= ARGV[2] and redis.call('GET', 'sapo:window:' .. p) or ''):gmatch('(%d+) (%d+)') do
+      for s = tonumber(a), tonumber(b) do table.insert(undrawn[p], s) end end end
+  local seqs = undrawn[p]
+  if #seqs > 0 then
+    local i = rand(#seqs) + 1
+    local e = redis.call('XRANGE', KEYS[1], seqs[i] .. '-0', seqs[i] .. '-0')[1]
+    seqs[i] = seqs[#seqs]
+    seqs[#seqs] = nil
+    if e then out[#out + 1], size = e, size + #e[2][8] end end
+  if #seqs == 0 then n = n - 1 moved[j] = moved[n] or n end
+end
+return out"""
+KEYS = ("sapo:seq", "sapo:rollouts", "sapo:producers")
+
+
+class RedisClient(SwarmClient):
+    """SwarmClient with a Redis server as the store: redis://USER:PASSWORD@HOST:PORT/DB (rediss:// for TLS;
+    the password may come from $SWARM_TOKEN instead). Only the exchanges differ (_request). Two ACL users
+    take the token's part: one that may write, and one that may only read (its batches wait)."""
+
+    def __init__(self, url, peer, token=None, cursor=None, sample=None, seed=0):
+        if sample is not None and not (isinstance(sample, int) and 1 <= sample <= Limits.sample_groups):
+            raise ValueError(f"sample must be a whole number from 1 to {Limits.sample_groups}.")
+        self.sample, self.seeds, self.seen = sample, random.Random(seed), collections.deque(maxlen=4096)
+        self.asked = self.served = 0  # sampled reads asked for by fetch() and flush() / served by the thread
+        super().__init__(url, peer, token, cursor)
+
+    def _connect(self, u, token):
+        if u.scheme not in ("redis", "rediss") or not u.hostname:
+            raise ValueError("the swarm URL must look like redis://USER:PASSWORD@HOST:PORT/0 (rediss:// for TLS).")
+        try:
+            import redis
+        except ImportError:
+            raise ValueError("a redis:// swarm needs the redis package: pip install redis") from None
+        self.redis, self.redis_error = redis.Redis.from_url(u.geturl(), password=token, decode_responses=True,
+                                                            socket_timeout=Limits.request_seconds), redis.RedisError
+
+    def _request(self, method, path, body=b""):
+        """The exchange SwarmClient's thread asks for, in Redis commands -> (200, the reply's JSON). Redis
+        unreachable or refusing (a read-only user's publish) is an OSError: the batch waits."""
+        path, _, query = path.partition("?")
+        q = {k: v[-1] for k, v in parse_qs(query).items()}
+        try:
+            if method == "POST":
+                b = json.loads(body)
+                if path == "/metrics":
+                    return 200, {"ok": bool(self.redis.xadd("sapo:metrics", {"row": body}, maxlen=1 << 16))}
+                return 200, json.loads(self.redis.eval(PUBLISH_LUA, 4, *KEYS, f"sapo:reply:{b['peer']}:{b['batch_id']}",
+                    b["peer"], b["round"], Limits.stream_groups, Limits.window_seconds, 86400, *map(_dumps, b["groups"])))
+            last = int(self.redis.get(KEYS[0]) or 0)
+            if "sample" in q:
+                found = self.redis.eval_ro(SAMPLE_LUA, 2, *KEYS[1:], q["sample"], q.get("exclude", ""),
+                                           q.get("seed", "0"), Limits.page_bytes)
+                return 200, {"groups": [_stored(*e) for e in found], "last": last}
+            found = self.redis.xrange(KEYS[1], f"{int(q.get('after', last)) + 1}-0", count=256)
+            return 200, {"groups": [_stored(*e) for e in found if e[1].get("peer") != q.get("exclude")], "last": last,
+                         "next": int(found[-1][0][:-2]) if found else int(q.get("after", last)), "last_seq": last}
+        except self.redis_error as e:
+            raise ConnectionError(f"Redis: {e}") from None
+
+    # --- sampled mode (sample=K): one read of K groups per fetch() or flush()
+
+    def fetch(self):
+        with self.cond:
+            self.asked, self.wake = self.asked + 1, True
+            self.cond.notify_all()
+            groups = super().fetch()  # (a sampled read may draw a group again: it is handed out once)
+            return [g for g in groups if not self.sample or g["seq"] not in self.seen and not self.seen.append(g["seq"])]
+
+    def flush(self, timeout=10.0):
+        with self.cond:  # (re-entered by SwarmClient.flush, so its read begins after this)
+            self.asked += 1
+            return super().flush(timeout)
+
+    def _poll(self):
+        if not self.sample:
+            return super()._poll()
+        with self.cond:
+            if self.served >= self.asked:
+                return True
+            asked, self.polls_begun = self.asked, self.polls_begun + 1
+            poll = self.polls_begun
+        page = self._get(f"/rollouts?sample={self.sample}&exclude={self.peer}&seed={self.seeds.getrandbits(63)}",
+                         fields({"groups": items(math.inf), "last": SEQ}))
+        groups = []
+        for g in page["groups"]:  # checked on arrival, as in SwarmClient._poll
+            try:
+                groups.append(check(g, STORED, "a received group"))
+            except BadRequest as e:
+                self._log(f"dropped a malformed group from the server: {e.message:.200}")
+        with self.cond:
+            self.inbox.extend((g, 0) for g in groups if g["peer"] != self.peer)
+            self.caught_up, self.served = poll, asked  # (a read that failed is tried again)
+            self.cond.notify_all()
+            return self.served >= self.asked
+
+    def close(self):
+        super().close()  # (an exchange under way ends within Limits.request_seconds)
+        self.redis.close()
+
+
+def _stored(seq, fields):  # a stream entry -> the group as served, or None (check() judges either)
+    f = fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2]))
+    try:
+        return {**parse_json(f["group"]), "peer": f["peer"], "round": int(f["round"]), "seq": int(seq[:-2]),
+                "time": float(f["time"])}
+    except (BadRequest, KeyError, ValueError, TypeError):
+        return None
+
+
+def connect(url, peer, token=None, cursor=None, sample=None, seed=0):
+    """The client for the store a URL names: RedisClient for redis:// or rediss://, else SwarmClient."""
+    if str(url).startswith(("redis://", "rediss://")):
+        return RedisClient(url, peer, token, cursor, sample, seed)
+    return SwarmClient(url, peer, token, cursor)
 
 
 # -----------------------------------------------------------------------------

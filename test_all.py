@@ -1465,7 +1465,7 @@ def _sw_clients():
     made = []
 
     def make(*args, **kwargs):
-        made.append(swarm.SwarmClient(*args, **kwargs))
+        made.append(swarm.connect(*args, **kwargs))
         return made[-1]
 
     yield make
@@ -1490,6 +1490,91 @@ def _sw_stop(proc):
     if proc.poll() is None:
         proc.kill()
     proc.wait()
+
+
+_SW_ACL = """user default off nopass ~* &* +@all
+user writer on >writer-pw ~sapo:* resetchannels -@all +@read +@write +eval +eval_ro +time +ping +select
+user reader on >reader-pw ~sapo:* resetchannels -@all +@read +eval_ro +time +ping +select
+"""
+
+
+class _SwRedis:
+    """A real redis-server on a free loopback port, in its own folder, durable as the README says
+    (appendonly yes, appendfsync always), with a writing and a read-only ACL user. kill() is kill -9;
+    start() again restarts it on the same folder and port."""
+
+    def __init__(self, folder):
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.folder, self.proc = folder, None
+        os.makedirs(folder, exist_ok=True)
+        open(os.path.join(folder, "users.acl"), "w").write(_SW_ACL)
+        open(os.path.join(folder, "redis.conf"), "w").write(
+            f"port {self.port}\nbind 127.0.0.1\ndir {folder}\nappendonly yes\nappendfsync always\nsave \"\"\n"
+            f"aclfile {folder}/users.acl\nlogfile {folder}/redis.log\n")
+        self.start()
+
+    def url(self, user="writer"):
+        return f"redis://{user}:{user}-pw@127.0.0.1:{self.port}/0"
+
+    def start(self):
+        import redis
+        self.proc = subprocess.Popen(["redis-server", os.path.join(self.folder, "redis.conf")],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 30
+        while True:
+            try:
+                return redis.Redis.from_url(self.url(), socket_timeout=5).ping()
+            except redis.RedisError:
+                if self.proc.poll() is not None or time.time() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def _sw_redis(tmp_path):
+    """A real redis-server for the test (see _SwRedis); skipped only where none can be started."""
+    pytest.importorskip("redis", reason="redis-py is not installed (.ci/run installs it)")
+    try:
+        server = _SwRedis(str(tmp_path / "redis"))
+    except Exception as e:  # no binary, or it would not start: say why
+        pytest.skip(f"redis-server cannot be started here ({e!r:.200}); .ci/run installs it")
+    yield server
+    server.kill()
+
+
+class _SwHttp:
+    """swarm.py as a process, with _SwRedis's methods: url(), kill() (kill -9), start() on the same folder."""
+
+    def __init__(self, folder):
+        self.folder = folder
+        self.start()
+
+    def url(self, user=None):
+        return self._url
+
+    def start(self):
+        self.proc, self._url = _sw_spawn(self.folder, self.folder + ".log")
+
+    def kill(self):
+        _sw_stop(self.proc)
+
+
+@pytest.fixture(params=["http", "redis"])
+def _sw_store(request, tmp_path):
+    """Each store in turn: the embedded server (a swarm.py process), then a real redis-server."""
+    if request.param == "redis":
+        yield request.getfixturevalue("_sw_redis")
+        return
+    server = _SwHttp(str(tmp_path / "swarm"))
+    yield server
+    server.kill()
 
 
 # -----------------------------------------------------------------------------
@@ -2635,6 +2720,169 @@ def test_swarm_client_drops_a_batch_the_server_refuses_as_malformed(status, caps
     assert len(err) == 1 and f"dropped: HTTP {status}: That batch is wrong." in err[0], err
 
 
+def _sw_publish(client, round_, groups, batch_id=None):
+    """One exchange of the client's thread, as the thread does it -> the store's reply."""
+    body = swarm._dumps({"peer": client.peer, "round": round_, "groups": groups,
+                         "batch_id": batch_id or f"{client.peer}-{round_}"})
+    status, reply = client._request("POST", "/rollouts", body)
+    assert status == 200
+    return reply
+
+
+def test_swarm_stores_two_peers_share_and_a_retry_is_stored_once(_sw_store, _sw_clients):
+    """Both stores: what one peer publishes the other fetches, numbered and checked, never its own."""
+    alice, bob = _sw_clients(_sw_store.url(), "alice"), _sw_clients(_sw_store.url(), "bob", cursor=0)
+    sent = [_sw_group(1), _sw_group(2, n=3)]
+    alice.publish(0, sent)
+    assert alice.flush(10)
+    bob.publish(0, [_sw_group(3)])
+    assert bob.flush(10) and alice.flush(10)
+    got = bob.fetch()
+    assert [(g["peer"], g["round"], g["seq"]) for g in got] == [("alice", 0, 1), ("alice", 0, 2)]
+    assert [{k: g[k] for k in s} for g, s in zip(got, sent)] == sent and bob.cursor == 3
+    assert [(g["peer"], g["seq"]) for g in alice.fetch()] == [("bob", 3)] and alice.fetch() == []
+    assert _sw_publish(bob, 1, [_sw_group(4)], "once") == _sw_publish(bob, 1, [_sw_group(5)], "once") == \
+        {"accepted": 1, "seq": 4}
+    assert alice.flush(10) and [g["question"] for g in alice.fetch()] == [_sw_group(4)["question"]]
+
+
+def test_swarm_stores_kill9_loses_no_acknowledged_batch(_sw_store, _sw_clients):
+    """Both stores, kill -9 in the middle of four writers' runs: after a restart on the same folder every
+    acknowledged batch is there under its seq (Redis: appendonly yes, appendfsync always)."""
+    acked, stop = [], threading.Event()
+
+    def writer(client):
+        for i in range(10**6):
+            key = f"{client.peer}-{i}"
+            try:
+                acked.append((key, _sw_publish(client, i, [_sw_group(i, metadata={"key": key})], key)["seq"]))
+            except OSError:
+                return
+            if stop.is_set():
+                return
+
+    threads = [threading.Thread(target=writer, args=(_sw_clients(_sw_store.url(), f"w{w}"),)) for w in range(4)]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 60
+    while len(acked) < 40 and time.time() < deadline:
+        time.sleep(0.01)
+    _sw_store.kill()  # SIGKILL while the writers write
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert len(acked) >= 40
+    _sw_store.start()
+    audit = _sw_clients(_sw_store.url(), "audit", cursor=0)
+    stored = []
+    while audit.flush(30) and (got := audit.fetch()):
+        stored += got
+    seq_of = {g["metadata"]["key"]: g["seq"] for g in stored}
+    assert all(seq_of[key] == seq for key, seq in acked)
+    assert [g["seq"] for g in stored] == list(range(1, len(stored) + 1))
+
+
+def test_swarm_stores_late_joiner_gets_recent_groups(_sw_store, _sw_clients):
+    """Both stores: a new peer starts from the newest Limits.recent_groups groups, a resumed one at its
+    cursor; with Redis a sampled new peer draws from each producer's newest two batches only."""
+    old = _sw_clients(_sw_store.url(), "old")
+    for r in range(30):
+        _sw_publish(old, r, [_sw_group(10 * r + j) for j in range(10)])
+    new = _sw_clients(_sw_store.url(), "new")
+    assert new.cursor is None and new.flush(10)
+    assert [g["seq"] for g in new.fetch()] == list(range(300 - swarm.Limits.recent_groups + 1, 301))
+    resumed = _sw_clients(_sw_store.url(), "resumed", cursor=250)
+    assert resumed.flush(10) and [g["seq"] for g in resumed.fetch()] == list(range(251, 301))
+    if isinstance(old, swarm.RedisClient):
+        sampled = _sw_clients(_sw_store.url(), "sampled", sample=8, seed=1)
+        assert sampled.flush(10)
+        got = [g["seq"] for g in sampled.fetch()]
+        assert len(got) == 8 == len(set(got)) and all(281 <= seq <= 300 for seq in got)
+
+
+def test_swarm_redis_sampled_reads_are_bounded_by_k_and_fair_to_producers(_sw_redis, _sw_clients):
+    """A sampled read returns K groups however many producers there are (10 or 40 here: its bytes do not
+    grow), from the producers' windows, never the reader's own; each producer has an equal chance
+    whatever its I; the same stored groups and seed give the same draw."""
+    reader = _sw_clients(_sw_redis.url(), "reader", sample=8, seed=3)
+    sizes = []
+    for producers in (10, 40):
+        for k in range(producers):
+            client = _sw_clients(_sw_redis.url(), f"p{k}", cursor=0)
+            for r in range(3):  # 3 batches: only the newest 2 are in the window
+                _sw_publish(client, r, [_sw_group(100 * r + j, metadata={"round": r}) for j in range(4)])
+        _sw_publish(reader, 0, [_sw_group(7)])
+        for seed in range(5):
+            status, page = reader._request("GET", f"/rollouts?sample=8&exclude=reader&seed={seed}")
+            assert status == 200 and len(page["groups"]) == 8 and len({g["seq"] for g in page["groups"]}) == 8
+            assert all(g["peer"] != "reader" and g["metadata"]["round"] >= 1 for g in page["groups"])
+            sizes.append(len(swarm._dumps(page["groups"])))
+        assert reader._request("GET", "/rollouts?sample=8&exclude=reader&seed=9") == \
+            reader._request("GET", "/rollouts?sample=8&exclude=reader&seed=9")
+    assert max(sizes) < 1.2 * min(sizes)
+    assert reader.flush(10) and 0 < len(reader.fetch()) <= 8  # the client: one read per flush/fetch
+    # fairness: "big" publishes 16 groups a batch, "b" and "c" one; each should get about a third
+    fair = _SwRedis(_sw_redis.folder + "-fair")
+    try:
+        client = _sw_clients(fair.url(), "x", sample=2)
+        for peer, n in (("big", 16), ("b", 1), ("c", 1)):
+            for r in range(2):
+                _sw_publish(_sw_clients(fair.url(), peer), r, [_sw_group(j) for j in range(n)])
+        reads = [client._request("GET", f"/rollouts?sample=2&exclude=x&seed={seed}")[1]["groups"] for seed in range(60)]
+        assert all(len({g["seq"] for g in groups}) == 2 for groups in reads)  # never one group twice in a read
+        drawn = [g["peer"] for groups in reads for g in groups]
+        assert len(drawn) == 120 and 0.2 < drawn.count("big") / 120 < 0.45, drawn.count("big")
+    finally:
+        fair.kill()
+
+
+def test_swarm_redis_a_sampled_read_that_failed_is_tried_again(_sw_redis, _sw_clients):
+    """fetch() asks for a sampled read while Redis is down: the read is tried again until it is served."""
+    writer = _sw_clients(_sw_redis.url(), "w")
+    writer.publish(0, [_sw_group(1)])
+    assert writer.flush(10)
+    reader = _sw_clients(_sw_redis.url(), "r", sample=4)  # idle: nothing asked for yet
+    _sw_redis.kill()
+    assert reader.fetch() == []  # asks for a read, which fails
+    deadline = time.time() + 60
+    while not reader.down and time.time() < deadline:
+        time.sleep(0.05)
+    _sw_redis.start()
+    while not reader.inbox and time.time() < deadline:
+        time.sleep(0.05)
+    assert [g["peer"] for g in reader.fetch()] == ["w"]
+
+
+def test_swarm_redis_read_only_user_reads_but_cannot_publish(_sw_redis, _sw_clients, capsys):
+    """The read-only ACL user, its password given as the token: reads work; a publish is refused with one
+    log line naming why, and the batches stay in the outbox. The password is never printed."""
+    writer = _sw_clients(_sw_redis.url(), "w")
+    writer.publish(0, [_sw_group(1)])
+    assert writer.flush(10)
+    reader = _sw_clients(f"redis://reader@127.0.0.1:{_sw_redis.port}/0", "ro", "reader-pw", cursor=0)  # (as $SWARM_TOKEN)
+    assert reader.flush(10) and [g["peer"] for g in reader.fetch()] == ["w"]
+    reader.publish(0, [_sw_group(2)])
+    reader.publish(1, [_sw_group(3)])
+    assert not reader.flush(3)
+    assert len(reader.outbox) == 2 and reader.down
+    err = capsys.readouterr().err
+    assert len([line for line in err.splitlines() if "ro:" in line]) == 1 and "no permissions" in err
+    assert "reader-pw" not in err and "writer-pw" not in err
+
+
+def test_swarm_redis_bad_urls_and_settings_get_one_sentence(_sw_redis):
+    for url, says in (("redis://", "redis://USER"), ("ftp://x", "http://HOST")):
+        with pytest.raises(ValueError, match=says):
+            swarm.connect(url, "p")
+    with pytest.raises(ValueError, match="sample must be"):
+        swarm.connect(_sw_redis.url(), "p", sample=0)
+    client = swarm.connect(f"redis://writer:wrong@127.0.0.1:{_sw_redis.port}/0", "p")
+    try:
+        assert not client.flush(2) and "invalid username-password" in client.down
+    finally:
+        client.close()
+
+
 def test_swarm_render_svg_parses():
     svg = swarm.render_svg({"<b>&'peer\"": [(0, 0.1), (1, 0.5), (2, 0.4)], "solo": [(3, 1.0)],
                             "empty": [], "nan": [(1, float("nan"))], "huge": [(1, 10**400)]},
@@ -2853,6 +3101,28 @@ def test_train_goes_on_when_the_server_is_absent_or_killed(tiny, tmp_path):
                 s.shutdown()
     finally:
         a.client.close(), b.client.close()
+
+
+def test_train_joins_a_redis_swarm_and_trains(tiny, tmp_path, monkeypatch, _sw_redis):
+    """python train.py --swarm redis://USER:PASSWORD@HOST:PORT/0: two peers share through Redis and train."""
+    spread_rewards(monkeypatch)
+    peers = [train.Peer(tiny_args(tmp_path, "--swarm", _sw_redis.url(), "--name", f"r{k}", "--seed", str(k)),
+                        log=quiet) for k in range(2)]
+    try:
+        assert all(isinstance(p.client, swarm.RedisClient) for p in peers)
+        for r in range(3):
+            collected = [p.collect(r) for p in peers]
+            assert all(p.client.flush(30) for p in peers)
+            rows = [p.learn(r, c) for p, c in zip(peers, collected)]
+            assert all(m["round"] == r and m["stepped"] for m in rows)
+        assert all(m["external_used"] > 0 for m in rows)
+        settings = json.load(open(tmp_path / "run" / "r0" / "settings.json"))
+        assert settings["swarm"] == f"redis://writer:***@127.0.0.1:{_sw_redis.port}/0"  # no password on disk
+    finally:
+        for p in peers:
+            p.client.close()
+    with pytest.raises(SystemExit, match="--swarm: the swarm URL must look like redis://"):
+        train.Peer(tiny_args(tmp_path, "--swarm", "redis://:pw@/0", "--name", "bad"), log=quiet)
 
 
 @pytest.fixture(scope="session")
@@ -3200,7 +3470,7 @@ def test_train_external_draw_does_not_depend_on_arrival_order(tiny, tmp_path):
 
 def test_train_resumed_peer_keeps_its_swarm_cursor(tiny, tmp_path, monkeypatch):
     made = []
-    monkeypatch.setattr(swarm, "SwarmClient", lambda *a, **k: made.append(k.get("cursor")) or FakeClient(*a, **k))
+    monkeypatch.setattr(swarm, "connect", lambda *a, **k: made.append(k.get("cursor")) or FakeClient(*a, **k))
     args = ["--swarm", "http://127.0.0.1:9", "--name", "a", "--rounds", "1"]
     peer = train.Peer(tiny_args(tmp_path, *args), log=quiet)
     peer.client.cursor = 1234

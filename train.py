@@ -144,7 +144,9 @@ def parser(device):
     a = p.add_argument
     # what to run
     a("--peers", type=at_least(0), nargs="?", const=4, default=0, help="start a swarm of N peers on this machine (alone: 4)")
-    a("--swarm", type=matching(r"https?://\S+", "a URL such as http://10.0.0.5:8000"), help="URL of a swarm server to join")
+    a("--swarm", type=matching(r"(https?|rediss?)://\S+", "a URL such as http://10.0.0.5:8000 or redis://USER@HOST:6379/0"),
+      help="URL of a swarm to join: its server (http://HOST:PORT) or a Redis store (redis://USER:PASSWORD@HOST:PORT/0, "
+           "rediss:// for TLS; the password may come from --token)")
     a("--name", type=matching(r"[A-Za-z0-9_.-]{1,64}", "1-64 letters, digits, '_', '.' or '-'"),
       help="this peer's name in the swarm (default: the host name and a random suffix)")
     a("--token", default=argparse.SUPPRESS,  # never shown: --help would print the secret of $SWARM_TOKEN
@@ -420,9 +422,13 @@ class Peer:
             open(os.path.join(self.dir, "metrics.jsonl"), "w").close()  # those rounds will run again
         self.client = client
         if client is None and args.swarm:  # with J = 0 a peer still shares its rollouts
-            self.client = swarm.SwarmClient(args.swarm, self.name, token=args.token, cursor=cursor)
-        with open(settings, "w") as f:  # never the token: no secret goes to disk
-            json.dump({k: v for k, v in vars(args).items() if k != "token"}, f, indent=2)
+            try:
+                self.client = swarm.connect(args.swarm, self.name, token=args.token, cursor=cursor)
+            except ValueError as e:  # a URL it cannot use, or redis:// without the redis package
+                raise SystemExit(f"train.py: --swarm: {e}") from None
+        with open(settings, "w") as f:  # never the token, nor a password in the URL: no secret goes to disk
+            json.dump({k: re.sub(r"(://[^/@]*?):[^/@]*@", r"\1:***@", v) if k == "swarm" and v else v
+                       for k, v in vars(args).items() if k != "token"}, f, indent=2)
 
     # -- one round: Algorithm 1 of the paper ------------------------------------------------------
 

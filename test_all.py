@@ -1675,6 +1675,7 @@ def test_swarm_retention_is_bounded_in_bytes(tmp_path):
     try:
         assert _sw_post(url, "carol", 0, [_sw_group(1)]).json()["seq"] == 32
         assert [g["seq"] for g in _sw_read_all(url)] == [32] and len(_sw_files(folder)) == 1
+        assert [json.loads(t)["seq"] for t in server.store.sample(256, "", 0)[0]] == [32]  # deleted: not sampled
     finally:
         server.shutdown()
 
@@ -2044,6 +2045,73 @@ def test_swarm_new_peer_starts_from_recent_groups_and_a_resumed_one_keeps_its_cu
     resumed = _sw_clients(url, "resumed", cursor=250)
     assert resumed.flush(10) and [g["seq"] for g in resumed.fetch()] == list(range(251, 301))
     assert resumed.cursor == 300
+
+
+def test_swarm_sampled_reads_draw_from_each_producers_newest_batches_every_producer_alike(tmp_path, monkeypatch):
+    """RolloutStore.sample: the window is each producer's newest 2 batches by arrival (not by the rounds
+    they claim), of the producers heard from in the last 600 s; each producer is drawn with equal chance
+    whatever its I; the same seed gives the same draw; a reply holds K groups at most, each once."""
+    store = swarm.RolloutStore(str(tmp_path / "s"))
+    try:
+        with monkeypatch.context() as m:  # a producer last heard from 700 s ago is out of the window
+            m.setattr(swarm.time, "time", lambda: 1e9)
+            store.publish("gone", 5, "g5", [_sw_group(0)])
+        for name, size in (("one", 1), ("four", 4), ("many", 16)):
+            for r in range(3):
+                store.publish(name, r, f"{name}{r}", [_sw_group(100 * r + k) for k in range(size)])
+        for r, batch in ((98, "a"), (99, "b"), (50, "c"), (10**12, "d")):  # a restart, then a forged round:
+            store.publish("restart", r, batch, [_sw_group(r % 1000, n=3)])  # neither matters, arrival does
+        store.publish("me", 0, "me0", [_sw_group(7)])
+        window = {(p, r) for p, rounds in [("one", (1, 2)), ("four", (1, 2)), ("many", (1, 2)),
+                                            ("restart", (50, 10**12))] for r in rounds}
+        texts, last = store.sample(256, "me", 1)
+        drawn = [json.loads(t) for t in texts]
+        assert last == store.last_seq and len({g["seq"] for g in drawn}) == len(drawn) == 2 * (1 + 4 + 16 + 1)
+        assert {(g["peer"], g["round"]) for g in drawn} == window
+        assert store.sample(256, "me", 1) == (texts, last) and store.sample(256, "me", 2) != (texts, last)
+        assert len(store.sample(5, "me", 3)[0]) == 5 and store.sample(5, "nobody", 3)[0] != []
+        counts = {}
+        for seed in range(4000):  # K = 1: which producer?
+            peer = json.loads(store.sample(1, "me", seed)[0][0])["peer"]
+            counts[peer] = counts.get(peer, 0) + 1
+        assert set(counts) == {"one", "four", "many", "restart"}
+        assert all(800 < n < 1200 for n in counts.values()), counts  # 1000 each (by groups "many" got 2,900)
+    finally:
+        store.close()
+
+
+def test_swarm_sampled_client_reads_k_groups_a_call_whatever_the_swarm_size(_sw_server, _sw_clients):
+    """A sampled client reads K groups per fetch() or flush(), from 5 producers as from 50, the newest
+    ones (a late joiner, a resumed peer: the cursor does not matter), and never hands out a seq twice."""
+    server, url, _ = _sw_server
+    got = {}
+    for producers in (5, 50):
+        for r in range(3):
+            for k in range(len(got) * 5, producers):
+                assert _sw_post(url, f"p{k}", r, [_sw_group(10 * r + j) for j in range(4)]).status_code == 200
+        client = _sw_clients(url, f"reader{producers}", cursor=0, sample=8, seed=producers)
+        assert client.fetch() == [] and client.flush(10)  # fetch() waits for nothing: it asks for a read
+        got[producers] = [client.fetch()]
+        for _ in range(20):  # two reads each: the one fetch() asked for, and flush()'s
+            assert client.flush(10)
+            got[producers].append(client.fetch())
+    for producers, reads in got.items():
+        seqs = [g["seq"] for read in reads for g in read]
+        assert len(reads[0]) == 8 and all(len(read) <= 16 for read in reads) and len(seqs) == len(set(seqs))
+        assert {g["round"] for read in reads for g in read} == {1, 2}  # each producer's newest 2 batches
+    assert len({g["peer"] for read in got[50] for g in read}) > 25  # not just the newest few producers
+    for query in ("sample=0", "sample=257", "sample=x", "sample=1&seed=-1", f"sample=1&seed={2**63}", "sample="):
+        r = requests.get(f"{url}/rollouts?{query}", timeout=5)
+        assert r.status_code == 400 and "must be a whole number" in r.json()["error"], query
+    assert requests.get(f"{url}/rollouts?sample=1&seed={2**63 - 1}", timeout=5).status_code == 200
+    with pytest.raises(ValueError, match="sample must be"):
+        swarm.SwarmClient(url, "x", sample=0)
+    for bad in ("ftp://host:1", "host:8000", "redis-ish://h"):
+        with pytest.raises(ValueError, match="must start with http:// or https://"):
+            swarm.connect(bad, "x")
+    client = swarm.connect(url, "y", sample=2)
+    client.close()
+    assert isinstance(client, swarm.SwarmClient)
 
 
 def test_swarm_render_svg_parses():

@@ -2172,7 +2172,7 @@ class FakeClient:
     """A swarm client in memory, with the interface train.py uses: publish() keeps what the peer shared;
     fetch() hands out (and empties) `queue`, the groups a test wants the peer to receive."""
 
-    def __init__(self, url=None, peer=None, token=None, cursor=None):
+    def __init__(self, url=None, peer=None, token=None, cursor=None, sample=None, seed=0):
         self.peer, self.cursor, self.queue, self.published, self.metrics = peer, cursor, [], [], []
 
     def publish(self, round, groups):
@@ -2516,7 +2516,7 @@ def test_train_external_completions_are_scored_as_trained(tiny, tmp_path):
     assert reward.score(item, late) == 1.0
     peer.client.queue = [wire_group(item, completions=[late, "no"]),                          # 1, 0 as sent
                          wire_group(item, completions=[f"<answer> {item['answer']} </answer>", late])]
-    external, counts = peer.choose_external()
+    external, counts = peer.choose_external(0)
     assert counts == dict(external_available=2, external_survived=1)  # the first has no spread as trained
     g = external[0]
     assert g.rewards == [1.0, 0.0] and g.texts[1] == "1 2 3 4 5 6" and g.stopped == [True, False]
@@ -2556,20 +2556,21 @@ def test_train_every_row_is_trained_up_to_its_first_stop_only(tiny, tmp_path, mo
     assert [ids[b, pos[b][mask[b]]].tolist() for b in range(2)] == [[5, stop], [6, 6]]
 
 
-def test_train_external_groups_age_by_their_producers_rounds(tiny, tmp_path):
-    """A late joiner's first fetch holds x's rounds 297-299: 297 is stale already (x has published 299).
-    A slow producer's group is not: y's round-10 groups stay eligible while the receiver runs on."""
+def test_train_no_claimed_round_makes_groups_stale_and_the_pool_ages_by_the_receivers_rounds(tiny, tmp_path):
+    """A forged group (it fails verify_item) claiming round 10**12 for a victim does not age the victim's
+    genuine groups; a producer that restarts from an older round is still used; a pooled group that is
+    not drawn leaves the pool POOL_ROUNDS of the receiver's rounds after it came."""
     peer = train.Peer(tiny_args(tmp_path, "--name", "r", "--external", "1"), log=quiet, client=FakeClient())
     rng = random.Random(0)
-    g = lambda producer, r: wire_group(reward.TASKS["repeat_number"].generate(rng), peer=producer, round_=r)
-    peer.client.queue = [g("x", 297), g("x", 298), g("x", 299)] + [g("y", 10) for _ in range(3)]
-    drawn = []
-    for _ in range(5):
-        external, _ = peer.choose_external()
-        drawn += [(x.item["peer"], x.item["round"]) for x in external]
-    assert sorted(drawn) == [("x", 298), ("x", 299), ("y", 10), ("y", 10), ("y", 10)]
-    peer.client.queue = [g("x", 300), g("x", 302)]  # x moves on: its round 300 is stale on arrival
-    assert [(x.item["peer"], x.item["round"]) for x in peer.choose_external()[0] + peer.pool] == [("x", 302)]
+    g = lambda r: wire_group(reward.TASKS["repeat_number"].generate(rng), peer="victim", round_=r)
+    forged = dict(g(10**12), answer="-1")
+    peer.client.queue = [forged] + [g(98) for _ in range(3)]
+    assert [x.item["round"] for x in peer.choose_external(0)[0]] == [98] and len(peer.pool) == 2
+    peer.client.queue = [g(50)]  # the victim restarted from an older checkpoint
+    assert len(peer.choose_external(1)[0]) == 1 and len(peer.pool) == 2
+    external, counts = peer.choose_external(2)  # round 0's groups have left the pool
+    assert len(external) == 1 and peer.pool == [] and counts["external_available"] == 0
+    assert [x.item["round"] for x in peer.choose_external(3)[0]] == []
 
 
 def test_train_external_draw_does_not_depend_on_arrival_order(tiny, tmp_path):
@@ -2583,19 +2584,66 @@ def test_train_external_draw_does_not_depend_on_arrival_order(tiny, tmp_path):
         peer = train.Peer(tiny_args(tmp_path, "--name", f"r{len(draws)}", "--external", "2"), log=quiet,
                           client=FakeClient())
         peer.client.queue = list(order)
-        draws.append([(x.item["peer"], x.item["seq"]) for x in peer.choose_external()[0]])
+        draws.append([(x.item["peer"], x.item["seq"]) for x in peer.choose_external(0)[0]])
     assert draws[0] == draws[1] and len(draws[0]) == 2
 
 
-def test_train_resumed_peer_keeps_its_swarm_cursor(tiny, tmp_path, monkeypatch):
+def test_train_peers_read_a_sample_of_4j_and_the_pool_survives_resume(tiny, tmp_path, monkeypatch):
+    """A peer asks the swarm for sampled reads of 4J groups, seeded from its own seed, with or without a
+    checkpoint. The external groups pooled but not drawn are saved with it: round 1 draws the same
+    groups resumed as uninterrupted."""
     made = []
-    monkeypatch.setattr(swarm, "SwarmClient", lambda *a, **k: made.append(k.get("cursor")) or FakeClient(*a, **k))
-    args = ["--swarm", "http://127.0.0.1:9", "--name", "a", "--rounds", "1"]
+    monkeypatch.setattr(swarm, "SwarmClient", lambda *a, **k: made.append(k) or FakeClient(*a, **k))
+    args = ["--swarm", "http://127.0.0.1:9", "--name", "a", "--rounds", "1", "--external", "2"]
     peer = train.Peer(tiny_args(tmp_path, *args), log=quiet)
-    peer.client.cursor = 1234
+    rng = random.Random(0)
+    peer.client.queue = [dict(wire_group(reward.TASKS["repeat_number"].generate(rng), peer=f"p{k % 3}"), seq=k)
+                         for k in range(6)]
+    assert len(peer.choose_external(0)[0]) == 2 and len(peer.pool) == 4
     peer.save(0)
     again = train.Peer(tiny_args(tmp_path, *args, "--resume"), log=quiet)
-    assert made == [None, 1234] and again.client.cursor == 1234  # a new peer: None, the server's recent groups
+    assert [k["sample"] for k in made] == [8, 8] and made[0]["seed"] != made[1]["seed"]  # (a new stream)
+    assert "cursor" not in torch.load(tmp_path / "run" / "a" / "checkpoint-0" / "trainer_state.pt")
+    ids = lambda groups: [(x.item["peer"], x.item["seq"], x.arrived, x.rewards) for x in groups]
+    assert ids(again.pool) == ids(peer.pool)
+    assert ids(again.choose_external(1)[0]) == ids(peer.choose_external(1)[0]) and len(ids(peer.pool)) == 2
+    train.Peer(tiny_args(tmp_path, "--swarm", "http://127.0.0.1:9", "--name", "b", "--external", "0"), log=quiet)
+    assert made[-1]["sample"] == 1  # J = 0: it still shares, and never reads (no fetch)
+
+
+def test_train_reads_per_round_are_bounded_by_j_not_by_the_swarm(tiny, tmp_path):
+    """Through a real server: what a peer (J = 2, so 8 groups a read) takes in per round does not grow
+    from 5 producers to 50, and a late joiner and a resumed peer take in the producers' newest rounds."""
+    server, url = swarm.start_server(str(tmp_path / "swarm"))
+    rng, peers = random.Random(0), []
+    group = lambda: {k: v for k, v in wire_group(reward.TASKS["repeat_number"].generate(rng)).items()
+                     if k not in ("peer", "round", "seq")}
+    try:
+        first = train.Peer(tiny_args(tmp_path, "--swarm", url, "--name", "early", "--save-every", "1"), log=quiet)
+        peers.append(first)
+        first.round(0)
+        first.save(0)
+        for r in range(10):  # after its checkpoint: 10 rounds of 5 producers, then 45 more join
+            for k in range(5):
+                assert _sw_post(url, f"p{k}", r, [group() for _ in range(4)]).status_code == 200
+        for producers in (5, 50):
+            for r in range(10, 12):
+                for k in range(5 if producers == 5 else 0, producers):
+                    assert _sw_post(url, f"p{k}", r, [group() for _ in range(4)]).status_code == 200
+            late = train.Peer(tiny_args(tmp_path, "--swarm", url, "--name", f"late{producers}"), log=quiet)
+            peers.append(late)
+            assert late.client.flush(10)
+            took = [late.round(r)["external_available"] for r in range(3)]
+            assert took[0] == 8 and all(n <= 8 for n in took), (producers, took)  # 16 J is the issue's bound
+        resumed = train.Peer(tiny_args(tmp_path, "--swarm", url, "--name", "early", "--resume"), log=quiet)
+        peers.append(resumed)
+        assert resumed.client.flush(10) and resumed.start_round == 1
+        got = resumed.client.fetch()
+        assert len(got) == 8 and all(g["round"] >= 10 for g in got if g["peer"].startswith("p"))  # the newest
+    finally:
+        for p in peers:
+            p.client.close()
+        server.shutdown()
 
 
 def test_train_metrics_separate_local_from_batch(tiny, tmp_path):

@@ -2609,6 +2609,8 @@ def test_train_peers_read_a_sample_of_4j_and_the_pool_survives_resume(tiny, tmp_
     assert ids(again.choose_external(1)[0]) == ids(peer.choose_external(1)[0]) and len(ids(peer.pool)) == 2
     train.Peer(tiny_args(tmp_path, "--swarm", "http://127.0.0.1:9", "--name", "b", "--external", "0"), log=quiet)
     assert made[-1]["sample"] == 1  # J = 0: it still shares, and never reads (no fetch)
+    train.Peer(tiny_args(tmp_path, "--swarm", "http://127.0.0.1:9", "--name", "c", "--external", "100"), log=quiet)
+    assert made[-1]["sample"] == swarm.Limits.sample_groups  # the most a read may ask for
 
 
 def test_train_reads_per_round_are_bounded_by_j_not_by_the_swarm(tiny, tmp_path):

@@ -374,7 +374,8 @@ class Peer:
             open(os.path.join(self.dir, "metrics.jsonl"), "w").close()  # those rounds will run again
         self.client = client
         if client is None and args.swarm:  # with J = 0 a peer still shares its rollouts
-            self.client = swarm.connect(args.swarm, self.name, token=args.token, sample=max(1, 4 * args.external),
+            self.client = swarm.connect(args.swarm, self.name, token=args.token,  # a read of 4J groups a round
+                                        sample=max(1, min(4 * args.external, swarm.Limits.sample_groups)),
                                         seed=stream(args.seed, "external", "reads", self.start_round).getrandbits(63))
         with open(os.path.join(self.dir, "settings.json"), "w") as f:
             json.dump(vars(args), f, indent=2)

@@ -28,7 +28,7 @@ Deviations from the paper, and why:
   single point of failure, softened by the outbox and by peers training on regardless.
 - A peer does not receive everything shared: once a round (its fetch()) it reads K = 4J groups that
   the server draws from each producer's newest batches, each producer with equal chance, so a read
-  costs the same in a swarm of 10 or 10,000. Dropping zero-advantage groups and drawing J of the rest
+  is the same size in a swarm of 10 or 10,000. Dropping zero-advantage groups and drawing J of the rest
   is the receiver's job (train.py), as in the paper. The read is prefetched, so a rollout reaches
   other peers a round late at worst; SAPO tolerates this: peers never wait.
 - Storage is bounded in bytes (--keep-bytes): the oldest batches are deleted; the paper does not say.

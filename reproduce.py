@@ -356,6 +356,10 @@ def run(s, model, config, seed, folder):
     server, url = swarm.start_server(os.path.join(folder, "swarm")) if J > 0 else (None, None)
     log_file = open(os.path.join(folder, "log.txt"), "a")
     peers, t0, cpu0 = [], time.time(), time.process_time()
+
+    def settle(p, r):  # until p's batches are stored and a read it begins now is done
+        if p.client is not None and not p.client.flush(timeout=60):
+            print(f"round {r}: {p.name} did not catch up with the server in 60 s", file=log_file)
     try:
         Peer = DiagnosedPeer if s.diagnose else train.Peer
         for k in range(s.peers):
@@ -364,14 +368,17 @@ def run(s, model, config, seed, folder):
         history, seconds = [[] for _ in peers], []
         for r in range(s.rounds):
             t = time.time()
-            if s.sync:
-                collected = [p.collect(r) for p in peers]
-                for _ in range(2):  # 1st pass: every batch acknowledged; 2nd: every inbox has them all
-                    for p in peers:
-                        if p.client is not None and not p.client.flush(timeout=60):
-                            print(f"round {r}: {p.name} did not catch up with the server in 60 s", file=log_file)
+            if s.sync:  # each sampled read (flush() waits for one) begins once all it may see is settled:
+                collected = []  # the same run every time
+                for p in peers:  # one at a time: a peer's batch is stored before the next peer samples
+                    collected.append(p.collect(r))
+                    settle(p, r)
+                for p in peers:  # then every peer reads the round's whole window
+                    settle(p, r)
                 for k, p in enumerate(peers):
                     history[k].append(dict(p.learn(r, collected[k]), **getattr(p, "diagnosis", {})))
+                for p in peers:  # and the read each fetch() asked for ends before anyone samples again
+                    settle(p, r)
             else:
                 for k, p in enumerate(peers):
                     history[k].append(dict(p.round(r), **getattr(p, "diagnosis", {})))

@@ -12,7 +12,8 @@ How this file does it, in reading order:
 - Whatever arrives from outside (a request, a file read back, a server's reply) is checked by rules
   built from a few small functions (`fields`, `items`, `text`, ...). Every other bound is in `Limits`.
 - RolloutStore, the core: POST /rollouts appends a batch file and numbers its groups 1, 2, 3, ...
-  (`seq`); GET /rollouts?after=SEQ reads the groups after a sequence number.
+  (`seq`); GET /rollouts?sample=K draws K recent groups, every producer alike (what a peer trains
+  on); GET /rollouts?after=SEQ reads every group after a sequence number.
 - SwarmServer, the HTTP around it (`python swarm.py --dir swarm_data --port 8000`, standard library
   only), built so that slow or hostile clients cannot take it down.
 - SwarmClient, what a peer uses: its calls only touch in-memory queues and a thread does the HTTP
@@ -28,11 +29,11 @@ Deviations from the paper, and why:
   Here one HTTP server holds them: one file on the standard library instead of a networking stack, and
   enough for the paper's experiments (a handful of peers on one machine or one LAN). The price is a
   single point of failure, softened by the outbox and by peers training on regardless.
-- Delivery is by polling (every Limits.poll_seconds), so an external rollout reaches other peers a
-  round late at worst. SAPO tolerates this by design: peers never wait and use whatever has arrived.
-- A peer receives every group published since its last poll; dropping zero-advantage groups and
-  sampling J of the rest is the receiving peer's job (train.py), as in the paper. A peer that joins
-  with no saved cursor starts from the newest Limits.recent_groups groups, not the whole history.
+- A peer does not receive everything shared: once a round (its fetch()) it reads K = 4J groups that
+  the server draws from each producer's newest batches, each producer with equal chance, so a read
+  is the same size in a swarm of 10 or 10,000. Dropping zero-advantage groups and drawing J of the rest
+  is the receiver's job (train.py), as in the paper. The read is prefetched, so a rollout reaches
+  other peers a round late at worst; SAPO tolerates this: peers never wait.
 - Storage is bounded in bytes (--keep-bytes): the oldest batches are deleted; the paper does not say.
 - The server does not judge content: an optional shared bearer token guards it, and beyond that it
   only checks shapes and sizes. Receivers do the judging: they reward external completions with their
@@ -80,6 +81,9 @@ class Limits:
     json_values = 1 << 20       # commas, objects and lists outside strings in one JSON text (413 beyond)
     page_bytes = 1 << 20        # one reply page of /rollouts or /metrics (a page holds at least one item)
     page_groups = 1024          # groups in one /rollouts page (?limit=, default 256)
+    sample_groups = 256         # groups one sampled read may ask for (?sample=)
+    window_batches = 2          # a sampled read draws from each producer's newest this many batches,
+    window_seconds = 600.0      # of the producers whose newest batch arrived this recently
     scan_groups = 16 * 1024     # groups one read may step over (the reader's own, which it excludes)
     keep_bytes = 256 << 20      # default --keep-bytes: batches kept, on disk and (the same bytes) in memory
     metrics_bytes = 8 << 20     # metrics rows kept, in memory and in metrics.jsonl
@@ -106,6 +110,7 @@ class Limits:
     sample_groups = 256         # the most groups one sampled read may ask for (?sample=K)
     window_batches = 2          # a sampled read draws from each producer's newest this many batches,
     window_seconds = 600        # of the producers whose newest batch arrived within this many seconds
+    seen_seqs = 4096            # client, sampled reads: the seqs it remembers, so it hands out none twice
     stream_groups = 128 << 10   # Redis: groups its stream keeps (XADD MAXLEN ~): two rounds of 16,000 peers at I = 4
 
 
@@ -205,6 +210,7 @@ NUMBERS = rule(lambda v: isinstance(v, dict) and len(v) <= 64 and all(0 < len(k)
 METRICS = fields({"peer": PEER, "round": ROUND, "metrics": NUMBERS})
 ROW = fields({"n": SEQ, "peer": PEER, "round": ROUND, "time": TIME, "metrics": NUMBERS})  # a metrics.jsonl line
 PAGE = fields({"groups": items(math.inf), "next": SEQ, "last": SEQ})  # a GET /rollouts reply
+SAMPLE = fields({"groups": items(math.inf), "last": SEQ})  # ... of ?sample=K
 HEALTH = fields({"last_seq": SEQ})
 
 
@@ -246,6 +252,7 @@ class RolloutStore:
         publish()  POST /rollouts: number the groups after the newest seq, write them as one batch file
                    named after its last seq (batch-000000000042.json), then index them
         read()     GET /rollouts?after=SEQ: the indexed groups with seq > SEQ, from memory
+        sample()   GET /rollouts?sample=K: K groups drawn from the recent window, every producer alike
 
     The batch file is written atomically and fsynced before publish() returns, so an acknowledgement
     means the batch survives kill -9 and nothing half-written is ever served; and as its name holds its
@@ -259,6 +266,8 @@ class RolloutStore:
         self.folder, self.keep_bytes = os.path.abspath(folder), keep_bytes
         self.write_lock, self.lock = threading.Lock(), threading.Lock()
         self.index = []                           # (seq, peer, group as UTF-8 JSON) per kept group, in order
+        self.window = {}                          # peer -> its newest kept batches (arrival time, file name,
+                                                  # group JSON texts), Limits.window_batches at most
         self.batches = collections.deque()        # (file name, peer, batch_id, groups, bytes), oldest first
         self.kept_bytes = 0                       # bytes of the kept batch files
         self.last_seq = 0                         # seq of the newest group ever stored: never reused
@@ -295,9 +304,31 @@ class RolloutStore:
         with self.lock:
             return (*_page(self.index, after, limit, exclude), self.last_seq)
 
+    def sample(self, k, exclude, seed):
+        """K groups drawn from the window, none of them `exclude`'s -> (their JSON texts, last seq). The
+        window is decided here, never by what a sender claims: each producer's newest
+        Limits.window_batches batches by arrival, if its newest arrived within Limits.window_seconds.
+        K times: a producer uniformly among those with window groups left, then one of those uniformly.
+        So each producer has the same chance whatever its speed or I, and a reply holds at most K groups
+        (it stops past Limits.page_bytes) whatever the swarm's size. The same groups and seed give the same
+        draw. Cost: a pass over the producers (not the groups), a sort of their names, K draws."""
+        rng, since, texts, left = random.Random(seed), time.time() - Limits.window_seconds, [], {}
+        with self.lock:
+            producers = sorted(p for p, w in self.window.items() if p != exclude and w[-1][0] >= since)
+            while producers and len(texts) < k and sum(map(len, texts)) < Limits.page_bytes:
+                i = rng.randrange(len(producers))
+                groups = left.setdefault(producers[i], [t for *_, batch in self.window[producers[i]] for t in batch])
+                texts.append(groups.pop(rng.randrange(len(groups))))
+                if not groups:
+                    producers.pop(i)
+            return texts, self.last_seq
+
     def _add(self, name, record, size):
         peer, groups = record["peer"], record["groups"]
-        self.index.extend((g["seq"], peer, _dumps(g)) for g in groups)
+        texts = [_dumps(g) for g in groups]
+        self.index.extend((g["seq"], peer, text) for g, text in zip(groups, texts))
+        window = self.window.setdefault(peer, collections.deque(maxlen=Limits.window_batches))
+        window.append((record["time"], name, texts))  # (the deque lets its oldest batch go)
         self.batches.append((name, peer, record["batch_id"], len(groups), size))
         self.kept_bytes += size
         self.last_seq = groups[-1]["seq"]
@@ -327,8 +358,12 @@ class RolloutStore:
         with self.lock:
             doomed = []
             while self.kept_bytes > 0.9 * self.keep_bytes and len(self.batches) > 1:
-                name, _, _, n, size = self.batches.popleft()
+                name, peer, _, n, size = self.batches.popleft()
                 del self.index[:n]
+                if peer in self.window and self.window[peer][0][1] == name:  # (its oldest: retention goes in order)
+                    self.window[peer].popleft()
+                    if not self.window[peer]:
+                        del self.window[peer]
                 self.kept_bytes -= size
                 doomed.append(name)
             self.pruned = int(doomed[-1][6:18])  # batch-<12 digits>.json
@@ -547,10 +582,12 @@ async def _drop_input(reader, most=1 << 20):  # what a refused client still send
 
 
 def _int_param(query, name, default, lowest, highest):
-    value = query.get(name, [str(default)])[-1]
-    _want(re.fullmatch(r"[0-9]{1,15}", value) and lowest <= int(value) <= highest,
+    values = query.get(name)
+    if not values:
+        return default
+    _want(re.fullmatch(r"[0-9]{1,19}", values[-1]) and lowest <= int(values[-1]) <= highest,
           f"{name} must be a whole number from {lowest} to {highest}.")
-    return int(value)
+    return int(values[-1])
 
 
 class SwarmServer:
@@ -748,10 +785,14 @@ class SwarmServer:
         return 200, JSON, _dumps(self.store.publish(b["peer"], b["round"], b["batch_id"], b["groups"]))
 
     def _get_rollouts(self, q, body):
-        after = _int_param(q, "after", 0, 0, 10**15)
-        limit = _int_param(q, "limit", 256, 1, Limits.page_groups)
         exclude = q.get("exclude", [""])[-1]
         _want(not exclude or NAME.fullmatch(exclude), f"exclude must be a peer name matching {NAME.pattern}.")
+        if "sample" in q:  # a sampled read: K groups of the recent window
+            texts, last_seq = self.store.sample(_int_param(q, "sample", 1, 1, Limits.sample_groups), exclude,
+                                                _int_param(q, "seed", 0, 0, 2**63 - 1))
+            return 200, JSON, b'{"groups":[' + b",".join(texts) + b'],"last":%d}' % last_seq
+        after = _int_param(q, "after", 0, 0, 10**15)
+        limit = _int_param(q, "limit", 256, 1, Limits.page_groups)
         texts, next_seq, last_seq = self.store.read(after, exclude, limit)
         # groups are kept as JSON text, so a page is joined, not re-encoded
         return 200, JSON, b'{"groups":[' + b",".join(texts) + b'],"next":%d,"last":%d}' % (next_seq, last_seq)
@@ -836,17 +877,22 @@ class SwarmClient:
     does all the HTTP (through requests), one exchange at a time, each within Limits.request_seconds:
 
         publish(round, groups) -> outbox --(POST, oldest first, until acknowledged)--> server
-        fetch() <- inbox <--(GET /rollouts?after=read_up_to, every Limits.poll_seconds)-- server
+        fetch() <- inbox <--(GET /rollouts?sample=K, once per fetch() or flush())-- server      (sample=K)
+        fetch() <- inbox <--(GET /rollouts?after=read_up_to, every Limits.poll_seconds)-- server (cursor)
 
     A batch carries a batch_id, so however often a send is retried the server stores it once. Both queues
     are bounded in bytes: beyond the bound the oldest entry goes, since SAPO wants fresh rollouts.
-    `cursor`, the seq of the last group fetch() handed out, is what a checkpoint saves and cursor= resumes
-    from; cursor=None starts from the server's newest Limits.recent_groups groups, not the whole history.
+    sample=K (a peer's way): each fetch() asks for the next sampled read (RolloutStore.sample, seeded
+    from random.Random(seed)) and returns those done, never a seq twice: K groups a round however large
+    the swarm, and the recent ones for a late joiner or a resumed peer. sample=None reads everything
+    after `cursor`, the seq of the last group fetch() handed out (None: the newest Limits.recent_groups).
     The token defaults to $SWARM_TOKEN (never on a command line). Received groups pass the server's table."""
 
-    def __init__(self, url, peer, token=None, cursor=None):
+    def __init__(self, url, peer, token=None, cursor=None, sample=None, seed=0):
         if not isinstance(peer, str) or not NAME.fullmatch(peer):
             raise ValueError("peer must be 1 to 64 characters from A-Z, a-z, 0-9, '_', '.' and '-'.")
+        if sample is not None and not (isinstance(sample, int) and 1 <= sample <= Limits.sample_groups):
+            raise ValueError(f"sample must be None or a whole number from 1 to {Limits.sample_groups}.")
         self.peer = peer
         self._connect(urlsplit(str(url)), token if token is not None else os.environ.get("SWARM_TOKEN"))
         self.cond = threading.Condition()  # guards all that follows; notified when the thread gets somewhere
@@ -856,6 +902,8 @@ class SwarmClient:
         self.down, self.dropped, self.wake, self.closing, self.sockets = None, 0, False, False, []
         self.cursor = self.read_up_to = cursor  # the seq fetch() has handed out / the thread has read up to
         self.newest = 0  # the server's newest seq as /health last said it: no page may claim far more
+        self.sample, self.seeds, self.asked = sample, random.Random(seed), 0  # sampled mode: K, the seeds
+        self.seen = collections.deque(maxlen=Limits.seen_seqs)  # of its reads, the reads asked for, the seqs read
         self.thread = threading.Thread(target=self._run, name=f"swarm-client-{peer}", daemon=True)
         self.thread.start()
 
@@ -885,21 +933,29 @@ class SwarmClient:
                     "metrics": {str(k)[:64]: float(v) if _sane(v) else None for k, v in list(metrics.items())[:64]}})
 
     def fetch(self):
-        """The checked groups of other peers received since the previous call, oldest first."""
+        """The checked groups of other peers received since the previous call, oldest first; with
+        sample=K it also asks for the next sampled read, and never waits for it."""
         with self.cond:
             groups = [g for g, _ in self.inbox]
             self.inbox.clear()
             self.inbox_bytes = 0
             self.cursor = self.read_up_to
+            self._ask()
             return groups
 
     def flush(self, timeout=10.0):
-        """Wait until the outbox is empty and a poll begun after this call has caught up with the server
-        -> True, or False if that took longer than timeout seconds."""
+        """Wait until the outbox is empty and a read begun after this call is done (sample=K: one sampled
+        read; else a poll level with the server) -> True, or False if that took over timeout seconds."""
         with self.cond:
             begun, self.wake = self.polls_begun, True
+            self._ask()
             self.cond.notify_all()
             return self.cond.wait_for(lambda: not self.outbox and self.caught_up > begun, timeout)
+
+    def _ask(self):  # sampled mode: one more read for the thread, at most 2 waiting (the caller holds self.cond)
+        if self.sample is not None:
+            self.asked, self.wake = min(2, self.asked + 1), True
+            self.cond.notify_all()
 
     def close(self):
         """Stop the thread: it ends its current exchange at once and sends nothing more."""
@@ -939,6 +995,8 @@ class SwarmClient:
             try:
                 if entry is not None:
                     self._send(entry)
+                elif self.sample is not None:
+                    self._sample()
                 elif self._poll():  # caught up with the server: wait for the next poll or a publish
                     self._sleep(Limits.poll_seconds)
                 if self.down:
@@ -1021,6 +1079,33 @@ class SwarmClient:
     def _newest(self):  # the server's newest seq
         self.newest = self._get("/health", HEALTH)["last_seq"]
         return self.newest
+
+    def _sample(self):
+        """One sampled read that fetch() or flush() asked for, into the inbox, less the seqs read before;
+        with none asked for, a wait for one."""
+        with self.cond:
+            if not self.asked:
+                return self._sleep(Limits.poll_seconds)
+            self.polls_begun += 1
+            poll, seed = self.polls_begun, self.seeds.getrandbits(63)
+        page, bad = self._get(f"/rollouts?sample={self.sample}&exclude={self.peer}&seed={seed}", SAMPLE), 0
+        with self.cond:
+            for g in page["groups"][:self.sample]:  # a server may be buggy or hostile: each group is checked
+                try:
+                    g = check(g, STORED, "a received group")
+                except BadRequest:
+                    bad += 1
+                    continue
+                if g["peer"] != self.peer and g["seq"] not in self.seen:
+                    self.seen.append(g["seq"])
+                    self.inbox.append((g, len(_dumps(g))))
+                    self.inbox_bytes += self.inbox[-1][1]
+            while self.inbox_bytes > Limits.inbox_bytes:
+                self.inbox_bytes -= self.inbox.popleft()[1]
+            self.asked, self.caught_up = self.asked - 1, poll
+            self.cond.notify_all()
+        if bad:
+            self._log(f"dropped {bad} malformed groups from the server")
 
     def _get(self, path, fields):
         """GET -> the reply, checked against `fields`. A 400 or a 200 it cannot use is BadRequest; a wrong
@@ -1162,13 +1247,6 @@ class RedisClient(SwarmClient):
     the password may come from $SWARM_TOKEN instead). Only the exchanges differ (_request). Two ACL users
     take the token's part: one that may write, and one that may only read (its batches wait)."""
 
-    def __init__(self, url, peer, token=None, cursor=None, sample=None, seed=0):
-        if sample is not None and not (isinstance(sample, int) and 1 <= sample <= Limits.sample_groups):
-            raise ValueError(f"sample must be a whole number from 1 to {Limits.sample_groups}.")
-        self.sample, self.seeds, self.seen = sample, random.Random(seed), collections.deque(maxlen=4096)
-        self.asked = self.served = 0  # sampled reads asked for by fetch() and flush() / served by the thread
-        super().__init__(url, peer, token, cursor)
-
     def _connect(self, u, token):
         if u.scheme not in ("redis", "rediss") or not u.hostname:
             raise ValueError("the swarm URL must look like redis://USER:PASSWORD@HOST:PORT/0 (rediss:// for TLS).")
@@ -1202,42 +1280,6 @@ class RedisClient(SwarmClient):
         except self.redis_error as e:
             raise ConnectionError(f"Redis: {e}") from None
 
-    # --- sampled mode (sample=K): one read of K groups per fetch() or flush()
-
-    def fetch(self):
-        with self.cond:
-            self.asked, self.wake = self.asked + 1, True
-            self.cond.notify_all()
-            groups = super().fetch()  # (a sampled read may draw a group again: it is handed out once)
-            return [g for g in groups if not self.sample or g["seq"] not in self.seen and not self.seen.append(g["seq"])]
-
-    def flush(self, timeout=10.0):
-        with self.cond:  # (re-entered by SwarmClient.flush, so its read begins after this)
-            self.asked += 1
-            return super().flush(timeout)
-
-    def _poll(self):
-        if not self.sample:
-            return super()._poll()
-        with self.cond:
-            if self.served >= self.asked:
-                return True
-            asked, self.polls_begun = self.asked, self.polls_begun + 1
-            poll = self.polls_begun
-        page = self._get(f"/rollouts?sample={self.sample}&exclude={self.peer}&seed={self.seeds.getrandbits(63)}",
-                         fields({"groups": items(math.inf), "last": SEQ}))
-        groups = []
-        for g in page["groups"]:  # checked on arrival, as in SwarmClient._poll
-            try:
-                groups.append(check(g, STORED, "a received group"))
-            except BadRequest as e:
-                self._log(f"dropped a malformed group from the server: {e.message:.200}")
-        with self.cond:
-            self.inbox.extend((g, 0) for g in groups if g["peer"] != self.peer)
-            self.caught_up, self.served = poll, asked  # (a read that failed is tried again)
-            self.cond.notify_all()
-            return self.served >= self.asked
-
     def close(self):
         super().close()  # (an exchange under way ends within Limits.request_seconds)
         self.redis.close()
@@ -1256,7 +1298,7 @@ def connect(url, peer, token=None, cursor=None, sample=None, seed=0):
     """The client for the store a URL names: RedisClient for redis:// or rediss://, else SwarmClient."""
     if str(url).startswith(("redis://", "rediss://")):
         return RedisClient(url, peer, token, cursor, sample, seed)
-    return SwarmClient(url, peer, token, cursor)
+    return SwarmClient(url, peer, token, cursor, sample, seed)
 
 
 # -----------------------------------------------------------------------------

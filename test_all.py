@@ -2143,6 +2143,7 @@ def test_swarm_retention_is_bounded_in_bytes(tmp_path):
     try:
         assert _sw_post(url, "carol", 0, [_sw_group(1)]).json()["seq"] == 33
         assert [g["seq"] for g in _sw_read_all(url)] == [33] and len(_sw_files(folder)) == 1
+        assert [json.loads(t)["seq"] for t in server.store.sample(256, "", 0)[0]] == [33]  # deleted: not sampled
     finally:
         server.shutdown()
 
@@ -2883,6 +2884,73 @@ def test_swarm_redis_bad_urls_and_settings_get_one_sentence(_sw_redis):
         client.close()
 
 
+def test_swarm_sampled_reads_draw_from_each_producers_newest_batches_every_producer_alike(tmp_path, monkeypatch):
+    """RolloutStore.sample: the window is each producer's newest 2 batches by arrival (not by the rounds
+    they claim), of the producers heard from in the last 600 s; each producer is drawn with equal chance
+    whatever its I; the same seed gives the same draw; a reply holds K groups at most, each once."""
+    store = swarm.RolloutStore(str(tmp_path / "s"))
+    try:
+        with monkeypatch.context() as m:  # a producer last heard from 700 s ago is out of the window
+            m.setattr(swarm.time, "time", lambda: 1e9)
+            store.publish("gone", 5, "g5", [_sw_group(0)])
+        for name, size in (("one", 1), ("four", 4), ("many", 16)):
+            for r in range(3):
+                store.publish(name, r, f"{name}{r}", [_sw_group(100 * r + k) for k in range(size)])
+        for r, batch in ((98, "a"), (99, "b"), (50, "c"), (10**12, "d")):  # a restart, then a forged round:
+            store.publish("restart", r, batch, [_sw_group(r % 1000, n=3)])  # neither matters, arrival does
+        store.publish("me", 0, "me0", [_sw_group(7)])
+        window = {(p, r) for p, rounds in [("one", (1, 2)), ("four", (1, 2)), ("many", (1, 2)),
+                                            ("restart", (50, 10**12))] for r in rounds}
+        texts, last = store.sample(256, "me", 1)
+        drawn = [json.loads(t) for t in texts]
+        assert last == store.last_seq and len({g["seq"] for g in drawn}) == len(drawn) == 2 * (1 + 4 + 16 + 1)
+        assert {(g["peer"], g["round"]) for g in drawn} == window
+        assert store.sample(256, "me", 1) == (texts, last) and store.sample(256, "me", 2) != (texts, last)
+        assert len(store.sample(5, "me", 3)[0]) == 5 and store.sample(5, "nobody", 3)[0] != []
+        counts = {}
+        for seed in range(4000):  # K = 1: which producer?
+            peer = json.loads(store.sample(1, "me", seed)[0][0])["peer"]
+            counts[peer] = counts.get(peer, 0) + 1
+        assert set(counts) == {"one", "four", "many", "restart"}
+        assert all(800 < n < 1200 for n in counts.values()), counts  # 1000 each (by groups "many" got 2,900)
+    finally:
+        store.close()
+
+
+def test_swarm_sampled_client_reads_k_groups_a_call_whatever_the_swarm_size(_sw_server, _sw_clients):
+    """A sampled client reads K groups per fetch() or flush(), from 5 producers as from 50, the newest
+    ones (a late joiner, a resumed peer: the cursor does not matter), and never hands out a seq twice."""
+    server, url, _ = _sw_server
+    got = {}
+    for producers in (5, 50):
+        for r in range(3):
+            for k in range(len(got) * 5, producers):
+                assert _sw_post(url, f"p{k}", r, [_sw_group(10 * r + j) for j in range(4)]).status_code == 200
+        client = _sw_clients(url, f"reader{producers}", cursor=0, sample=8, seed=producers)
+        assert client.fetch() == [] and client.flush(10)  # fetch() waits for nothing: it asks for a read
+        got[producers] = [client.fetch()]
+        for _ in range(20):  # two reads each: the one fetch() asked for, and flush()'s
+            assert client.flush(10)
+            got[producers].append(client.fetch())
+    for producers, reads in got.items():
+        seqs = [g["seq"] for read in reads for g in read]
+        assert len(reads[0]) == 8 and all(len(read) <= 16 for read in reads) and len(seqs) == len(set(seqs))
+        assert {g["round"] for read in reads for g in read} == {1, 2}  # each producer's newest 2 batches
+    assert len({g["peer"] for read in got[50] for g in read}) > 25  # not just the newest few producers
+    for query in ("sample=0", "sample=257", "sample=x", "sample=1&seed=-1", f"sample=1&seed={2**63}", "sample="):
+        r = requests.get(f"{url}/rollouts?{query}", timeout=5)
+        assert r.status_code == 400 and "must be a whole number" in r.json()["error"], query
+    assert requests.get(f"{url}/rollouts?sample=1&seed={2**63 - 1}", timeout=5).status_code == 200
+    with pytest.raises(ValueError, match="sample must be"):
+        swarm.SwarmClient(url, "x", sample=0)
+    for bad in ("ftp://host:1", "host:8000", "redis-ish://h"):
+        with pytest.raises(ValueError, match="must look like http://HOST:PORT"):
+            swarm.connect(bad, "x")
+    client = swarm.connect(url, "y", sample=2)
+    client.close()
+    assert isinstance(client, swarm.SwarmClient)
+
+
 def test_swarm_render_svg_parses():
     svg = swarm.render_svg({"<b>&'peer\"": [(0, 0.1), (1, 0.5), (2, 0.4)], "solo": [(3, 1.0)],
                             "empty": [], "nan": [(1, float("nan"))], "huge": [(1, 10**400)]},
@@ -2946,7 +3014,7 @@ class FakeClient:
     """A swarm client in memory, with the interface train.py uses: publish() keeps what the peer shared;
     fetch() hands out (and empties) `queue`, the groups a test wants the peer to receive."""
 
-    def __init__(self, url=None, peer=None, token=None, cursor=None):
+    def __init__(self, url=None, peer=None, token=None, cursor=None, sample=None, seed=0):
         self.peer, self.cursor, self.queue, self.published, self.metrics = peer, cursor, [], [], []
 
     def publish(self, round, groups):
@@ -3397,7 +3465,7 @@ def test_train_external_completions_are_scored_as_trained(tiny, tmp_path):
     assert reward.score(item, late) == 1.0
     peer.client.queue = [wire_group(item, completions=[late, "no"]),                          # 1, 0 as sent
                          wire_group(item, completions=[f"<answer> {item['answer']} </answer>", late])]
-    external, counts = peer.choose_external()
+    external, counts = peer.choose_external(0)
     assert counts == dict(external_available=2, external_survived=1)  # the first has no spread as trained
     g = external[0]
     assert g.rewards == [1.0, 0.0] and g.texts[1] == "1 2 3 4 5 6" and g.stopped == [True, False]
@@ -3437,20 +3505,21 @@ def test_train_every_row_is_trained_up_to_its_first_stop_only(tiny, tmp_path, mo
     assert [ids[b, pos[b][mask[b]]].tolist() for b in range(2)] == [[5, stop], [6, 6]]
 
 
-def test_train_external_groups_age_by_their_producers_rounds(tiny, tmp_path):
-    """A late joiner's first fetch holds x's rounds 297-299: 297 is stale already (x has published 299).
-    A slow producer's group is not: y's round-10 groups stay eligible while the receiver runs on."""
+def test_train_no_claimed_round_makes_groups_stale_and_the_pool_ages_by_the_receivers_rounds(tiny, tmp_path):
+    """A forged group (it fails verify_item) claiming round 10**12 for a victim does not age the victim's
+    genuine groups; a producer that restarts from an older round is still used; a pooled group that is
+    not drawn leaves the pool POOL_ROUNDS of the receiver's rounds after it came."""
     peer = train.Peer(tiny_args(tmp_path, "--name", "r", "--external", "1"), log=quiet, client=FakeClient())
     rng = random.Random(0)
-    g = lambda producer, r: wire_group(reward.TASKS["repeat_number"].generate(rng), peer=producer, round_=r)
-    peer.client.queue = [g("x", 297), g("x", 298), g("x", 299)] + [g("y", 10) for _ in range(3)]
-    drawn = []
-    for _ in range(5):
-        external, _ = peer.choose_external()
-        drawn += [(x.item["peer"], x.item["round"]) for x in external]
-    assert sorted(drawn) == [("x", 298), ("x", 299), ("y", 10), ("y", 10), ("y", 10)]
-    peer.client.queue = [g("x", 300), g("x", 302)]  # x moves on: its round 300 is stale on arrival
-    assert [(x.item["peer"], x.item["round"]) for x in peer.choose_external()[0] + peer.pool] == [("x", 302)]
+    g = lambda r: wire_group(reward.TASKS["repeat_number"].generate(rng), peer="victim", round_=r)
+    forged = dict(g(10**12), answer="-1")
+    peer.client.queue = [forged] + [g(98) for _ in range(3)]
+    assert [x.item["round"] for x in peer.choose_external(0)[0]] == [98] and len(peer.pool) == 2
+    peer.client.queue = [g(50)]  # the victim restarted from an older checkpoint
+    assert len(peer.choose_external(1)[0]) == 1 and len(peer.pool) == 2
+    external, counts = peer.choose_external(2)  # round 0's groups have left the pool
+    assert len(external) == 1 and peer.pool == [] and counts["external_available"] == 0
+    assert [x.item["round"] for x in peer.choose_external(3)[0]] == []
 
 
 def test_train_external_draw_does_not_depend_on_arrival_order(tiny, tmp_path):
@@ -3464,19 +3533,68 @@ def test_train_external_draw_does_not_depend_on_arrival_order(tiny, tmp_path):
         peer = train.Peer(tiny_args(tmp_path, "--name", f"r{len(draws)}", "--external", "2"), log=quiet,
                           client=FakeClient())
         peer.client.queue = list(order)
-        draws.append([(x.item["peer"], x.item["seq"]) for x in peer.choose_external()[0]])
+        draws.append([(x.item["peer"], x.item["seq"]) for x in peer.choose_external(0)[0]])
     assert draws[0] == draws[1] and len(draws[0]) == 2
 
 
-def test_train_resumed_peer_keeps_its_swarm_cursor(tiny, tmp_path, monkeypatch):
+def test_train_peers_read_a_sample_of_4j_and_the_pool_survives_resume(tiny, tmp_path, monkeypatch):
+    """A peer asks the swarm for sampled reads of 4J groups, seeded from its own seed, with or without a
+    checkpoint. The external groups pooled but not drawn are saved with it: round 1 draws the same
+    groups resumed as uninterrupted."""
     made = []
-    monkeypatch.setattr(swarm, "connect", lambda *a, **k: made.append(k.get("cursor")) or FakeClient(*a, **k))
-    args = ["--swarm", "http://127.0.0.1:9", "--name", "a", "--rounds", "1"]
+    monkeypatch.setattr(swarm, "connect", lambda *a, **k: made.append(k) or FakeClient(*a, **k))
+    args = ["--swarm", "http://127.0.0.1:9", "--name", "a", "--rounds", "1", "--external", "2"]
     peer = train.Peer(tiny_args(tmp_path, *args), log=quiet)
-    peer.client.cursor = 1234
+    rng = random.Random(0)
+    peer.client.queue = [dict(wire_group(reward.TASKS["repeat_number"].generate(rng), peer=f"p{k % 3}"), seq=k)
+                         for k in range(6)]
+    assert len(peer.choose_external(0)[0]) == 2 and len(peer.pool) == 4
     peer.save(0)
     again = train.Peer(tiny_args(tmp_path, *args, "--resume"), log=quiet)
-    assert made == [None, 1234] and again.client.cursor == 1234  # a new peer: None, the server's recent groups
+    assert [k["sample"] for k in made] == [8, 8] and made[0]["seed"] != made[1]["seed"]  # (a new stream)
+    assert "cursor" not in torch.load(tmp_path / "run" / "a" / "checkpoint-0" / "trainer_state.pt")
+    ids = lambda groups: [(x.item["peer"], x.item["seq"], x.arrived, x.rewards) for x in groups]
+    assert ids(again.pool) == ids(peer.pool)
+    assert ids(again.choose_external(1)[0]) == ids(peer.choose_external(1)[0]) and len(ids(peer.pool)) == 2
+    train.Peer(tiny_args(tmp_path, "--swarm", "http://127.0.0.1:9", "--name", "b", "--external", "0"), log=quiet)
+    assert made[-1]["sample"] == 1  # J = 0: it still shares, and never reads (no fetch)
+    train.Peer(tiny_args(tmp_path, "--swarm", "http://127.0.0.1:9", "--name", "c", "--external", "100"), log=quiet)
+    assert made[-1]["sample"] == swarm.Limits.sample_groups  # the most a read may ask for
+
+
+def test_train_reads_per_round_are_bounded_by_j_not_by_the_swarm(tiny, tmp_path):
+    """Through a real server: what a peer (J = 2, so 8 groups a read) takes in per round does not grow
+    from 5 producers to 50, and a late joiner and a resumed peer take in the producers' newest rounds."""
+    server, url = swarm.start_server(str(tmp_path / "swarm"))
+    rng, peers = random.Random(0), []
+    group = lambda: {k: v for k, v in wire_group(reward.TASKS["repeat_number"].generate(rng)).items()
+                     if k not in ("peer", "round", "seq")}
+    try:
+        first = train.Peer(tiny_args(tmp_path, "--swarm", url, "--name", "early", "--save-every", "1"), log=quiet)
+        peers.append(first)
+        first.round(0)
+        first.save(0)
+        for r in range(10):  # after its checkpoint: 10 rounds of 5 producers, then 45 more join
+            for k in range(5):
+                assert _sw_post(url, f"p{k}", r, [group() for _ in range(4)]).status_code == 200
+        for producers in (5, 50):
+            for r in range(10, 12):
+                for k in range(5 if producers == 5 else 0, producers):
+                    assert _sw_post(url, f"p{k}", r, [group() for _ in range(4)]).status_code == 200
+            late = train.Peer(tiny_args(tmp_path, "--swarm", url, "--name", f"late{producers}"), log=quiet)
+            peers.append(late)
+            assert late.client.flush(10)
+            took = [late.round(r)["external_available"] for r in range(3)]
+            assert took[0] == 8 and all(n <= 8 for n in took), (producers, took)  # 16 J is the issue's bound
+        resumed = train.Peer(tiny_args(tmp_path, "--swarm", url, "--name", "early", "--resume"), log=quiet)
+        peers.append(resumed)
+        assert resumed.client.flush(10) and resumed.start_round == 1
+        got = resumed.client.fetch()
+        assert len(got) == 8 and all(g["round"] >= 10 for g in got if g["peer"].startswith("p"))  # the newest
+    finally:
+        for p in peers:
+            p.client.close()
+        server.shutdown()
 
 
 def test_train_metrics_separate_local_from_batch(tiny, tmp_path):

@@ -12,7 +12,8 @@ on every peer in turn):
   2. sample G completions of each with the peer's own model (sample.py), and score them;
   3. publish the I groups to the swarm server as decoded text (swarm.py): question, ground truth,
      task, metadata, completions, and whether each stopped; never token ids, log-probs or weights;
-  4. take the groups other peers published since the last poll;
+  4. take a sample of what other peers published recently: 4J groups a round, whatever the swarm's
+     size, drawn by the server from each producer's newest batches, every producer with equal chance;
   5. re-tokenise each with the local tokenizer, score exactly the text that will be trained on with
      the *local* verifier, and drop groups that reward.verify_item rejects (a poisoned ground truth)
      or whose rewards are all equal (no advantage); pool the survivors and draw J uniformly;
@@ -37,10 +38,11 @@ seeds. Peer k of a swarm launched with --seed S gets the seed peer_seed(S, k), a
 External groups are taken as text, never as control: their completions are tokenised with special-
 token strings kept as text (an "<|im_end|>" inside one is just characters), every row is trained only
 up to its first stop token, and a completion longer than the local --max-new-tokens is cut there and
-scored as cut: the reward always belongs to the tokens trained on. A pooled group is stale once its
-producer has published a group POOL_ROUNDS rounds newer (the producer's rounds, not the receiver's:
-a slow producer's groups are not aged by a fast receiver, and a late joiner does not train on a
-backlog of old rounds).
+scored as cut: the reward always belongs to the tokens trained on. What is recent is decided by the
+server, never by the round a sender claims (swarm.py: each producer's newest batches by arrival), so
+a forged round cannot age anyone's groups and a producer that restarts from an older round still
+counts. A pooled group the receiver did not draw leaves the pool POOL_ROUNDS of the receiver's own
+rounds after it arrived; the pool is saved in checkpoints, so a resumed peer draws as it would have.
 
 Deviations from the paper, and why:
 - Learning rate: the paper's text says Adam at 0.001, its code 1e-5 or 1e-6. We use AdamW at
@@ -272,7 +274,7 @@ def check_resume(p, args):
     args.name = None if args.peers else peers[0]
 
 
-POOL_ROUNDS = 2  # a pooled external group is stale once its producer has published a group this many rounds newer
+POOL_ROUNDS = 2  # a pooled external group not drawn leaves the pool this many of the receiver's rounds after it came
 
 
 def resolve_tasks(spec, model_name):
@@ -327,13 +329,15 @@ class Group:
     """One question and its G completions, ready to train on. item: the question's dict (reward.py's
     fields; for an external group the wire fields too); prompt and completions: token ids, a completion
     ending with the stop token if it stopped; texts: what each completion says, the text its reward
-    scores; stopped: whether each ended with a stop token; rewards: one per completion."""
+    scores; stopped: whether each ended with a stop token; rewards: one per completion; arrived: the
+    receiver's round in which an external group came."""
     item: dict
     prompt: list
     completions: list
     texts: list
     stopped: list
     rewards: list
+    arrived: int = 0
 
 
 def retokenise(tokenizer, text, stopped, stop_id, max_new_tokens):
@@ -412,18 +416,19 @@ class Peer:
         if self.sample_dtype != torch.float32:
             self.sampler = copy.deepcopy(self.model).to(self.sample_dtype).eval()
         self.external_rng = stream(args.seed, "external")  # questions and sampling have a stream per round
-        self.pool = []    # usable external groups (Group) not yet trained on
-        self.newest = {}  # producer -> the newest round of it seen: what makes a pooled group stale
-        self.start_round, cursor = 0, None
+        self.pool = []  # usable external groups (Group) not yet trained on
+        self.start_round = 0
         if resuming:
-            cursor = self.load_state(ckpt)
+            self.load_state(ckpt)
         elif args.resume:
             log(f"{self.dir}: no checkpoint yet, starting from round 0")
             open(os.path.join(self.dir, "metrics.jsonl"), "w").close()  # those rounds will run again
         self.client = client
         if client is None and args.swarm:  # with J = 0 a peer still shares its rollouts
-            try:
-                self.client = swarm.connect(args.swarm, self.name, token=args.token, cursor=cursor)
+            try:  # a read of 4J groups a round, whatever the swarm's size
+                self.client = swarm.connect(args.swarm, self.name, token=args.token,
+                                            sample=max(1, min(4 * args.external, swarm.Limits.sample_groups)),
+                                            seed=stream(args.seed, "external", "reads", self.start_round).getrandbits(63))
             except ValueError as e:  # a URL it cannot use, or redis:// without the redis package
                 raise SystemExit(f"train.py: --swarm: {e}") from None
         with open(settings, "w") as f:  # never the token, nor a password in the URL: no secret goes to disk
@@ -447,7 +452,7 @@ class Peer:
     def learn(self, r, collected):
         """Steps 4-7: choose J external groups, take a GRPO step on them and the local groups, log the round."""
         t0 = time.time()
-        external, counts = self.choose_external()
+        external, counts = self.choose_external(r)
         stats = self.update(collected["groups"] + external)
         release_memory()
         return self.log_round(r, collected, external, counts, stats, collected["seconds"] + time.time() - t0)
@@ -486,18 +491,17 @@ class Peer:
                                      metadata=g.item["metadata"], completions=g.texts, stopped=g.stopped, model=model)
                                 for g in groups])
 
-    def choose_external(self):
-        """Steps 4-5: take what other peers published, keep the usable groups (external_group), pool them
-        with earlier ones that are not stale yet, and draw J of the pool uniformly; the rest stay pooled."""
+    def choose_external(self, r):
+        """Steps 4-5: take the swarm's sample, keep the usable groups (external_group), pool them with those
+        of the last POOL_ROUNDS rounds, and draw J of the pool uniformly; the rest stay pooled."""
         args = self.args
         if self.client is None or args.external == 0:
             return [], dict(external_available=0, external_survived=0)
         fetched = self.client.fetch()
-        for g in fetched:  # a group is stale once its producer has published one POOL_ROUNDS rounds newer
-            self.newest[g["peer"]] = max(g["round"], self.newest.get(g["peer"], g["round"]))
-        fresh = [x for x in (external_group(self.tok, g, self.stop_id, args.max_new_tokens, args.one_shot, self.log,
-                                            args.system_prompt) for g in fetched) if x is not None]
-        self.pool = [x for x in self.pool + fresh if self.newest[x.item["peer"]] - x.item["round"] < POOL_ROUNDS]
+        usable = (external_group(self.tok, g, self.stop_id, args.max_new_tokens, args.one_shot, self.log,
+                                 args.system_prompt) for g in fetched)
+        fresh = [dataclasses.replace(x, arrived=r) for x in usable if x is not None]
+        self.pool = [x for x in self.pool + fresh if r - x.arrived < POOL_ROUNDS]
         # in production order, not arrival order: the same groups give the same draw however the network
         # interleaved the peers' posts (a synchronous swarm is then reproducible run to run)
         self.pool.sort(key=lambda x: (x.item["round"], x.item["peer"], x.item.get("seq", 0)))
@@ -608,13 +612,13 @@ class Peer:
             raise KeyboardInterrupt
 
     def save(self, round_):
-        """checkpoint-<round>/: a Hugging Face folder transformers can load, plus optimizer, RNG and swarm
-        cursor state (model.save_model renames it into place whole). Then checkpoint.json, the pointer
-        resume reads, is replaced at once, and older checkpoints go: a stop at any moment leaves the
-        pointer naming a whole checkpoint, with the length metrics.jsonl had when it was taken."""
+        """checkpoint-<round>/: a Hugging Face folder transformers can load, plus optimizer and RNG state
+        and the undrawn external pool (model.save_model renames it into place whole). Then checkpoint.json,
+        the pointer resume reads, is replaced at once, and older checkpoints go: a stop at any moment
+        leaves the pointer naming a whole checkpoint, with the length metrics.jsonl had when it was taken."""
         state = {"round": round_, "optimizer": self.opt.state_dict(), "torch_rng": torch.get_rng_state(),
                  "external_rng": json.dumps(self.external_rng.getstate()),
-                 "cursor": getattr(self.client, "cursor", None)}
+                 "pool": [dataclasses.asdict(x) for x in self.pool]}
         name, metrics = f"checkpoint-{round_}", os.path.join(self.dir, "metrics.jsonl")
         M.save_model(self.model, self.tok, os.path.join(self.dir, name),
                      write_extra=lambda folder: torch.save(state, os.path.join(folder, "trainer_state.pt")))
@@ -627,19 +631,17 @@ class Peer:
                 shutil.rmtree(old, ignore_errors=True)
 
     def load_state(self, ckpt):
-        """Optimizer and random state from a checkpoint (last_checkpoint's dict); returns the saved swarm
-        cursor (None: none saved)."""
+        """Optimizer and random state and the external pool from a checkpoint (last_checkpoint's dict)."""
         state = torch.load(os.path.join(ckpt["path"], "trainer_state.pt"), map_location="cpu", weights_only=True)
         self.opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"].cpu())
         v, internal, gauss = json.loads(state["external_rng"])
         self.external_rng.setstate((v, tuple(internal), gauss))
-        self.start_round = state["round"] + 1
+        self.start_round, self.pool = state["round"] + 1, [Group(**x) for x in state.get("pool", [])]
         path = os.path.join(self.dir, "metrics.jsonl")  # lines after the checkpoint's: rounds that run again
         if os.path.exists(path) and os.path.getsize(path) > ckpt["metrics_bytes"]:
             os.truncate(path, ckpt["metrics_bytes"])
         self.log(f"resumed {self.name} from {ckpt['path']} at round {self.start_round}")
-        return state["cursor"]
 
 
 def last_checkpoint(folder):

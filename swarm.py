@@ -1,6 +1,6 @@
 """
-The swarm: one small HTTP server that stores the rollouts peers publish, and the client a peer uses
-to publish its own rollouts and receive everyone else's.
+The swarm: the store that holds the rollouts peers publish (an HTTP server of its own, or Redis), and
+the client a peer uses to publish its own rollouts and receive everyone else's.
 
 SAPO ("Sharing is Caring", arXiv 2509.08721, Sec. 3 and Algorithm 1) trains a swarm of peers, each
 with its own small language model. Every round a peer generates G completions for each of its I local
@@ -8,21 +8,21 @@ questions, shares those decoded rollouts (text only: question, answer, completio
 token ids, log-probs or weights) with the swarm, and trains on its I local groups plus J groups drawn
 from what the other peers shared. Peers never wait for each other: a peer takes whatever has arrived.
 
-How this file does it, in reading order:
-- Whatever arrives from outside (a request, a file read back, a server's reply) is checked by rules
-  built from a few small functions (`fields`, `items`, `text`, ...). Every other bound is in `Limits`.
-- RolloutStore, the core: POST /rollouts appends a batch file and numbers its groups 1, 2, 3, ...
-  (`seq`); GET /rollouts?sample=K draws K recent groups, every producer alike (what a peer trains
-  on); GET /rollouts?after=SEQ reads every group after a sequence number.
-- SwarmServer, the HTTP around it (`python swarm.py --dir swarm_data --port 8000`, standard library
-  only), built so that slow or hostile clients cannot take it down.
-- SwarmClient, what a peer uses: its calls only touch in-memory queues and a thread does the HTTP
-  (through requests), so training never waits for the network. With the server down a peer trains in
-  silo (the paper's baseline) and catches up when it returns.
-- RedisClient, the same client with Redis Streams as the store (a redis:// URL; swarm.connect picks by
-  URL): for a swarm one Python server cannot carry, with Redis's ACL users in the token's place.
-- A dashboard: peers POST /metrics once a round; GET / draws every peer's local reward per round,
-  beside what each peer's newest group says (escaped).
+How this file does it, in reading order (a reader who stops at the marker line has read all of SAPO's
+sharing; what follows it makes the same thing durable, bounded and safe against hostile input):
+- Store, the rules of the shared pool: publish() numbers a batch's groups 1, 2, 3, ... (`seq`) in
+  arrival order and stores a retry once; sample(K) draws K recent groups, every producer alike (what a
+  peer trains on); read(after) gives every group after a seq (the dashboard, the load test).
+- Client, a peer's side: its training loop only touches two queues (publish() into the outbox, fetch()
+  out of the inbox) and one thread does the talking, so training never waits for the network. With
+  the store down a peer trains in silo (the paper's baseline) and catches up when it returns.
+- connect(url) picks the store: an HTTP server (SwarmClient), or Redis Streams (RedisClient, for a
+  swarm one Python server cannot carry, with Redis's ACL users in the token's place).
+- Below the marker: Limits (every bound) and the rules every request, file or reply is checked by;
+  RolloutStore, the Store on disk; SwarmServer, the HTTP around it (`python swarm.py --dir swarm_data
+  --port 8000`, standard library only), built so that slow or hostile clients cannot take it down; the
+  two transports; a dashboard (GET / draws each peer's local reward per round beside what its newest
+  group says, escaped); the command line.
 
 Deviations from the paper, and why:
 - The paper's swarm ran on Gensyn's RL Swarm, where peers exchange rollouts over a peer-to-peer DHT.
@@ -71,6 +71,211 @@ try:
     import resource  # POSIX: the descriptor limit sets how many connections the server may hold
 except ImportError:
     fcntl = resource = None
+
+
+# -----------------------------------------------------------------------------
+# The store's rules: groups numbered in arrival order, read after a cursor, or drawn as a sample.
+
+class Store:
+    """The heart of the server: an in-memory index of every kept group, and the rules it is read by.
+    (RolloutStore, below the marker line, adds the folder of batch files and the state set in __init__.)
+
+        publish()  POST /rollouts: number the groups after the newest seq, write them as one batch file
+                   named after its last seq (batch-000000000042.json), then index them
+        read()     GET /rollouts?after=SEQ: the indexed groups with seq > SEQ, from memory
+        sample()   GET /rollouts?sample=K: K groups drawn from the recent window, every producer alike
+
+    The batch file is written atomically and fsynced before publish() returns, so an acknowledgement
+    means the batch survives kill -9 and nothing half-written is ever served; and as its name holds its
+    last seq, a restart continues the numbering whatever the files hold. Two locks: `write_lock` lets
+    one writer at a time touch the folder (one global order; a post costs one fsync), and `lock` guards
+    the in-memory state for the moment an update or a read takes, so readers never wait for a disk."""
+
+    def publish(self, peer, round_, batch_id, groups):
+        """Store one batch (or recognise a retry of one) -> {"accepted": groups, "seq": its last seq}."""
+        with self.write_lock:
+            if (peer, batch_id) in self.replies or not groups:  # a retry gets the first reply: stored once
+                return self.replies.get((peer, batch_id), {"accepted": 0, "seq": self.last_seq})
+            now, first = _now(), self.last_seq + 1
+            record = {"peer": peer, "round": round_, "batch_id": batch_id, "time": now, "groups": [
+                {**g, "peer": peer, "round": round_, "seq": first + k, "time": now} for k, g in enumerate(groups)]}
+            name, data = f"batch-{first + len(groups) - 1:012d}.json", _dumps(record)
+            self._write_atomic(name, data)  # durable now: only from here on may anyone see it
+            with self.lock:
+                self._add(name, record, len(data))
+            self._retain()
+            return self.replies[(peer, batch_id)]
+
+    def read(self, after, exclude, limit):
+        """Groups with seq > after not from `exclude` -> (their JSON texts, next cursor, last seq)."""
+        with self.lock:
+            return (*_page(self.index, after, limit, exclude), self.last_seq)
+
+    def sample(self, k, exclude, seed):
+        """K groups drawn from the window, none of them `exclude`'s -> (their JSON texts, last seq). The
+        window is decided here, never by what a sender claims: each producer's newest
+        Limits.window_batches batches by arrival, if its newest arrived within Limits.window_seconds.
+        K times: a producer uniformly among those with window groups left, then one of those uniformly.
+        So each producer has the same chance whatever its speed or I, and a reply holds at most K groups
+        (it stops past Limits.page_bytes) whatever the swarm's size. The same groups and seed give the same
+        draw. Cost: a pass over the producers (not the groups), a sort of their names, K draws."""
+        rng, since, texts, left = random.Random(seed), time.time() - Limits.window_seconds, [], {}
+        with self.lock:
+            producers = sorted(p for p, w in self.window.items() if p != exclude and w[-1][0] >= since)
+            while producers and len(texts) < k and sum(map(len, texts)) < Limits.page_bytes:
+                i = rng.randrange(len(producers))
+                groups = left.setdefault(producers[i], [t for *_, batch in self.window[producers[i]] for t in batch])
+                texts.append(groups.pop(rng.randrange(len(groups))))
+                if not groups:
+                    producers.pop(i)
+            return texts, self.last_seq
+
+    def _add(self, name, record, size):
+        peer, groups = record["peer"], record["groups"]
+        texts = [_dumps(g) for g in groups]
+        self.index.extend((g["seq"], peer, text) for g, text in zip(groups, texts))
+        window = self.window.setdefault(peer, collections.deque(maxlen=Limits.window_batches))
+        window.append((record["time"], name, texts))  # (the deque lets its oldest batch go)
+        self.batches.append((name, peer, record["batch_id"], len(groups), size))
+        self.kept_bytes += size
+        self.last_seq = groups[-1]["seq"]
+        self._remember(peer, record["batch_id"], {"accepted": len(groups), "seq": self.last_seq})
+        self._seen(peer, record["round"], record["time"], len(groups))
+
+    def _remember(self, peer, batch_id, reply):
+        self.replies[(peer, batch_id)] = reply
+        while len(self.replies) > Limits.replies:
+            self.replies.popitem(last=False)
+
+
+def _page(entries, after, limit, exclude):
+    """entries: (number, peer, UTF-8 JSON, ...) in number order -> (the JSON texts after `after` that are
+    not `exclude`'s, the number to continue after): at most `limit` (None: any) and Limits.page_bytes,
+    unless one text alone is larger. The next number passes over the excluded entries too, so a reader
+    who skips its own groups does not read them again and again."""
+    start = bisect.bisect_right(entries, after, key=lambda entry: entry[0])
+    texts, size, next_number = [], 0, after
+    for number, peer, text, *_ in entries[start:start + Limits.scan_groups]:
+        if len(texts) == limit or (texts and size + len(text) > Limits.page_bytes):
+            break
+        next_number = number
+        if peer != exclude:
+            texts.append(text)
+            size += len(text) + 1
+    return texts, next_number
+
+
+# -----------------------------------------------------------------------------
+# The peer's side: its training loop touches two queues; one thread talks to the store.
+
+class Client:
+    """One peer's view of the swarm. The training loop's calls only touch two queues; a daemon thread
+    (_run) does all the talking, one exchange at a time, each within Limits.request_seconds (the
+    exchanges, _send, _poll and _sample, are SwarmClient's over HTTP and RedisClient's over Redis):
+
+        publish(round, groups) -> outbox --(POST, oldest first, until acknowledged)--> server
+        fetch() <- inbox <--(GET /rollouts?sample=K, once per fetch() or flush())-- server      (sample=K)
+        fetch() <- inbox <--(GET /rollouts?after=read_up_to, every Limits.poll_seconds)-- server (cursor)
+
+    A batch carries a batch_id, so however often a send is retried the server stores it once. Both queues
+    are bounded in bytes: beyond the bound the oldest entry goes, since SAPO wants fresh rollouts.
+    sample=K (a peer's way): each fetch() asks for the next sampled read (RolloutStore.sample, seeded
+    from random.Random(seed)) and returns those done, never a seq twice: K groups a round however large
+    the swarm, and the recent ones for a late joiner or a resumed peer. sample=None reads everything
+    after `cursor`, the seq of the last group fetch() handed out (None: the newest Limits.recent_groups).
+    The token defaults to $SWARM_TOKEN (never on a command line). Received groups pass the server's table."""
+
+    def publish(self, round, groups):
+        """Queue this round's groups for the swarm; returns at once."""
+        if groups:
+            self._queue("/rollouts", f"round {round}'s batch", lambda: {
+                "peer": self.peer, "round": int(round), "groups": list(groups),
+                "batch_id": f"{self.peer}-{int(round)}-{os.urandom(6).hex()}"})
+
+    def post_metrics(self, round, metrics):
+        """Queue per-round numbers for the dashboard (best effort); values that are not sane numbers go
+        as null."""
+        self._queue("/metrics", f"round {round}'s metrics", lambda: {"peer": self.peer, "round": int(round),
+                    "metrics": {str(k)[:64]: float(v) if _sane(v) else None for k, v in list(metrics.items())[:64]}})
+
+    def fetch(self):
+        """The checked groups of other peers received since the previous call, oldest first; with
+        sample=K it also asks for the next sampled read, and never waits for it."""
+        with self.cond:
+            groups = [g for g, _ in self.inbox]
+            self.inbox.clear()
+            self.inbox_bytes = 0
+            self.cursor = self.read_up_to
+            self._ask()
+            return groups
+
+    def flush(self, timeout=10.0):
+        """Wait until the outbox is empty and a read begun after this call is done (sample=K: one sampled
+        read; else a poll level with the server) -> True, or False if that took over timeout seconds."""
+        with self.cond:
+            begun, self.wake = self.polls_begun, True
+            self._ask()
+            self.cond.notify_all()
+            return self.cond.wait_for(lambda: not self.outbox and self.caught_up > begun, timeout)
+
+    def _ask(self):  # sampled mode: one more read for the thread, at most 2 waiting (the caller holds self.cond)
+        if self.sample is not None:
+            self.asked, self.wake = min(2, self.asked + 1), True
+            self.cond.notify_all()
+
+    def _queue(self, path, what, make_body):
+        """Put make_body() as JSON at the end of the outbox; what cannot be JSON is logged, never raised."""
+        try:
+            sent = make_body()
+            body = _dumps(sent)
+        except (TypeError, ValueError, OverflowError, AttributeError) as e:
+            return self._log(f"{what} cannot be sent ({e})")
+        ack = {"accepted": len(sent["groups"])} if "groups" in sent else {"ok": True}  # what a reply must say
+        with self.cond:
+            self.outbox.append((path, body, what, ack))
+            self.outbox_bytes += len(body)
+            while self.outbox_bytes > Limits.outbox_bytes and len(self.outbox) > 1:
+                self.outbox_bytes -= len(self.outbox.popleft()[1])
+                self.dropped += 1
+            self.wake = True
+            self.cond.notify_all()
+
+    def _run(self):
+        backoff = 0.0
+        while not self.closing:
+            with self.cond:
+                entry = self.outbox[0] if self.outbox else None
+            try:
+                if entry is not None:
+                    self._send(entry)
+                elif self.sample is not None:
+                    self._sample()
+                elif self._poll():  # caught up with the server: wait for the next poll or a publish
+                    self._sleep(Limits.poll_seconds)
+                if self.down:
+                    lost = f"; {self.dropped} older entries did not fit the outbox" if self.dropped else ""
+                    self._log(f"the server answers again, sending what waited{lost}")
+                    self.down, self.dropped = None, 0
+                backoff = 0.0
+            except Exception as e:  # said once, however long it lasts; a bug must not end the thread either
+                if not self.down and not self.closing:
+                    cause = e if isinstance(e, (OSError, BadRequest)) else f"unexpected error {e!r:.200}"
+                    self._log(f"{cause}; training goes on, and what is unsent waits in the outbox (up to "
+                              f"{Limits.outbox_bytes >> 20} MB) until the server answers")
+                self.down, backoff = str(e) or type(e).__name__, min(5.0, max(0.25, 2 * backoff))
+                self._sleep(backoff)
+
+
+def connect(url, peer, token=None, cursor=None, sample=None, seed=0):
+    """The client for the store a URL names: RedisClient for redis:// or rediss://, else SwarmClient."""
+    if str(url).startswith(("redis://", "rediss://")):
+        return RedisClient(url, peer, token, cursor, sample, seed)
+    return SwarmClient(url, peer, token, cursor, sample, seed)
+
+
+# ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
+# The bounds, the checks of what arrives, the store on disk, the HTTP server, the client's transport
+# (HTTP and Redis), the dashboard and the command line.
 
 
 class Limits:
@@ -246,19 +451,10 @@ def _log(message):
 # -----------------------------------------------------------------------------
 # Storage: one file per accepted batch, and an in-memory index of everything kept.
 
-class RolloutStore:
-    """The folder of batch files and its in-memory index: the heart of the server.
+class RolloutStore(Store):
+    """Store on disk, behind the HTTP server: the folder of batch files (locked, written atomically and
+    fsynced), retention in bytes, the metrics rows, and the state Store's methods use."""
 
-        publish()  POST /rollouts: number the groups after the newest seq, write them as one batch file
-                   named after its last seq (batch-000000000042.json), then index them
-        read()     GET /rollouts?after=SEQ: the indexed groups with seq > SEQ, from memory
-        sample()   GET /rollouts?sample=K: K groups drawn from the recent window, every producer alike
-
-    The batch file is written atomically and fsynced before publish() returns, so an acknowledgement
-    means the batch survives kill -9 and nothing half-written is ever served; and as its name holds its
-    last seq, a restart continues the numbering whatever the files hold. Two locks: `write_lock` lets
-    one writer at a time touch the folder (one global order; a post costs one fsync), and `lock` guards
-    the in-memory state for the moment an update or a read takes, so readers never wait for a disk."""
 
     copies = ("pruned.json", "pruned-copy.json")  # two copies: a damaged one alone loses nothing
 
@@ -283,62 +479,6 @@ class RolloutStore:
         except BaseException:
             self.close()
             raise
-
-    def publish(self, peer, round_, batch_id, groups):
-        """Store one batch (or recognise a retry of one) -> {"accepted": groups, "seq": its last seq}."""
-        with self.write_lock:
-            if (peer, batch_id) in self.replies or not groups:  # a retry gets the first reply: stored once
-                return self.replies.get((peer, batch_id), {"accepted": 0, "seq": self.last_seq})
-            now, first = _now(), self.last_seq + 1
-            record = {"peer": peer, "round": round_, "batch_id": batch_id, "time": now, "groups": [
-                {**g, "peer": peer, "round": round_, "seq": first + k, "time": now} for k, g in enumerate(groups)]}
-            name, data = f"batch-{first + len(groups) - 1:012d}.json", _dumps(record)
-            self._write_atomic(name, data)  # durable now: only from here on may anyone see it
-            with self.lock:
-                self._add(name, record, len(data))
-            self._retain()
-            return self.replies[(peer, batch_id)]
-
-    def read(self, after, exclude, limit):
-        """Groups with seq > after not from `exclude` -> (their JSON texts, next cursor, last seq)."""
-        with self.lock:
-            return (*_page(self.index, after, limit, exclude), self.last_seq)
-
-    def sample(self, k, exclude, seed):
-        """K groups drawn from the window, none of them `exclude`'s -> (their JSON texts, last seq). The
-        window is decided here, never by what a sender claims: each producer's newest
-        Limits.window_batches batches by arrival, if its newest arrived within Limits.window_seconds.
-        K times: a producer uniformly among those with window groups left, then one of those uniformly.
-        So each producer has the same chance whatever its speed or I, and a reply holds at most K groups
-        (it stops past Limits.page_bytes) whatever the swarm's size. The same groups and seed give the same
-        draw. Cost: a pass over the producers (not the groups), a sort of their names, K draws."""
-        rng, since, texts, left = random.Random(seed), time.time() - Limits.window_seconds, [], {}
-        with self.lock:
-            producers = sorted(p for p, w in self.window.items() if p != exclude and w[-1][0] >= since)
-            while producers and len(texts) < k and sum(map(len, texts)) < Limits.page_bytes:
-                i = rng.randrange(len(producers))
-                groups = left.setdefault(producers[i], [t for *_, batch in self.window[producers[i]] for t in batch])
-                texts.append(groups.pop(rng.randrange(len(groups))))
-                if not groups:
-                    producers.pop(i)
-            return texts, self.last_seq
-
-    def _add(self, name, record, size):
-        peer, groups = record["peer"], record["groups"]
-        texts = [_dumps(g) for g in groups]
-        self.index.extend((g["seq"], peer, text) for g, text in zip(groups, texts))
-        window = self.window.setdefault(peer, collections.deque(maxlen=Limits.window_batches))
-        window.append((record["time"], name, texts))  # (the deque lets its oldest batch go)
-        self.batches.append((name, peer, record["batch_id"], len(groups), size))
-        self.kept_bytes += size
-        self.last_seq = groups[-1]["seq"]
-        self._remember(peer, record["batch_id"], {"accepted": len(groups), "seq": self.last_seq})
-        self._seen(peer, record["round"], record["time"], len(groups))
-
-    def _remember(self, peer, batch_id, reply):
-        self.replies[(peer, batch_id)] = reply
-        while len(self.replies) > Limits.replies:
-            self.replies.popitem(last=False)
 
     def _seen(self, peer, round_, when, published=0):
         p = self.peers.pop(peer, None) or {"last_seen": 0.0, "last_round": 0, "groups": 0}
@@ -535,23 +675,6 @@ class RolloutStore:
 
 def _now():  # the server's clock as a TIME field holds it, so that no clock makes a stored file unreadable
     return min(max(time.time(), 0.0), 1e11)
-
-
-def _page(entries, after, limit, exclude):
-    """entries: (number, peer, UTF-8 JSON, ...) in number order -> (the JSON texts after `after` that are
-    not `exclude`'s, the number to continue after): at most `limit` (None: any) and Limits.page_bytes,
-    unless one text alone is larger. The next number passes over the excluded entries too, so a reader
-    who skips its own groups does not read them again and again."""
-    start = bisect.bisect_right(entries, after, key=lambda entry: entry[0])
-    texts, size, next_number = [], 0, after
-    for number, peer, text, *_ in entries[start:start + Limits.scan_groups]:
-        if len(texts) == limit or (texts and size + len(text) > Limits.page_bytes):
-            break
-        next_number = number
-        if peer != exclude:
-            texts.append(text)
-            size += len(text) + 1
-    return texts, next_number
 
 
 # -----------------------------------------------------------------------------
@@ -872,21 +995,9 @@ def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.ke
 # -----------------------------------------------------------------------------
 # Client: what a peer's training loop uses. It never raises and never waits for the network.
 
-class SwarmClient:
-    """One peer's view of the swarm. The training loop's calls only touch two queues; a daemon thread
-    does all the HTTP (through requests), one exchange at a time, each within Limits.request_seconds:
-
-        publish(round, groups) -> outbox --(POST, oldest first, until acknowledged)--> server
-        fetch() <- inbox <--(GET /rollouts?sample=K, once per fetch() or flush())-- server      (sample=K)
-        fetch() <- inbox <--(GET /rollouts?after=read_up_to, every Limits.poll_seconds)-- server (cursor)
-
-    A batch carries a batch_id, so however often a send is retried the server stores it once. Both queues
-    are bounded in bytes: beyond the bound the oldest entry goes, since SAPO wants fresh rollouts.
-    sample=K (a peer's way): each fetch() asks for the next sampled read (RolloutStore.sample, seeded
-    from random.Random(seed)) and returns those done, never a seq twice: K groups a round however large
-    the swarm, and the recent ones for a late joiner or a resumed peer. sample=None reads everything
-    after `cursor`, the seq of the last group fetch() handed out (None: the newest Limits.recent_groups).
-    The token defaults to $SWARM_TOKEN (never on a command line). Received groups pass the server's table."""
+class SwarmClient(Client):
+    """Client over HTTP: the thread's exchanges through requests, under a deadline; what it checks of
+    every reply, and how it reads on past one it cannot use."""
 
     def __init__(self, url, peer, token=None, cursor=None, sample=None, seed=0):
         if not isinstance(peer, str) or not NAME.fullmatch(peer):
@@ -919,44 +1030,6 @@ class SwarmClient:
 
     # --- the training loop's side: queues only
 
-    def publish(self, round, groups):
-        """Queue this round's groups for the swarm; returns at once."""
-        if groups:
-            self._queue("/rollouts", f"round {round}'s batch", lambda: {
-                "peer": self.peer, "round": int(round), "groups": list(groups),
-                "batch_id": f"{self.peer}-{int(round)}-{os.urandom(6).hex()}"})
-
-    def post_metrics(self, round, metrics):
-        """Queue per-round numbers for the dashboard (best effort); values that are not sane numbers go
-        as null."""
-        self._queue("/metrics", f"round {round}'s metrics", lambda: {"peer": self.peer, "round": int(round),
-                    "metrics": {str(k)[:64]: float(v) if _sane(v) else None for k, v in list(metrics.items())[:64]}})
-
-    def fetch(self):
-        """The checked groups of other peers received since the previous call, oldest first; with
-        sample=K it also asks for the next sampled read, and never waits for it."""
-        with self.cond:
-            groups = [g for g, _ in self.inbox]
-            self.inbox.clear()
-            self.inbox_bytes = 0
-            self.cursor = self.read_up_to
-            self._ask()
-            return groups
-
-    def flush(self, timeout=10.0):
-        """Wait until the outbox is empty and a read begun after this call is done (sample=K: one sampled
-        read; else a poll level with the server) -> True, or False if that took over timeout seconds."""
-        with self.cond:
-            begun, self.wake = self.polls_begun, True
-            self._ask()
-            self.cond.notify_all()
-            return self.cond.wait_for(lambda: not self.outbox and self.caught_up > begun, timeout)
-
-    def _ask(self):  # sampled mode: one more read for the thread, at most 2 waiting (the caller holds self.cond)
-        if self.sample is not None:
-            self.asked, self.wake = min(2, self.asked + 1), True
-            self.cond.notify_all()
-
     def close(self):
         """Stop the thread: it ends its current exchange at once and sends nothing more."""
         with self.cond:
@@ -965,52 +1038,10 @@ class SwarmClient:
         _shut(self.sockets)
         self.thread.join(5)
 
-    def _queue(self, path, what, make_body):
-        """Put make_body() as JSON at the end of the outbox; what cannot be JSON is logged, never raised."""
-        try:
-            sent = make_body()
-            body = _dumps(sent)
-        except (TypeError, ValueError, OverflowError, AttributeError) as e:
-            return self._log(f"{what} cannot be sent ({e})")
-        ack = {"accepted": len(sent["groups"])} if "groups" in sent else {"ok": True}  # what a reply must say
-        with self.cond:
-            self.outbox.append((path, body, what, ack))
-            self.outbox_bytes += len(body)
-            while self.outbox_bytes > Limits.outbox_bytes and len(self.outbox) > 1:
-                self.outbox_bytes -= len(self.outbox.popleft()[1])
-                self.dropped += 1
-            self.wake = True
-            self.cond.notify_all()
-
     def _log(self, message):
         print(f"swarm client {self.peer}: {message}", file=sys.stderr, flush=True)
 
     # --- the thread's side: all the network. Any error means "no usable answer now: try again later".
-
-    def _run(self):
-        backoff = 0.0
-        while not self.closing:
-            with self.cond:
-                entry = self.outbox[0] if self.outbox else None
-            try:
-                if entry is not None:
-                    self._send(entry)
-                elif self.sample is not None:
-                    self._sample()
-                elif self._poll():  # caught up with the server: wait for the next poll or a publish
-                    self._sleep(Limits.poll_seconds)
-                if self.down:
-                    lost = f"; {self.dropped} older entries did not fit the outbox" if self.dropped else ""
-                    self._log(f"the server answers again, sending what waited{lost}")
-                    self.down, self.dropped = None, 0
-                backoff = 0.0
-            except Exception as e:  # said once, however long it lasts; a bug must not end the thread either
-                if not self.down and not self.closing:
-                    cause = e if isinstance(e, (OSError, BadRequest)) else f"unexpected error {e!r:.200}"
-                    self._log(f"{cause}; training goes on, and what is unsent waits in the outbox (up to "
-                              f"{Limits.outbox_bytes >> 20} MB) until the server answers")
-                self.down, backoff = str(e) or type(e).__name__, min(5.0, max(0.25, 2 * backoff))
-                self._sleep(backoff)
 
     def _sleep(self, seconds):  # until a publish or flush wakes it, except while it waits out trouble
         with self.cond:
@@ -1292,13 +1323,6 @@ def _stored(seq, fields):  # a stream entry -> the group as served, or None (che
                 "time": float(f["time"])}
     except (BadRequest, KeyError, ValueError, TypeError):
         return None
-
-
-def connect(url, peer, token=None, cursor=None, sample=None, seed=0):
-    """The client for the store a URL names: RedisClient for redis:// or rediss://, else SwarmClient."""
-    if str(url).startswith(("redis://", "rediss://")):
-        return RedisClient(url, peer, token, cursor, sample, seed)
-    return SwarmClient(url, peer, token, cursor, sample, seed)
 
 
 # -----------------------------------------------------------------------------

@@ -69,6 +69,7 @@ class Limits:
     """Every bound in one place (sizes in bytes): what keeps a sender from making the server hold more,
     and a server from making a client hold more."""
     body_bytes = 8 << 20        # one request body (413 beyond it)
+    completion_tokens = 8192    # token ids (and log-probs) of one completion in a group
     page_bytes = 1 << 20        # one reply page of /rollouts or /metrics (a page holds at least one item)
     page_groups = 1024          # groups in one /rollouts page (?limit=, default 256)
     scan_groups = 16 * 1024     # groups one read may step over (the reader's own, which it excludes)
@@ -102,8 +103,9 @@ SEQ, ROUND, TIME = ("int", 10**15), ("int", 10**12), ("float", 1e11)
 GROUP = {  # field -> (kind, limit): a rollout group on the wire (DESIGN.md)
     "task": ("label", 256), "question": ("text", 16_000), "answer": ("text", 4_000),
     "metadata": ("object", 16_000), "completions": ("texts", (64, 32_000)),
-    "stopped": ("flags", "completions"), "model": ("text", 256)}
-OPTIONAL = {"metadata": {}, "model": ""}
+    "stopped": ("flags", "completions"), "model": ("text", 256),  # the last three: optional, all or none
+    "token_ids": ("ids", "completions"), "logprobs": ("logprobs", "token_ids"), "tokenizer": ("label", 64)}
+OPTIONAL = {"metadata": {}, "model": "", "token_ids": None, "logprobs": None, "tokenizer": None}  # None: left out
 STORED = {**GROUP, "peer": ("name", NAME), "round": ROUND, "seq": SEQ, "time": TIME}  # as served
 PUBLISH = {"peer": ("name", NAME), "round": ROUND, "batch_id": ("name", BATCH_ID), "groups": ("list", (256, GROUP))}
 BATCH = {**PUBLISH, "time": TIME, "groups": ("list", (256, STORED))}                # a batch file
@@ -149,7 +151,8 @@ def check(obj, fields, where=""):
         path = f"{where}.{field}" if where else field
         if field not in obj:
             _want(field in OPTIONAL, f"{where or 'The body'} is missing the field '{field}'.")
-            clean[field] = OPTIONAL[field]
+            if OPTIONAL[field] is not None:
+                clean[field] = OPTIONAL[field]
             continue
         v = obj[field]
         if kind in ("text", "label"):  # a label (a task name) may not be empty
@@ -171,6 +174,14 @@ def check(obj, fields, where=""):
             n = len(clean[limit])
             ok = isinstance(v, list) and len(v) == n and all(isinstance(s, bool) for s in v)
             rule = f"a list of {n} booleans, one per completion"
+        elif kind == "ids":  # per completion, the ids of its sampled tokens
+            ok = isinstance(v, list) and len(v) == len(clean[limit]) and all(isinstance(c, list) and len(
+                c) <= Limits.completion_tokens and all(type(x) is int and 0 <= x < 2**31 for x in c) for c in v)
+            rule = f"one list per completion of at most {Limits.completion_tokens} ids from 0 to 2**31 - 1"
+        elif kind == "logprobs":  # per token id, its log-prob when it was sampled: finite, at most 0
+            ok = limit in clean and isinstance(v, list) and [len(c) if isinstance(c, list) else -1 for c in v] == [
+                len(c) for c in clean[limit]] and all(_sane(x) and x <= 0 for c in v for x in c)
+            rule = "one list per completion of numbers <= 0, one per token id"
         elif kind == "numbers":
             ok = isinstance(v, dict) and len(v) <= limit and all(
                 0 < len(k) <= 64 and (x is None or _sane(x)) for k, x in v.items())
@@ -181,6 +192,8 @@ def check(obj, fields, where=""):
             v = [check(x, limit[1], f"{path}[{i}]") for i, x in enumerate(v)] if ok and limit[1] else v
         _want(ok, f"{path} must be {rule}.")
         clean[field] = v
+    _want(len({f in clean for f in ("token_ids", "logprobs", "tokenizer") if f in fields}) < 2,
+          f"{where or 'The body'} must have token_ids, logprobs and tokenizer together, or none of them.")
     return clean
 
 

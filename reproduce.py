@@ -130,7 +130,11 @@ def parse_args(argv=None):
     a("--async", dest="sync", action="store_false", help="round-robin peers instead of synchronous rounds")
     a("--diagnose", action="store_true", help="also measure, per round, log-probs and gradient norms of own vs "
       "shared completions (slower; results.json and table.md get a diagnosis by quarter of the run)")
-    a("--sweep", action="store_true", help="toy: gain of 4/4 over 8/0 against initial success, per swarm size")
+    a("--sweep", action="store_true", help="toy: gain of 4/4 and 4/4+is over 8/0 against initial success, per swarm size")
+    a("--sweep-toys", default=None, help="--sweep: comma list of toys as guess:known (default: "
+      + ",".join(f"{g}:{k}" for g, k in SWEEP_TOYS) + ")")
+    a("--sweep-peers", default=None, help="--sweep: comma list of swarm sizes (default: "
+      + ",".join(map(str, SWEEP_PEERS)) + ")")
     a("--jobs", type=int, default=None, help="runs in parallel (default: CPU cores for toy, 1 on a GPU)")
     a("--out", default=None, help="run folder (default: runs/reproduce-<date-time>)")
     args = p.parse_args(argv)
@@ -159,6 +163,15 @@ def parse_args(argv=None):
         p.error("--known must be a fraction from 0 to 1")
     if args.sweep and args.preset != "toy":
         p.error("--sweep varies the toy's pre-training: run it with --preset toy")
+    try:
+        args.toys = [tuple(float(x) for x in t.split(":")) for t in args.sweep_toys.split(",")] if args.sweep_toys \
+            else SWEEP_TOYS
+        args.sizes = [int(n) for n in args.sweep_peers.split(",")] if args.sweep_peers else SWEEP_PEERS
+    except ValueError:
+        p.error("--sweep-toys is a comma list of guess:known such as 0.3:0,1:0, --sweep-peers one of sizes such as 2,8")
+    if not all(len(t) == 2 and 0 < t[0] <= 1 and 0 <= t[1] <= 1 for t in args.toys) or \
+            not all(2 <= n <= 64 for n in args.sizes):
+        p.error("--sweep-toys needs 0 < guess <= 1 and 0 <= known <= 1, --sweep-peers sizes from 2 to 64")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--preset gpu needs a CUDA GPU; use --preset toy on a CPU")
     args.jobs = args.jobs or ((os.cpu_count() or 1) if args.device == "cpu" else 1)
@@ -578,7 +591,7 @@ def correction_sentence(summary):
 
 def settings(s):
     """The run's settings as results.json records them (the parsed --configs list left out)."""
-    return {k: v for k, v in vars(s).items() if k != "config_list"}
+    return {k: v for k, v in vars(s).items() if k not in ("config_list", "toys", "sizes")}
 
 
 def machine():
@@ -683,11 +696,11 @@ def sweep(s, log=print):
     pre-trained on uniform guesses alone (--guess 1) learnt nothing in silo in an earlier sweep, most
     likely because it learnt that the answer does not depend on the letter, and sharing made it worse."""
     seeds, configs, points = list(range(s.seeds)), s.config_list, []
-    for guess, known in SWEEP_TOYS:
+    for guess, known in s.toys:
         toy = f"guess{guess}-known{known}"
         model = build_toy(os.path.join(s.out, f"toy-{toy}"), guess, known, s.tasks, s.pretrain_steps, log)
         success, mixed = initial_success(model, s.tasks, max_new_tokens=s.max_new_tokens)
-        for peers in SWEEP_PEERS:
+        for peers in s.sizes:
             log(f"{toy} (initial success {success:.2%}, mixed groups {mixed:.0%}), {peers} peers:")
             t = argparse.Namespace(**dict(vars(s), peers=peers))
             runs = run_all(t, model, configs, seeds, os.path.join(s.out, f"{toy}-peers{peers}"), log)
@@ -720,7 +733,7 @@ def sweep(s, log=print):
         f.write("\n".join(lines) + "\n")
     gains = {f"{n} peers, {c}": [(math.log10(100 * p["initial_success"]), p["gains"][c]["whole"]["mean"])
                                  for p in points if p["peers"] == n and p["initial_success"] > 0]
-             for c in names for n in SWEEP_PEERS}
+             for c in names for n in s.sizes}
     with open(os.path.join(s.out, "sweep.svg"), "w") as f:
         f.write(swarm.render_svg(gains, title="gain from sharing over 8/0, cumulative local reward",
                                  xlabel="log10 of the % of completions right before training (0: 1%, 1: 10%)",

@@ -4,9 +4,9 @@ to publish its own rollouts and receive everyone else's.
 
 SAPO ("Sharing is Caring", arXiv 2509.08721, Sec. 3 and Algorithm 1) trains a swarm of peers, each
 with its own small language model. Every round a peer generates G completions for each of its I local
-questions, shares those decoded rollouts (text only: question, answer, completions; never rewards,
-token ids, log-probs or weights) with the swarm, and trains on its I local groups plus J groups drawn
-from what the other peers shared. Peers never wait for each other: a peer takes whatever has arrived.
+questions, shares those decoded rollouts (text: question, answer, completions; never rewards or
+weights; beyond the paper, optionally the sampled token ids and log-probs) with the swarm, and trains on
+its I local groups plus J groups drawn from what the other peers shared. Peers never wait for each other.
 
 How this file does it, in reading order:
 - Whatever arrives from outside (a request, a file read back, a server's reply) is checked against one

@@ -2842,7 +2842,8 @@ def test_reproduce_small_run_writes_the_table_and_figure_and_pairs_the_seeds(tmp
     (["--configs", "8/0,4/4+tis"], "the only rule is +is"), (["--configs", "8/0,8/0+is"], "J > 0"),
     (["--peers", "1"], "--peers >= 2"), (["--peers", "100000"], "at most 64"), (["--guess", "0"], "--guess"),
     (["--sweep", "--preset", "gpu"], "--sweep"), (["--rounds", "x"], "invalid int"), (["--jobs", "-1"], "--jobs"),
-    (["--lr", "-1"], "--lr"), (["--known", "2"], "--known")])
+    (["--lr", "-1"], "--lr"), (["--known", "2"], "--known"), (["--sweep", "--sweep-toys", "0.3"], "guess:known"),
+    (["--sweep", "--sweep-toys", "0:0"], "0 < guess"), (["--sweep", "--sweep-peers", "2,x"], "--sweep-peers")])
 def test_reproduce_bad_flags_get_one_sentence(flags, says, capsys):
     with pytest.raises(SystemExit) as e:
         reproduce.parse_args(flags)

@@ -167,9 +167,11 @@ def parse_args(argv=None):
         args.toys = [tuple(float(x) for x in t.split(":")) for t in args.sweep_toys.split(",")] if args.sweep_toys \
             else SWEEP_TOYS
         args.sizes = [int(n) for n in args.sweep_peers.split(",")] if args.sweep_peers else SWEEP_PEERS
+        if any(len(t) != 2 for t in args.toys):
+            raise ValueError("a toy is guess:known")
     except ValueError:
         p.error("--sweep-toys is a comma list of guess:known such as 0.3:0,1:0, --sweep-peers one of sizes such as 2,8")
-    if not all(len(t) == 2 and 0 < t[0] <= 1 and 0 <= t[1] <= 1 for t in args.toys) or \
+    if not all(0 < t[0] <= 1 and 0 <= t[1] <= 1 for t in args.toys) or \
             not all(2 <= n <= 64 for n in args.sizes):
         p.error("--sweep-toys needs 0 < guess <= 1 and 0 <= known <= 1, --sweep-peers sizes from 2 to 64")
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -326,9 +326,8 @@ def external_group(tokenizer, g, stop_id, max_new_tokens, one_shot, log, system=
     rewards = [reward.score(g, text) for text in texts]
     if len(set(rewards)) < 2:
         return None
-    # the sender's log-probs (shapes checked by swarm.py) of each completion sampled as exactly the ids trained on
-    same = g.get("tokenizer") == tokenizer_fingerprint(tokenizer)
-    return Group(g, prompt_ids(tokenizer, g, one_shot, system), ids, texts, stopped, rewards, [
+    same = g.get("tokenizer") == tokenizer_fingerprint(tokenizer)  # then swarm.py checked token_ids and logprobs
+    return Group(g, prompt_ids(tokenizer, g, one_shot, system), ids, texts, stopped, rewards, [  # sender's log-probs
         g["logprobs"][k][:len(c)] if same and g["token_ids"][k][:len(c)] == c else None for k, c in enumerate(ids)])
 
 
@@ -425,8 +424,9 @@ class Peer:
         t0, args, G = time.time(), self.args, self.args.generations
         items = self.questions(r)
         prompts = [prompt_ids(self.tok, it, args.one_shot, args.system_prompt) for it in items]
-        outs, logprobs = sample.generate(self.sampler, prompts, G, args.max_new_tokens, args.temperature,
-                                         eos_token_ids=self.stop_ids, seed=self.sampling_seed(r), logprobs=True)
+        outs, logprobs = sample.generate(self.sampler, prompts, num_samples=G, max_new_tokens=args.max_new_tokens,
+                                         temperature=args.temperature, eos_token_ids=self.stop_ids,
+                                         seed=self.sampling_seed(r), logprobs=True)
         sample_seconds, groups = time.time() - t0, []
         for i, (item, prompt) in enumerate(zip(items, prompts)):
             ids = outs[i * G:(i + 1) * G]
@@ -448,7 +448,7 @@ class Peer:
                                    logprobs=[[round(max(x, -1e4), 4) for x in lp] for lp in g.logprobs])
         self.client.publish(r, [dict(task=g.item["task"], question=g.item["question"], answer=g.item["answer"],
                                      metadata=g.item["metadata"], completions=g.texts, stopped=g.stopped, model=model,
-                                     **(behaviour(g) if self.args.shared_logprobs else {})) for g in groups])
+                                     **(behaviour(g) if self.args.shared_logprobs and g.logprobs else {})) for g in groups])
 
     def choose_external(self):
         """Steps 4-5: take what other peers published, keep the usable groups (external_group), pool them

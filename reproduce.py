@@ -2,8 +2,8 @@
 The paper's experiment in one command: peers that share rollouts (a swarm) against peers that train
 alone (in silo), at the same batch size, with the paper's table and figure for this machine's run.
 
-    python reproduce.py                  # --preset toy on a CPU (7 minutes on 2 cores), gpu on CUDA
-    python reproduce.py --seeds 5        # more seeds: a tighter interval
+    python reproduce.py                  # --preset toy on a CPU (5 seeds), gpu on CUDA
+    python reproduce.py --seeds 10       # more seeds: a tighter interval
     python reproduce.py --sweep          # where sharing helps: gain against initial success rate
 
 The experiment (SAPO, arXiv 2509.08721, Sec. 4, Table 1 and Fig. 2). Each configuration I/J runs N
@@ -17,7 +17,8 @@ of every peer's reward over every round. The paper found 1.00 / 1.52 / 1.95 / 1.
 Seeds are paired: within one seed, peer k of every configuration has the same seed, so it is asked
 the same questions with the same sampling seeds (its first I questions of a round do not depend on
 I, J or what arrived). The ratio of a configuration to 8/0 is taken seed by seed, which removes most
-of the luck of the draw; results.json and table.md give it as mean +- standard error over seeds.
+of the luck of the draw; results.json and table.md give it as mean +- standard error over seeds, its
+95% interval, and the seed-to-seed standard deviation (how far one seed's ratio may land from another's).
 
 Why sharing can help, in plain words. GRPO learns only from a group whose completions got different
 rewards: if all 8 are wrong (or all right), every advantage is 0 and the group teaches nothing. When
@@ -47,9 +48,12 @@ the stop token), so no text that the reward ignores can drift apart between peer
 shared completions.
 
 What sharing costs: a shared completion was sampled by another peer's model, so for the receiver it
-is off-policy, and nothing corrects for that (the paper does not either: its receivers, like ours,
+is off-policy, and the paper's rule does not correct for that: its receivers, like ours by default,
 take their own log-probs as the "old" policy, so the importance ratio is 1 and the PPO clip never
-acts). --diagnose measures it; README, "Reproducing the paper", has the table and what it explains.
+acts. --diagnose measures it; README, "Reproducing the paper", has the table and what it explains.
+A configuration named I/J+is (beyond the paper; 4/4+is is in the default table and the sweep) runs
+train.py --shared-logprobs: senders publish their sampling log-probs, and a receiver trains each
+shared completion against them, bounded by a dual clip (grpo.py; README, "Off-policy sharing").
 
 Deviations from the paper, and why:
 - Peers run in one process and trade through a real swarm.py server on loopback. By default they are
@@ -85,7 +89,7 @@ import train
 
 PRESETS = {
     # tiny models built here, on the CPU; the defaults took 7 minutes on 2 quiet cores (README)
-    "toy": dict(configs="8/0,6/2,4/4,2/6", peers=8, seeds=3, rounds=150, generations=8, max_new_tokens=4,
+    "toy": dict(configs="8/0,6/2,4/4,4/4+is,2/6", peers=8, seeds=5, rounds=150, generations=8, max_new_tokens=4,
                 lr=1e-3, micro_batch=64, model="toy", tasks="alphabet_position", guess=0.3, one_shot=False,
                 device="cpu"),
     # the default model (or --model) on one GPU; the size is a guess until measured: the estimate
@@ -95,7 +99,8 @@ PRESETS = {
                 device="cuda"),
 }
 # --sweep: toys from rare to common success, as (--guess, --known): success ~ guess / 26 + known
-SWEEP_TOYS = [(0.1, 0.0), (0.3, 0.0), (0.3, 0.25), (0.3, 0.5)]
+SWEEP_TOYS = [(0.1, 0.0), (0.3, 0.0), (0.3, 0.25), (0.3, 0.5), (1.0, 0.0)]  # the last: uniform guesses alone
+SWEEP_CONFIGS = "8/0,4/4,4/4+is"  # --sweep's default --configs
 SWEEP_PEERS = [2, 4, 8]         # --sweep: swarm sizes
 PAPER = {"8/0": 561.79, "6/2": 854.43, "4/4": 1093.31, "2/6": 945.87}  # cumulative reward, paper Table 1
 
@@ -125,12 +130,18 @@ def parse_args(argv=None):
     a("--async", dest="sync", action="store_false", help="round-robin peers instead of synchronous rounds")
     a("--diagnose", action="store_true", help="also measure, per round, log-probs and gradient norms of own vs "
       "shared completions (slower; results.json and table.md get a diagnosis by quarter of the run)")
-    a("--sweep", action="store_true", help="toy: gain of 4/4 over 8/0 against initial success, per swarm size")
+    a("--sweep", action="store_true", help="toy: gain of 4/4 and 4/4+is over 8/0 against initial success, per swarm size")
+    a("--sweep-toys", default=None, help="--sweep: comma list of toys as guess:known (default: "
+      + ",".join(f"{g}:{k}" for g, k in SWEEP_TOYS) + ")")
+    a("--sweep-peers", default=None, help="--sweep: comma list of swarm sizes (default: "
+      + ",".join(map(str, SWEEP_PEERS)) + ")")
     a("--jobs", type=int, default=None, help="runs in parallel (default: CPU cores for toy, 1 on a GPU)")
     a("--out", default=None, help="run folder (default: runs/reproduce-<date-time>)")
     args = p.parse_args(argv)
     if args.preset is None:
         args.preset = "gpu" if torch.cuda.is_available() else "toy"
+    if args.sweep and args.configs is None:
+        args.configs = SWEEP_CONFIGS
     for k, v in PRESETS[args.preset].items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
@@ -152,6 +163,17 @@ def parse_args(argv=None):
         p.error("--known must be a fraction from 0 to 1")
     if args.sweep and args.preset != "toy":
         p.error("--sweep varies the toy's pre-training: run it with --preset toy")
+    try:
+        args.toys = [tuple(float(x) for x in t.split(":")) for t in args.sweep_toys.split(",")] if args.sweep_toys \
+            else SWEEP_TOYS
+        args.sizes = [int(n) for n in args.sweep_peers.split(",")] if args.sweep_peers else SWEEP_PEERS
+        if any(len(t) != 2 for t in args.toys):
+            raise ValueError("a toy is guess:known")
+    except ValueError:
+        p.error("--sweep-toys is a comma list of guess:known such as 0.3:0,1:0, --sweep-peers one of sizes such as 2,8")
+    if not all(0 < t[0] <= 1 and 0 <= t[1] <= 1 for t in args.toys) or \
+            not all(2 <= n <= 64 for n in args.sizes):
+        p.error("--sweep-toys needs 0 < guess <= 1 and 0 <= known <= 1, --sweep-peers sizes from 2 to 64")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--preset gpu needs a CUDA GPU; use --preset toy on a CPU")
     args.jobs = args.jobs or ((os.cpu_count() or 1) if args.device == "cpu" else 1)
@@ -160,24 +182,30 @@ def parse_args(argv=None):
 
 
 def parse_configs(text):
-    """'8/0,4/4' -> [(8, 0), (4, 4)]: 8/0 first (the baseline), I >= 1, J >= 0."""
+    """'8/0,4/4,4/4+is' -> [(8, 0), (4, 4), (4, 4, "is")]: 8/0 first (the baseline), I >= 1, J >= 0.
+    I/J trains shared completions by the paper's rule (ratio 1); I/J+is against their senders' log-probs
+    (train.py --shared-logprobs)."""
     configs = []
     for part in text.split(","):
+        head, plus, rule = part.strip().partition("+")
         try:
-            I, J = (int(x) for x in part.strip().split("/"))
+            I, J = (int(x) for x in head.split("/"))
         except ValueError:
-            raise ValueError(f"--configs: {part.strip()!r} is not I/J, e.g. 4/4") from None
+            raise ValueError(f"--configs: {part.strip()!r} is not I/J or I/J+is, e.g. 4/4") from None
         if I < 1 or J < 0 or I + J > 64:
             raise ValueError(f"--configs: {part.strip()} needs I >= 1, J >= 0 and I + J <= 64")
-        if (I, J) not in configs:
-            configs.append((I, J))
+        if plus and (rule != "is" or J == 0):
+            raise ValueError(f"--configs: {part.strip()}: the only rule is +is, and it needs shared groups (J > 0)")
+        if (I, J, *([rule] if plus else [])) not in configs:
+            configs.append((I, J, *([rule] if plus else [])))
     if (8, 0) not in configs:
         raise ValueError("--configs must include 8/0: every ratio is taken against the silo baseline")
     return [(8, 0)] + [c for c in configs if c != (8, 0)]
 
 
 def name(config):
-    return f"{config[0]}/{config[1]}"
+    """(4, 4) -> '4/4', (4, 4, 'is') -> '4/4+is'."""
+    return f"{config[0]}/{config[1]}" + "".join("+" + rule for rule in config[2:])
 
 # -----------------------------------------------------------------------------
 # the toy: a word-level tokenizer and a 2-layer model, pre-trained here in seconds
@@ -299,7 +327,8 @@ def initial_success(folder, task_name, one_shot=False, questions=256, G=8, max_n
 class DiagnosedPeer(train.Peer):
     """A peer that, before each GRPO step, also measures its batch split into its own groups and the
     shared ones: the mean log-prob per token of each under its current model (how off-policy shared
-    text is), and the gradient norm each half alone would give (same normaliser as the whole batch)."""
+    text is), and the gradient norm each half alone would give (same normaliser as the whole batch, and
+    the same loss as the step: with --shared-logprobs, shared rows against their senders' log-probs)."""
 
     def update(self, groups):
         self.diagnosis = diagnose(self, groups)
@@ -307,11 +336,14 @@ class DiagnosedPeer(train.Peer):
 
 
 def diagnose(peer, groups):
-    """{lp_, grad_, reward_} x {local, external}; a kind absent from the batch gets None."""
+    """{lp_, grad_, reward_} x {local, external}, and grad_share, the shared half's share of the two
+    norms, grad_external / (grad_local + grad_external); a kind absent from the batch gets None."""
     kinds = ["external" if "peer" in g.item else "local" for g in groups for _ in g.completions]
     rows, rewards, adv = peer.batch(groups)
     ids, pos, mask = grpo.pad_rows(rows, peer.pad_id, peer.stop_ids, peer.device)
     logp = grpo.completion_logprobs(peer.model, ids, pos, peer.args.temperature)  # one forward, two backward
+    behaviour = peer.behaviour(groups)
+    old = grpo.behaviour_logprobs(logp, behaviour) if behaviour else logp.detach()
     out = {}
     for kind in ("local", "external"):
         keep = torch.tensor([k == kind for k in kinds], device=ids.device)
@@ -321,13 +353,15 @@ def diagnose(peer, groups):
         out[f"reward_{kind}"] = float(rewards[keep.cpu()].mean())
         peer.model.zero_grad(set_to_none=True)
         # the loss with the other kind's advantages set to 0: its gradient is this kind's share
-        loss, _ = grpo.grpo_loss(logp, logp.detach(), adv * keep, mask, loss_type=peer.args.loss_type,
-                                 max_tokens=peer.args.max_new_tokens)
+        loss, _ = grpo.grpo_loss(logp, old, adv * keep, mask, loss_type=peer.args.loss_type,
+                                 max_tokens=peer.args.max_new_tokens, dual_clip=grpo.DUAL_CLIP if behaviour else None)
         loss.backward(retain_graph=True)
         out[f"grad_{kind}"] = float(torch.sqrt(sum((p.grad ** 2).sum() for p in peer.model.parameters()
                                                    if p.grad is not None)))
         out[f"lp_{kind}"] = float(logp.detach()[keep][mask[keep]].mean())
     peer.model.zero_grad(set_to_none=True)
+    both = out["grad_local"] is not None and out["grad_external"] is not None
+    out["grad_share"] = out["grad_external"] / max(out["grad_local"] + out["grad_external"], 1e-12) if both else None
     return out
 
 
@@ -335,14 +369,15 @@ def diagnose(peer, groups):
 # one run: one configuration and one seed, N peers in this process trading through a real server
 
 
-def peer_args(s, model, I, J, seed, k, folder, url):
+def peer_args(s, model, I, J, seed, k, folder, url, rule=None):
     """train.py's settings for peer k of a run (its defaults for this device, then this run's values, all
-    checked by parse_args above): its seed depends only on (seed, k), never on I or J."""
+    checked by parse_args above): its seed depends only on (seed, k), never on I, J or the rule ("is":
+    --shared-logprobs)."""
     args = train.parse_args(["--model", model, "--tasks", s.tasks, "--device", s.device])
     vars(args).update(out=folder, name=f"peer{k}", seed=train.peer_seed(seed, k), local=I, external=J,
                       generations=s.generations, max_new_tokens=s.max_new_tokens, lr=s.lr, rounds=s.rounds,
                       quiet=True, save_every=0, micro_batch=s.micro_batch, sample_every=s.sample_every,
-                      one_shot=s.one_shot, swarm=url if J > 0 else None,
+                      one_shot=s.one_shot, swarm=url if J > 0 else None, shared_logprobs=rule == "is",
                       grad_checkpoint=args.grad_checkpoint and s.preset != "toy")  # the toy is tiny
     return args
 
@@ -351,7 +386,7 @@ def run(s, model, config, seed, folder):
     """Train s.peers peers of configuration (I, J) for s.rounds rounds. Synchronous (s.sync): every peer
     samples and publishes, then every peer fetches and trains. Otherwise round-robin: each peer does its
     whole round in turn. Silo peers (J = 0) get no server. Returns per-peer lists of round metrics."""
-    I, J = config
+    I, J, rule = (*config, None)[:3]
     os.makedirs(folder, exist_ok=True)
     server, url = swarm.start_server(os.path.join(folder, "swarm")) if J > 0 else (None, None)
     log_file = open(os.path.join(folder, "log.txt"), "a")
@@ -364,7 +399,7 @@ def run(s, model, config, seed, folder):
         Peer = DiagnosedPeer if s.diagnose else train.Peer
         for k in range(s.peers):
             log = lambda *a, k=k: print(f"peer{k}:", *a, file=log_file, flush=True)  # noqa: E731
-            peers.append(Peer(peer_args(s, model, I, J, seed, k, folder, url), log=log))
+            peers.append(Peer(peer_args(s, model, I, J, seed, k, folder, url, rule), log=log))
         history, seconds = [[] for _ in peers], []
         for r in range(s.rounds):
             t = time.time()
@@ -404,14 +439,14 @@ def _run_job(job):
 def run_all(s, model, configs, seeds, folder, log=print):
     """Every configuration for every seed, s.jobs runs at a time. Returns {(config, seed): run}."""
     workers = min(s.jobs, len(configs) * len(seeds))
-    jobs = [(s, model, c, seed, os.path.join(folder, f"seed{seed}", f"{c[0]}-{c[1]}"),
+    jobs = [(s, model, c, seed, os.path.join(folder, f"seed{seed}", name(c).replace("/", "-").replace("+", "-")),
              max(1, (os.cpu_count() or 1) // workers)) for seed in seeds for c in configs]
     results, t0 = {}, time.time()
 
     def report(config, seed, result):
         results[(config, seed)] = result
         cum = sum(m["local_reward"] for peer in result["peers"] for m in peer)
-        log(f"  {name(config):>4} seed {seed}: cumulative local reward {cum:7.1f}  ({result['seconds']:.0f} s; "
+        log(f"  {name(config):>6} seed {seed}: cumulative local reward {cum:7.1f}  ({result['seconds']:.0f} s; "
             f"{len(results)}/{len(jobs)} runs done, {(time.time() - t0) / 60:.1f} min)")
     if workers == 1:
         for job in jobs:
@@ -432,17 +467,18 @@ T95 = [12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 
 
 
 def mean_se(xs):
-    """Mean, standard error of the mean and 95% interval of a few numbers (None where undefined).
-    [1.4, 1.5, 1.6] -> mean 1.5, se 0.0577, ci95 [1.25, 1.75] (t with 2 degrees of freedom: 4.30)."""
+    """Mean, standard error of the mean, 95% interval and the seed-to-seed spread (sample standard
+    deviation) of a few numbers, None where undefined. [1.4, 1.5, 1.6] -> mean 1.5, sd 0.1, se 0.0577
+    (sd / sqrt(3)), ci95 [1.25, 1.75] (t with 2 degrees of freedom: 4.30)."""
     xs = [x for x in xs if x is not None and math.isfinite(x)]
     if not xs:
-        return dict(mean=None, se=None, ci95=None)
+        return dict(mean=None, se=None, ci95=None, sd=None)
     m = sum(xs) / len(xs)
     if len(xs) == 1:
-        return dict(mean=m, se=None, ci95=None)
-    se = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
-    t = T95[len(xs) - 2] if len(xs) - 1 <= len(T95) else 2.0
-    return dict(mean=m, se=se, ci95=[m - t * se, m + t * se])
+        return dict(mean=m, se=None, ci95=None, sd=None)
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+    se, t = sd / math.sqrt(len(xs)), T95[len(xs) - 2] if len(xs) - 1 <= len(T95) else 2.0
+    return dict(mean=m, se=se, ci95=[m - t * se, m + t * se], sd=sd)
 
 
 def cumulative(result, key, rounds):
@@ -463,7 +499,9 @@ def curve(result, window):
 def summarise(runs, configs, seeds, rounds):
     """results.json's per-configuration figures: cumulative local and batch reward (whole run and first
     half) as mean +- s.e. over seeds and as ratios to 8/0 of the same seed; external groups used per
-    round; the fraction of peer-rounds without an optimizer step; wall time; the curve for the figure."""
+    round; the fraction of peer-rounds without an optimizer step; wall time; the curve for the figure.
+    A configuration with a rule (4/4+is) also gets its local reward as a ratio to the same I/J under the
+    paper's rule, seed by seed (ratio_to_paper_rule), where that ran."""
     base, window, summary = (8, 0), max(1, rounds // 20), {}
     for c in configs:
         entry = {}
@@ -475,6 +513,12 @@ def summarise(runs, configs, seeds, rounds):
                 entry.setdefault(span, {})[f"cumulative_{key}"] = dict(mean_se(values), per_seed=values)
                 entry[span][f"ratio_{key}"] = dict(mean_se(ratios), per_seed=ratios,
                                                    seeds_above_1=sum(r is not None and r > 1 for r in ratios))
+            if len(c) > 2 and c[:2] in configs:
+                plain = [cumulative(runs[c[:2], s], "local_reward", n) for s in seeds]
+                ratios = [v / b if b > 0 else None for v, b in
+                          zip(entry[span]["cumulative_local_reward"]["per_seed"], plain)]
+                entry[span]["ratio_to_paper_rule"] = dict(mean_se(ratios), per_seed=ratios,
+                                                          seeds_above_1=sum(r is not None and r > 1 for r in ratios))
         rows = [m for s in seeds for peer in runs[c, s]["peers"] for m in peer]
         entry["external_groups_per_round"] = sum(m["external_used"] for m in rows) / len(rows)
         entry["rounds_without_step"] = sum(not m["stepped"] for m in rows) / len(rows)
@@ -490,7 +534,7 @@ def summarise(runs, configs, seeds, rounds):
 
 
 DIAGNOSIS = ("reward_local", "reward_external", "lp_local", "lp_external", "grad_local", "grad_external",
-             "grad_norm", "clip_low", "clip_high")
+             "grad_share", "grad_norm", "clip_low", "clip_high")
 
 
 def diagnosis(runs, c, seeds, rounds):
@@ -513,7 +557,8 @@ def pm(stat, digits=2):
 
 
 def closing_sentence(summary, seeds):
-    """One sentence: did sharing help here, by how much, how sure; against the paper's figure."""
+    """One sentence: did sharing help here, by how much, how sure; against the paper's figure. Then, where
+    4/4+is ran beside 4/4, one on the correction."""
     c = "4/4" if "4/4" in summary else max((k for k in summary if k != "8/0"),
                                            key=lambda k: summary[k]["whole"]["ratio_local_reward"]["mean"] or 0,
                                            default=None)
@@ -532,7 +577,21 @@ def closing_sentence(summary, seeds):
         verdict = "Sharing hurt here: "
     else:
         verdict = "No clear effect of sharing here: "
-    return verdict + said + "." + paper
+    return verdict + said + "." + paper + correction_sentence(summary)
+
+
+def correction_sentence(summary):
+    """' With the correction, 4/4+is earned ...': its ratio to 8/0 and to 4/4 of the same seeds; '' if it did not run."""
+    e = summary.get("4/4+is")
+    if e is None or "ratio_to_paper_rule" not in e["whole"] or e["whole"]["ratio_local_reward"]["mean"] is None:
+        return ""
+    r, p, h = e["whole"]["ratio_local_reward"], e["whole"]["ratio_to_paper_rule"], e["first_half"]["ratio_to_paper_rule"]
+    if p["ci95"] is None:
+        return f" With the correction, 4/4+is earned {r['mean']:.2f} times 8/0's, {p['mean']:.2f} times 4/4's (one seed)."
+    verdict = "above" if p["ci95"][0] > 1 else "below" if p["ci95"][1] < 1 else "not clearly different from"
+    return (f" With the correction, 4/4+is earned {r['mean']:.2f} times 8/0's (95% interval {r['ci95'][0]:.2f}–"
+            f"{r['ci95'][1]:.2f}), {p['mean']:.2f} times 4/4's of the same seeds (95% interval {p['ci95'][0]:.2f}–"
+            f"{p['ci95'][1]:.2f}: {verdict} the paper's rule; first half {h['mean']:.2f}).")
 
 # -----------------------------------------------------------------------------
 # outputs: results.json, table.md, reward.svg (the paper's Fig. 2 for this run)
@@ -540,7 +599,7 @@ def closing_sentence(summary, seeds):
 
 def settings(s):
     """The run's settings as results.json records them (the parsed --configs list left out)."""
-    return {k: v for k, v in vars(s).items() if k != "config_list"}
+    return {k: v for k, v in vars(s).items() if k not in ("config_list", "toys", "sizes")}
 
 
 def machine():
@@ -557,14 +616,15 @@ def table_md(s, summary, seeds, sentence, minutes=None):
     took = f" in {minutes:.1f} minutes" if minutes is not None else ""
     lines = [f"# Swarm against silo: {s.peers} peers, {s.rounds} rounds, {len(seeds)} paired seeds "
              f"({s.preset} preset){took} on {where}", "",
-             "| I/J | cumulative local reward | ratio to 8/0 | seeds above 1 | first half: ratio | "
-             "cumulative batch reward | ratio | external groups per round | rounds without a step | run minutes | "
-             "paper's ratio |", "|---" * 11 + "|"]
+             "| I/J | cumulative local reward | ratio to 8/0 | 95% interval | seed-to-seed sd | seeds above 1 | "
+             "first half: ratio | cumulative batch reward | ratio | external groups per round | "
+             "rounds without a step | run minutes | paper's ratio |", "|---" * 13 + "|"]
     for c, e in summary.items():
         w, h = e["whole"], e["first_half"]
-        cum, bat = w["cumulative_local_reward"], w["cumulative_batch_reward"]
-        lines.append(f"| {c} | {pm(cum, 1)} | {pm(w['ratio_local_reward'])} | "
-                     f"{w['ratio_local_reward']['seeds_above_1'] if c != '8/0' else '–'} | "
+        cum, bat, ratio = w["cumulative_local_reward"], w["cumulative_batch_reward"], w["ratio_local_reward"]
+        ci = f"{ratio['ci95'][0]:.2f}–{ratio['ci95'][1]:.2f}" if ratio["ci95"] and c != "8/0" else "–"
+        lines.append(f"| {c} | {pm(cum, 1)} | {pm(ratio)} | {ci} | {fmt(ratio['sd']) if c != '8/0' else '–'} | "
+                     f"{ratio['seeds_above_1'] if c != '8/0' else '–'} | "
                      f"{pm(h['ratio_local_reward'])} | {pm(bat, 1)} | "
                      f"{pm(w['ratio_batch_reward'])} | {e['external_groups_per_round']:.2f} | "
                      f"{e['rounds_without_step']:.0%} | {e['minutes']:.1f} | "
@@ -576,10 +636,20 @@ def table_md(s, summary, seeds, sentence, minutes=None):
         cells = [f"{v:.1f}" + (f" ({r:.2f})" if c != "8/0" and r is not None else "")
                  for v, r in zip(w["cumulative_local_reward"]["per_seed"], w["ratio_local_reward"]["per_seed"])]
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    paired = [(c, e) for c, e in summary.items() if "ratio_to_paper_rule" in e["whole"]]
+    if paired:
+        lines += ["", "The correction against the paper's rule, seed by seed: cumulative local reward of I/J+is over "
+                  "I/J's (mean ± s.e., 95% interval, seed-to-seed sd).", "",
+                  "| I/J | whole run | 95% interval | sd | seeds above 1 | first half | 95% interval |", "|---" * 7 + "|"]
+        for c, e in paired:
+            w, h = e["whole"]["ratio_to_paper_rule"], e["first_half"]["ratio_to_paper_rule"]
+            cis = [f"{x['ci95'][0]:.2f}–{x['ci95'][1]:.2f}" if x["ci95"] else "–" for x in (w, h)]
+            lines.append(f"| {c} | {pm(w)} | {cis[0]} | {fmt(w['sd'])} | {w['seeds_above_1']} | {pm(h)} | {cis[1]} |")
     if any("diagnosis" in e for e in summary.values()):
         lines += ["", "Diagnosis (--diagnose), by quarter of the run, mean over peers and seeds: reward, the peer's "
                   "own log-prob per token and the gradient norm of the loss on its own (local) and on shared "
-                  "(external) groups alone, the whole step's gradient norm (clipped to 1 after) and clip fractions.",
+                  "(external) groups alone, the shared half's share of the two norms (grad_share), the whole "
+                  "step's gradient norm (clipped to 1 after) and clip fractions.",
                   "", "| I/J | quarter | " + " | ".join(DIAGNOSIS) + " |", "|---" * (len(DIAGNOSIS) + 2) + "|"]
         for c, e in summary.items():
             for q, d in enumerate(e.get("diagnosis", [])):
@@ -588,7 +658,9 @@ def table_md(s, summary, seeds, sentence, minutes=None):
               "Cumulative reward: summed over every peer and round (the paper's measure); local reward is the "
               "mean reward of a peer's own completions, batch reward that of its whole training batch (the "
               "paper's figure; it counts the shared groups, which always have mixed rewards). ± is one "
-              "standard error over seeds. Run minutes: wall time of the configuration's runs, added up "
+              "standard error over seeds (the seed-to-seed sd divided by the square root of the seeds); the 95% "
+              "interval uses Student's t. I/J+is trains shared completions against their senders' log-probs "
+              "(train.py --shared-logprobs); I/J by the paper's rule. Run minutes: wall time of the configuration's runs, added up "
               "(runs go in parallel).", "",
               f"Settings: G = {s.generations}, {s.max_new_tokens} new tokens, lr {s.lr}, model {s.model}, "
               f"tasks {s.tasks}" + (f", guess {s.guess}, known {s.known}" if s.preset == "toy" else "") +
@@ -627,42 +699,51 @@ def write_outputs(s, folder, summary, seeds, extra=None):
 
 def sweep(s, log=print):
     """For each toy of SWEEP_TOYS: build it, measure its success before training; for each swarm size,
-    run 8/0 and 4/4 with paired seeds. The gain is 4/4's cumulative local reward over 8/0's, seed by
-    seed. (A toy pre-trained on uniform guesses alone, --guess 1, is no point on this line: it did not
-    learn at all in 100 rounds, most likely because it learnt that the answer does not depend on the
-    letter.)"""
-    seeds, configs, points = list(range(s.seeds)), [(8, 0), (4, 4)], []
-    for guess, known in SWEEP_TOYS:
+    run 8/0 and the other --configs (default SWEEP_CONFIGS) with paired seeds. A configuration's gain is
+    its cumulative local reward over 8/0's, seed by seed; I/J+is also gets its gain over I/J. The toy
+    pre-trained on uniform guesses alone (--guess 1) learnt nothing in silo in an earlier sweep, most
+    likely because it learnt that the answer does not depend on the letter, and sharing made it worse."""
+    seeds, configs, points = list(range(s.seeds)), s.config_list, []
+    for guess, known in s.toys:
         toy = f"guess{guess}-known{known}"
         model = build_toy(os.path.join(s.out, f"toy-{toy}"), guess, known, s.tasks, s.pretrain_steps, log)
         success, mixed = initial_success(model, s.tasks, max_new_tokens=s.max_new_tokens)
-        for peers in SWEEP_PEERS:
+        for peers in s.sizes:
             log(f"{toy} (initial success {success:.2%}, mixed groups {mixed:.0%}), {peers} peers:")
             t = argparse.Namespace(**dict(vars(s), peers=peers))
             runs = run_all(t, model, configs, seeds, os.path.join(s.out, f"{toy}-peers{peers}"), log)
             summary = summarise(runs, configs, seeds, s.rounds)
             points.append(dict(guess=guess, known=known, initial_success=success, mixed_groups=mixed, peers=peers,
-                               whole=summary["4/4"]["whole"]["ratio_local_reward"],
-                               first_half=summary["4/4"]["first_half"]["ratio_local_reward"],
                                silo_reward=summary["8/0"]["whole"]["cumulative_local_reward"]["mean"]
-                               / (peers * s.rounds)))
+                               / (peers * s.rounds),
+                               gains={c: dict(whole=e["whole"]["ratio_local_reward"],
+                                              first_half=e["first_half"]["ratio_local_reward"],
+                                              over_paper_rule=e["whole"].get("ratio_to_paper_rule"))
+                                      for c, e in summary.items() if c != "8/0"}))
     with open(os.path.join(s.out, "results.json"), "w") as f:
         json.dump(dict(settings=settings(s), machine=machine(),
                        seeds=seeds, points=points), f, indent=1)
-    lines = [f"# Gain of 4/4 over 8/0 (cumulative local reward, paired over {len(seeds)} seeds, {s.rounds} rounds)",
+    names = [name(c) for c in configs[1:]]
+    ruled = [c for c in names if "+" in c and c.split("+")[0] in names]
+    lines = [f"# Gain over 8/0 (cumulative local reward, paired over {len(seeds)} seeds, {s.rounds} rounds)",
              "", "| guess | known | initial success per completion | groups with mixed rewards | peers | "
-             "mean silo reward | gain, whole run | seeds above 1 | gain, first half |", "|---" * 9 + "|"]
+             "mean silo reward | " + " | ".join(f"{c}: gain, whole run | seeds above 1 | first half" for c in names)
+             + "".join(f" | {c} over {c.split('+')[0]}" for c in ruled) + " |",
+             "|---" * (6 + 3 * len(names) + len(ruled)) + "|"]
     for p in points:
+        g = p["gains"]
         lines.append(f"| {p['guess']} | {p['known']} | {p['initial_success']:.2%} | {p['mixed_groups']:.0%} | "
-                     f"{p['peers']} | "
-                     f"{p['silo_reward']:.3f} | {pm(p['whole'])} | {p['whole']['seeds_above_1']}/{len(seeds)} | "
-                     f"{pm(p['first_half'])} |")
+                     f"{p['peers']} | {p['silo_reward']:.3f} | "
+                     + " | ".join(f"{pm(g[c]['whole'])} | {g[c]['whole']['seeds_above_1']}/{len(seeds)} | "
+                                  f"{pm(g[c]['first_half'])}" for c in names)
+                     + "".join(f" | {pm(g[c]['over_paper_rule'])}" for c in ruled) + " |")
     with open(os.path.join(s.out, "table.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    gains = {f"{n} peers": [(math.log10(100 * p["initial_success"]), p["whole"]["mean"]) for p in points
-                            if p["peers"] == n and p["initial_success"] > 0] for n in SWEEP_PEERS}
+    gains = {f"{n} peers, {c}": [(math.log10(100 * p["initial_success"]), p["gains"][c]["whole"]["mean"])
+                                 for p in points if p["peers"] == n and p["initial_success"] > 0]
+             for c in names for n in s.sizes}
     with open(os.path.join(s.out, "sweep.svg"), "w") as f:
-        f.write(swarm.render_svg(gains, title="gain from sharing: 4/4 over 8/0, cumulative local reward",
+        f.write(swarm.render_svg(gains, title="gain from sharing over 8/0, cumulative local reward",
                                  xlabel="log10 of the % of completions right before training (0: 1%, 1: 10%)",
                                  ylabel="gain", hline=1.0))
     print("\n".join(lines) + f"\nwrote {s.out}/results.json, table.md and sweep.svg")

@@ -46,13 +46,15 @@ import torch
 from model import Transformer, load_model
 
 
-def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None):
+def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, logprob=False):
     """Pick one token per row from logits (B, V). temperature 0 is greedy. top_k keeps the k most
     likely tokens; top_p keeps the smallest set of most likely tokens whose probability reaches top_p
     (the nucleus). Sampling uses argmax(p / E) with E ~ Exponential(1), which draws from p exactly
-    and needs no GPU -> CPU synchronisation (unlike torch.multinomial)."""
+    and needs no GPU -> CPU synchronisation (unlike torch.multinomial). logprob=True also returns
+    each token's log-prob under the distribution p it was drawn from (0 when greedy)."""
     if temperature == 0:
-        return logits.argmax(dim=-1)
+        tokens = logits.argmax(dim=-1)
+        return (tokens, torch.zeros_like(tokens, dtype=torch.float)) if logprob else tokens
     logits = logits.float() / temperature
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
@@ -64,7 +66,8 @@ def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None):
         sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)  # the first token is always kept
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     noise = torch.empty_like(probs).exponential_(1, generator=generator)
-    return (probs / noise).argmax(dim=-1)
+    tokens = (probs / noise).argmax(dim=-1)
+    return (tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log()) if logprob else tokens
 
 
 def prefill(model: Transformer, prompts, G, cache):
@@ -98,16 +101,19 @@ def decode_step(model: Transformer, cache, tokens, t, pads, width):
 
 @torch.no_grad()
 def generate(model: Transformer, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=0,
-             top_p=1.0, eos_token_ids=(), seed=None, cuda_graph=True):
+             top_p=1.0, eos_token_ids=(), seed=None, cuda_graph=True, logprobs=False):
     """Sample num_samples completions for each prompt (a list of token-id lists).
 
     Returns len(prompts) * num_samples lists of new token ids, prompt-major: all samples of prompt 0,
     then all of prompt 1, ... A completion that produced a token of eos_token_ids ends with it;
-    otherwise it is max_new_tokens long. seed makes the draw reproducible."""
+    otherwise it is max_new_tokens long. seed makes the draw reproducible. logprobs=True returns
+    (completions, log-probs): for each sampled token its log-prob under the distribution it was drawn
+    from (temperature, top-k and top-p applied), the behaviour policy an off-policy receiver needs."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if max_new_tokens < 1:
-        return [[] for _ in range(len(prompts) * num_samples)]
+        empty = [[] for _ in range(len(prompts) * num_samples)]
+        return (empty, [[] for _ in empty]) if logprobs else empty
     cfg, w = model.cfg, model.lm_head.weight
     B, L = len(prompts) * num_samples, max(len(p) for p in prompts)
     if L + max_new_tokens > cfg.max_seq_len:
@@ -123,11 +129,12 @@ def generate(model: Transformer, prompts, num_samples=1, max_new_tokens=256, tem
         return decode_step(model, cache, tokens, torch.tensor(t, device=w.device), pads, t + 1)
     step = GraphedDecode(model, cache, pads) if cuda_graph and w.device.type == "cuda" else eager_step
     out = torch.zeros(B, max_new_tokens, dtype=torch.long, device=w.device)
+    out_lp = torch.zeros(B, max_new_tokens, device=w.device)
     done = torch.zeros(B, dtype=torch.bool, device=w.device)
     check_every = 8 if w.device.type == "cuda" else 1  # asking "all done?" costs a GPU -> CPU sync
     n = 0
     for n in range(1, max_new_tokens + 1):
-        tokens = sample_token(logits, temperature, top_k, top_p, generator)
+        tokens, out_lp[:, n - 1] = sample_token(logits, temperature, top_k, top_p, generator, True)
         out[:, n - 1] = tokens
         done |= torch.isin(tokens, stop)
         if n == max_new_tokens or (n % check_every == 0 and bool(done.all())):
@@ -139,7 +146,7 @@ def generate(model: Transformer, prompts, num_samples=1, max_new_tokens=256, tem
     for row in out[:, :n].tolist():
         end = next((i + 1 for i, tok in enumerate(row) if tok in stops), len(row))
         completions.append(row[:end])
-    return completions
+    return (completions, [lp[:len(c)] for lp, c in zip(out_lp.tolist(), completions)]) if logprobs else completions
 
 
 # ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----

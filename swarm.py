@@ -4,9 +4,9 @@ the client a peer uses to publish its own rollouts and receive everyone else's.
 
 SAPO ("Sharing is Caring", arXiv 2509.08721, Sec. 3 and Algorithm 1) trains a swarm of peers, each
 with its own small language model. Every round a peer generates G completions for each of its I local
-questions, shares those decoded rollouts (text only: question, answer, completions; never rewards,
-token ids, log-probs or weights) with the swarm, and trains on its I local groups plus J groups drawn
-from what the other peers shared. Peers never wait for each other: a peer takes whatever has arrived.
+questions, shares those decoded rollouts (text: question, answer, completions; never rewards or
+weights; beyond the paper, optionally the sampled token ids and log-probs) with the swarm, and trains on
+its I local groups plus J groups drawn from what the other peers shared. Peers never wait for each other.
 
 How this file does it, in reading order (a reader who stops at the marker line has read all of SAPO's
 sharing; what follows it makes the same thing durable, bounded and safe against hostile input):
@@ -284,6 +284,7 @@ class Limits:
     body_bytes = 8 << 20        # one request body (413 beyond it); bodies over 1/8 of it are answered one
                                 # at a time, as parsing one may take several times its bytes
     json_values = 1 << 20       # commas, objects and lists outside strings in one JSON text (413 beyond)
+    completion_tokens = 8192    # token ids (and log-probs) of one completion in a group
     page_bytes = 1 << 20        # one reply page of /rollouts or /metrics (a page holds at least one item)
     page_groups = 1024          # groups in one /rollouts page (?limit=, default 256)
     sample_groups = 256         # groups one sampled read may ask for (?sample=)
@@ -378,7 +379,10 @@ def fields(table, optional={}, also=()):
         clean = {}
         for field, each in table.items():
             _want(field in value or field in optional, f"{where or 'The body'} is missing the field '{field}'.")
-            clean[field] = each(value[field], f"{where}.{field}" if where else field) if field in value else optional[field]
+            if field in value:
+                clean[field] = each(value[field], f"{where}.{field}" if where else field)
+            elif optional[field] is not None:  # None: left out
+                clean[field] = optional[field]
         for test, says in also:
             _want(test(clean), f"In {where or 'the body'}, {says}.")
         return clean
@@ -400,9 +404,18 @@ GROUP = {  # field -> rule: a rollout group on the wire
     "metadata": rule(lambda v: isinstance(v, dict) and not _too_deep(v, 8) and len(_dumps(v)) <= 16_000,
                      "a JSON object nested at most 8 deep and at most 16000 bytes as JSON"),
     "completions": items(64, text(32_000), 1), "stopped": items(64, rule(lambda v: isinstance(v, bool), "true or false")),
-    "model": text(256)}
-OPTIONAL = {"metadata": {}, "model": ""}
-ALSO = [(lambda g: len(g["stopped"]) == len(g["completions"]), "stopped must hold one boolean per completion")]
+    "model": text(256),  # the last three, beyond the paper: optional, all or none (train.py --shared-logprobs)
+    "token_ids": items(64, items(Limits.completion_tokens, rule(lambda v: type(v) is int and 0 <= v < 2**31,
+                                                                 "a token id from 0 to 2**31 - 1"))),
+    "logprobs": items(64, items(Limits.completion_tokens, rule(lambda v: _sane(v) and v <= 0, "a number <= 0"))),
+    "tokenizer": text(64, 1)}
+OPTIONAL = {"metadata": {}, "model": "", "token_ids": None, "logprobs": None, "tokenizer": None}  # None: left out
+ALSO = [(lambda g: len(g["stopped"]) == len(g["completions"]), "stopped must hold one boolean per completion"),
+        (lambda g: len({f in g for f in ("token_ids", "logprobs", "tokenizer")}) == 1,
+         "token_ids, logprobs and tokenizer must come together, or none of them"),
+        (lambda g: "token_ids" not in g or [len(c) for c in g["logprobs"]] == [len(c) for c in g["token_ids"]] and
+         len(g["token_ids"]) == len(g["completions"]), "token_ids and logprobs must hold a list per completion, "
+         "one log-prob per token id")]
 STORED = fields({**GROUP, "peer": PEER, "round": ROUND, "seq": SEQ, "time": TIME}, OPTIONAL, ALSO)  # as served
 PUBLISH = fields({"peer": PEER, "round": ROUND, "batch_id": BATCH_ID, "groups": items(256, fields(GROUP, OPTIONAL, ALSO))})
 BATCH = fields({"peer": PEER, "round": ROUND, "batch_id": BATCH_ID, "time": TIME, "groups": items(256, STORED)})

@@ -929,6 +929,33 @@ def test_sample_cli_prints_completions_and_rewards_of_a_task_item(tmp_path, caps
     assert run.returncode == 1 and "Traceback" not in run.stderr and run.stderr.startswith("sample.py: ")
 
 
+@pytest.mark.parametrize("temperature, top_k", [(0.7, 0), (1.3, 5), (0, 0)])
+def test_sample_logprobs_are_those_of_the_distribution_sampled_from(temperature, top_k):
+    """logprobs=True gives the same tokens as the default return, and each token's log-prob under what
+    it was drawn from: log softmax(logits / temperature), renormalised over the top k when top_k is set
+    (as a full forward over the finished row computes it), 0 when greedy."""
+    ours = ours_from(hf_model("qwen2", std=0.3))
+    prompts, G, new = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8]], 3, 6
+    kw = dict(num_samples=G, max_new_tokens=new, temperature=temperature, top_k=top_k, seed=4,
+              eos_token_ids=[sample.generate(ours, [[5, 6, 7]], max_new_tokens=3, temperature=0)[0][2]])
+    plain = sample.generate(ours, prompts, **kw)
+    got, logprobs = sample.generate(ours, prompts, **kw, logprobs=True)
+    assert got == plain and [len(lp) for lp in logprobs] == [len(c) for c in got]
+    with torch.no_grad():
+        for row, (c, lp) in enumerate(zip(got, logprobs)):
+            ids = prompts[row // G] + c
+            logits = ours(torch.tensor([ids]))[0, len(ids) - len(c) - 1:-1]  # the logits before each token
+            if temperature == 0:
+                assert lp == [0.0] * len(c)
+                continue
+            z = logits / temperature
+            if top_k:
+                z = z.masked_fill(z < z.topk(top_k, -1).values[:, -1:], float("-inf"))
+            want = z.log_softmax(-1).gather(1, torch.tensor(c)[:, None]).squeeze(1)
+            assert torch.allclose(torch.tensor(lp), want, atol=1e-4), row
+    assert sample.generate(ours, prompts, max_new_tokens=0, logprobs=True) == ([[], []], [[], []])
+
+
 # ===================================================================================================
 # grpo.py
 # ===================================================================================================
@@ -1094,6 +1121,48 @@ def test_grpo_clip_stops_gradient_where_it_should(ratio, adv, clipped):
     else:
         assert lp.grad.item() == pytest.approx(-adv * ratio, rel=1e-5)
         assert stats["clip_low"] + stats["clip_high"] == 0.0
+
+
+@pytest.mark.parametrize("ratio, adv, grad", [
+    (5.0, -1.0, 0.0),      # A < 0 and ratio above C = 3: the dual clip caps the loss at 3 |A|, no gradient
+    (2.9, -1.0, 2.9),      # below C: the usual r * |A|
+    (5.0, 1.0, 0.0),       # A > 0: the ordinary clip already removed it
+    (0.5, 1.0, -0.5),      # ratio below 1: weight r, never negative
+    (0.5, -1.0, 0.0),      # below 1 - epsilon with A < 0: clipped
+])
+def test_grpo_dual_clip_by_hand(ratio, adv, grad):
+    lp = torch.tensor([[math.log(ratio)]], requires_grad=True)
+    loss, _ = grpo.grpo_loss(lp, torch.zeros(1, 1), torch.tensor([adv]), torch.ones(1, 1), dual_clip=3.0)
+    loss.backward()
+    assert lp.grad.item() == pytest.approx(grad, abs=1e-6)
+    if ratio > 3 and adv < 0:
+        assert loss.item() == pytest.approx(3.0)
+        lp.grad = None  # without the dual clip the same token would weigh r = 5
+        grpo.grpo_loss(lp, torch.zeros(1, 1), torch.tensor([adv]), torch.ones(1, 1))[0].backward()
+        assert lp.grad.item() == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("claim", [0.0, -1e30, -50.0, float("nan"), float("inf"), float("-inf"), 3.0])
+def test_grpo_forged_behaviour_logprobs_keep_every_tokens_weight_bounded(claim):
+    """Whatever a sender claims its log-probs were (certainty, 1e-30 of a chance, NaN, infinities, a
+    positive number), each token's weight in the gradient stays in [0, DUAL_CLIP] * |A| / tokens: the
+    claim can make a group count for nothing, or for DUAL_CLIP times a token's usual weight at most,
+    never reverse an advantage's sign or blow up. NaN, infinite or positive claims count as ratio 1."""
+    g = torch.Generator().manual_seed(0)
+    lp = (-3 * torch.rand(4, 6, generator=g)).requires_grad_()
+    adv, mask = torch.tensor([1.5, -1.5, 0.7, -0.2]), torch.ones(4, 6)
+    behaviour = [[claim] * 6, [claim] * 6, [claim] * 3, None]  # a short list: the rest keep their own
+    old = grpo.behaviour_logprobs(lp, behaviour)
+    assert torch.isfinite(old).all() and (old[3] == lp[3]).all() and (old[2, 3:] == lp[2, 3:]).all()
+    loss, stats = grpo.grpo_loss(lp, old, adv, mask, dual_clip=grpo.DUAL_CLIP)
+    loss.backward()
+    weight = -lp.grad * mask.sum() / adv[:, None]  # each token's weight: the grad is -weight * A / tokens
+    assert torch.isfinite(loss) and torch.isfinite(lp.grad).all() and math.isfinite(stats["ratio_mean"])
+    assert (weight >= 0).all() and (weight <= grpo.DUAL_CLIP + 1e-5).all()
+    if claim == -1e30:  # "I was almost sure not to say this": every claimed token counts for nothing
+        assert (lp.grad[:2] == 0).all() and (lp.grad[2, :3] == 0).all()
+    if not math.isfinite(claim) or claim > 0:  # not a log-prob at all: the paper's rule, ratio 1, weight 1
+        assert torch.allclose(weight, torch.ones(4, 6))
 
 
 def test_grpo_zero_advantage_and_masked_tokens_give_zero_grad():
@@ -1362,6 +1431,34 @@ def test_grpo_step_with_grad_checkpoint_gives_the_same_gradients(tiny, monkeypat
     assert len(calls) == ours.cfg.n_layers  # one recomputed block per layer, in the second run only
 
 
+def test_grpo_step_behaviour_logprobs(tiny):
+    """Rows without behaviour log-probs (local groups) train exactly as before; rows whose sender claims
+    the receiver's own log-probs train as before too (ratio 1); forged claims keep the step finite, and
+    claims of a 1e-30 chance make their rows count for nothing."""
+    ours, _ = M.load_model(str(tiny))
+    adv = [1.0, -1.0, 0.5, -0.5]
+    paper = _gr_step(copy_model(ours), _GR_ROWS, adv, micro_batch=3)[1]
+    same = lambda grads: all(torch.allclose(a, b, atol=1e-6) for a, b in zip(paper, grads))  # noqa: E731
+    assert same(_gr_step(copy_model(ours), _GR_ROWS, adv, micro_batch=3, behaviour=[None] * 4)[1])
+    with torch.no_grad():
+        own = grpo.completion_logprobs(ours, *grpo.pad_rows(_GR_ROWS, 0, [3])[:2], 1.0)
+    claims = [own[b, :len(c[:c.index(3) + 1] if 3 in c else c)].tolist() for b, (_, c) in enumerate(_GR_ROWS)]
+    assert same(_gr_step(copy_model(ours), _GR_ROWS, adv, micro_batch=3, behaviour=claims)[1])
+    for forged in (0.0, float("nan"), -50.0, "long", "short"):
+        lists = ([[forged] * 8] * 4 if isinstance(forged, float) else
+                 [c + [-0.1] * 5 for c in claims] if forged == "long" else [c[:1] for c in claims])
+        stats, grads = _gr_step(copy_model(ours), _GR_ROWS, adv, micro_batch=3, behaviour=lists)
+        assert math.isfinite(stats["grad_norm"]) and all(torch.isfinite(g).all() for g in grads)
+        if forged != forged or forged in ("long", "short"):  # NaN: ratio 1; extra values ignored, missing: own
+            assert same(grads)
+    low = [None, [-1e30] * 4, None, [-1e30] * 2]  # the A < 0 rows claim a 1e-30 chance
+    nothing = _gr_step(copy_model(ours), _GR_ROWS, adv, micro_batch=3, behaviour=low)[1]
+    rows = [_GR_ROWS[0], _GR_ROWS[2]]  # as if only the other two rows were there, same normaliser
+    want = _gr_step(copy_model(ours), rows + [(p, c) for p, c in _GR_ROWS[1::2]], [1.0, 0.5, 0.0, 0.0],
+                    micro_batch=3)[1]
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(nothing, want))
+
+
 def test_grpo_step_zero_adv_frac_does_not_depend_on_the_micro_batch(tiny):
     ours, _ = M.load_model(str(tiny))
     fracs = [_gr_step(copy_model(ours), _GR_ROWS, [1.0, -1.0, 0.0, 0.0], micro_batch=mb)[0]["zero_adv_frac"]
@@ -1603,6 +1700,26 @@ def test_swarm_round_trip(_sw_server, _sw_clients):
     assert (g["peer"], g["round"], g["seq"]) == ("carol", 5, 3) and g["time"] > 1.0
 
 
+def test_swarm_offpolicy_fields_round_trip_and_count_in_the_byte_caps(_sw_server, _sw_clients, monkeypatch):
+    """token_ids, logprobs and tokenizer travel with a group when it has them (all three) and never appear
+    on one that has none; they are part of the group's bytes, so the body and page caps count them."""
+    server, url, folder = _sw_server
+    alice, bob = _sw_clients(url, "alice"), _sw_clients(url, "bob")
+    with_fields, without = dict(_sw_group(1), **_sw_offpolicy()), _sw_group(2)
+    alice.publish(0, [with_fields, without])
+    assert alice.flush(10) and bob.flush(10)
+    got = bob.fetch()
+    assert {k: got[0][k] for k in with_fields} == with_fields
+    assert not {"token_ids", "logprobs", "tokenizer"} & set(got[1])
+    size = lambda g: len(swarm._dumps(g))  # noqa: E731
+    assert size(with_fields) - size(_sw_group(1)) == len(swarm._dumps(_sw_offpolicy())) - 2 + 1  # one more comma
+    monkeypatch.setattr(swarm.Limits, "body_bytes", 600)  # a body the log-probs push over the cap is refused
+    body = {"peer": "carol", "round": 0, "batch_id": "c-0",
+            "groups": [dict(_sw_group(3), **_sw_offpolicy(token_ids=[[1] * 40, [3]], logprobs=[[-1.5] * 40, [-1.0]]))]}
+    assert len(json.dumps(_sw_group(3))) < 600 < len(json.dumps(body))
+    assert _sw_post(url, "carol", 0, body["groups"]).status_code == 413
+
+
 def test_swarm_exclude_pagination_and_cursor(_sw_server, _sw_clients):
     server, url, _ = _sw_server
     for r in range(5):  # seqs: alice 1-2, bob 3, alice 4-5, bob 6, ...
@@ -1701,6 +1818,12 @@ def _sw_bad_group(**change):
     return dict(_SW_OK_BODY, groups=[g])
 
 
+def _sw_offpolicy(**change):
+    """The off-policy fields of _sw_group(1) (two completions: 2 tokens, then 1), with `change` applied."""
+    fields = dict(token_ids=[[5, 2], [7]], logprobs=[[-0.5, -0.0001], [-3.25]], tokenizer="vocab-0123abcd")
+    return dict(fields, **change)
+
+
 def _sw_deep(levels):
     x = {}
     for _ in range(levels):
@@ -1737,6 +1860,22 @@ _SW_BAD = [  # (id, method, path, body: bytes | JSON value | None, headers, expe
     ("model not str", "POST", "/rollouts", _sw_bad_group(model=["m"]), {}, 400),
     ("too many groups", "POST", "/rollouts", dict(_SW_OK_BODY, groups=[_sw_group(1, n=1)] * 257), {}, 400),
     ("metadata not object", "POST", "/rollouts", _sw_bad_group(metadata=[1, 2]), {}, 400),
+    # the optional off-policy fields: all or none, one list per completion, one log-prob per id
+    ("logprobs without the rest", "POST", "/rollouts", _sw_bad_group(logprobs=[[-1.0], [-1.0]]), {}, 400),
+    ("no tokenizer", "POST", "/rollouts", _sw_bad_group(**_sw_offpolicy(tokenizer=KeyError)), {}, 400),
+    ("no logprobs", "POST", "/rollouts", _sw_bad_group(**_sw_offpolicy(logprobs=KeyError)), {}, 400),
+    ("token_ids per completion", "POST", "/rollouts", _sw_bad_group(**_sw_offpolicy(token_ids=[[1, 2]])), {}, 400),
+    ("logprobs wrong length", "POST", "/rollouts", _sw_bad_group(**_sw_offpolicy(logprobs=[[-1.0], [-1.0]])), {}, 400),
+    ("logprob above 0", "POST", "/rollouts", _sw_bad_group(**_sw_offpolicy(logprobs=[[-1.0, 0.5], [-1.0]])), {}, 400),
+    ("logprob a string", "POST", "/rollouts", _sw_bad_group(**_sw_offpolicy(logprobs=[[-1.0, "x"], [-1.0]])), {}, 400),
+    ("logprob 1e400", "POST", "/rollouts", _sw_bad_group(**_sw_offpolicy(logprobs=[[-1.0, -1e400], [-1.0]])), {}, 400),
+    ("token id negative", "POST", "/rollouts", _sw_bad_group(**_sw_offpolicy(token_ids=[[1, -2], [3]])), {}, 400),
+    ("token id 2**31", "POST", "/rollouts", _sw_bad_group(**_sw_offpolicy(token_ids=[[1, 2**31], [3]])), {}, 400),
+    ("token id a float", "POST", "/rollouts", _sw_bad_group(**_sw_offpolicy(token_ids=[[1, 2.0], [3]])), {}, 400),
+    ("token id a bool", "POST", "/rollouts", _sw_bad_group(**_sw_offpolicy(token_ids=[[1, True], [3]])), {}, 400),
+    ("too many token ids", "POST", "/rollouts",
+     _sw_bad_group(**_sw_offpolicy(token_ids=[[1] * 8193, [3]], logprobs=[[-1.0] * 8193, [-1.0]])), {}, 400),
+    ("tokenizer too long", "POST", "/rollouts", _sw_bad_group(**_sw_offpolicy(tokenizer="v" * 65)), {}, 400),
     ("metadata too deep", "POST", "/rollouts", _sw_bad_group(metadata=_sw_deep(20)), {}, 400),
     ("metadata 500 deep", "POST", "/rollouts", _sw_bad_group(metadata=_sw_deep(500)), {}, 400),
     ("json absurdly deep", "POST", "/rollouts", b"[" * 100_000 + b"]" * 100_000, {}, 400),
@@ -3472,6 +3611,66 @@ def test_train_external_completions_are_scored_as_trained(tiny, tmp_path):
     assert [len(c) for c in g.completions] == [4, 6] and g.completions[0][-1] == peer.stop_id
 
 
+def _offpolicy_group(tok, item, completions, max_new_tokens=64):
+    """wire_group with the off-policy fields a sender with tokenizer `tok` publishes: the ids it sampled
+    (which say exactly its completions, ending with its stop token) and made-up log-probs."""
+    ids = [train.retokenise(tok, c, True, tok.eos_token_id, max_new_tokens)[0] for c in completions]
+    logprobs = [[-0.25 * (k + 1)] * len(x) for k, x in enumerate(ids)]
+    return dict(wire_group(item, completions=completions), token_ids=ids, logprobs=logprobs,
+                tokenizer=train.tokenizer_fingerprint(tok))
+
+
+def test_train_external_group_keeps_the_senders_logprobs_only_for_its_tokenizer_and_ids():
+    """A receiver keeps a shared completion's log-probs when the sender's tokenizer is its own and the
+    sender sampled exactly the ids it will train on (cut as it cuts them); otherwise the paper's rule
+    (None): another tokenizer, ids that say something else, or no fields at all."""
+    tok = tiny_tokenizer()
+    item = reward.TASKS["repeat_number"].generate(random.Random(0))
+    completions = [f"<answer> {item['answer']} </answer>", "no"]
+    g = _offpolicy_group(tok, item, completions)
+    external = lambda g, limit=64: train.external_group(tok, g, tok.eos_token_id, limit, False, quiet)  # noqa: E731
+    got = external(g)
+    assert got.completions == g["token_ids"] and got.logprobs == g["logprobs"]
+    assert external(g, limit=3).logprobs == [g["logprobs"][0][:3], g["logprobs"][1]]  # cut as the ids are
+    assert external(dict(g, tokenizer="vocab-another")).logprobs == [None, None]
+    forged = dict(g, token_ids=[g["token_ids"][0][:-2] + [tok.convert_tokens_to_ids("<|im_start|>"), tok.eos_token_id],
+                                g["token_ids"][1]])
+    assert external(forged).logprobs == [None, g["logprobs"][1]]  # ids that are not the text's
+    assert external(wire_group(item, completions=completions)).logprobs == [None, None]
+    assert train.tokenizer_fingerprint(tok) == train.tokenizer_fingerprint(tiny_tokenizer())
+    assert train.tokenizer_fingerprint(tok) != train.tokenizer_fingerprint(reproduce.toy_tokenizer())
+
+
+def test_train_shared_logprobs_publishes_them_and_trains_shared_rows_against_them(tiny, tmp_path, monkeypatch):
+    """--shared-logprobs: a peer publishes each completion's sampled ids and log-probs (wire-valid), and a
+    receiver hands grpo.step its senders' log-probs for the shared rows, None for its own; without the
+    flag it publishes none and trains every row by the paper's rule (behaviour None)."""
+    steps = []
+    real = grpo.step
+    monkeypatch.setattr(grpo, "step", lambda *a, **k: steps.append(a[11]) or real(*a, **k))
+    for flag in ("--shared-logprobs", "--no-shared-logprobs"):
+        peer = train.Peer(tiny_args(tmp_path, "--name", flag[2:], flag), log=quiet, client=FakeClient())
+        collected = peer.collect(0)
+        published = peer.client.published[0][1]
+        for g, local in zip(published, collected["groups"]):
+            assert swarm.check(g, swarm.GROUP) == g  # what the server accepts, unchanged
+            if flag == "--shared-logprobs":
+                assert g["token_ids"] == local.completions and g["tokenizer"] == train.tokenizer_fingerprint(peer.tok)
+                assert [len(x) for x in g["logprobs"]] == [len(c) for c in local.completions]
+            else:
+                assert not {"token_ids", "logprobs", "tokenizer"} & set(g)
+        item = reward.TASKS["repeat_number"].generate(random.Random(1))
+        peer.client.queue = [_offpolicy_group(peer.tok, item, [f"<answer> {item['answer']} </answer>", "no"])]
+        collected["groups"] = [train.Group(g.item, g.prompt, g.completions, g.texts, g.stopped, [1.0] + [0.0] * (
+            len(g.rewards) - 1), g.logprobs) for g in collected["groups"]]  # informative, whatever was sampled
+        peer.learn(0, collected)
+        if flag == "--shared-logprobs":
+            local_rows = sum(len(g.completions) for g in collected["groups"])
+            assert steps[-1] == [None] * local_rows + [[-0.25] * 4, [-0.5] * 2]
+        else:
+            assert steps[-1] is None
+
+
 @pytest.mark.parametrize("which", ["tiny", "smollm2"])
 def test_train_external_text_cannot_smuggle_control_tokens(which, monkeypatch):
     if which == "tiny":
@@ -3773,10 +3972,10 @@ def _questions(peer_dir):
 
 def test_reproduce_small_run_writes_the_table_and_figure_and_pairs_the_seeds(tmp_path, capsys):
     out = tmp_path / "run"
-    sentence = reproduce.main(["--configs", "4/4,8/0", "--seeds", "1", "--peers", "2", "--rounds", "3",
+    sentence = reproduce.main(["--configs", "4/4,8/0,4/4+is", "--seeds", "1", "--peers", "2", "--rounds", "3",
                                "--pretrain-steps", "20", "--sample-every", "1", "--jobs", "1", "--out", str(out)])
     results = json.loads((out / "results.json").read_text())
-    assert list(results["configurations"]) == ["8/0", "4/4"]  # the baseline first, whatever the order given
+    assert list(results["configurations"]) == ["8/0", "4/4", "4/4+is"]  # the baseline first, whatever the order
     for entry in results["configurations"].values():
         for span in ("whole", "first_half"):
             for key in ("cumulative_local_reward", "cumulative_batch_reward", "ratio_local_reward"):
@@ -3789,13 +3988,20 @@ def test_reproduce_small_run_writes_the_table_and_figure_and_pairs_the_seeds(tmp
     assert results["sentence"] == sentence and sentence in (out / "table.md").read_text()
     table = (out / "table.md").read_text()
     assert re.search(r"^\| 8/0 \|", table, re.M) and re.search(r"^\| 4/4 \|", table, re.M)
+    assert len(re.findall(r"^\| 4/4\+is \|", table, re.M)) == 3  # the table, per seed, against the paper's rule
+    corrected = results["configurations"]["4/4+is"]["whole"]
+    assert corrected["ratio_to_paper_rule"]["per_seed"][0] == pytest.approx(
+        corrected["cumulative_local_reward"]["per_seed"][0]
+        / results["configurations"]["4/4"]["whole"]["cumulative_local_reward"]["per_seed"][0])
+    assert json.loads((out / "seed0" / "4-4-is" / "peer0" / "settings.json").read_text())["shared_logprobs"]
+    assert not json.loads((out / "seed0" / "4-4" / "peer0" / "settings.json").read_text())["shared_logprobs"]
     svg = ET.fromstring((out / "reward.svg").read_text())
     ns = "{http://www.w3.org/2000/svg}"
-    assert len(list(svg.iter(ns + "polyline"))) == 2 and len(list(svg.iter(ns + "polygon"))) == 2
+    assert len(list(svg.iter(ns + "polyline"))) == 3 and len(list(svg.iter(ns + "polygon"))) == 3
     # paired seeds: peer k of 8/0 and peer k of 4/4 were asked the same first questions every round
     for k in range(2):
-        silo, shared = (_questions(out / "seed0" / c / f"peer{k}") for c in ("8-0", "4-4"))
-        assert len(silo) == 6 and silo == shared, k
+        silo, shared, corrected = (_questions(out / "seed0" / c / f"peer{k}") for c in ("8-0", "4-4", "4-4-is"))
+        assert len(silo) == 6 and silo == shared == corrected, k
     assert _questions(out / "seed0" / "8-0" / "peer0") != _questions(out / "seed0" / "8-0" / "peer1")
     # the asynchronous mode (--async: each peer does its whole round in turn) on the toy just built
     s = reproduce.parse_args(["--async", "--peers", "2", "--rounds", "2", "--out", str(tmp_path / "async")])
@@ -3807,9 +4013,11 @@ def test_reproduce_small_run_writes_the_table_and_figure_and_pairs_the_seeds(tmp
 @pytest.mark.parametrize("flags, says", [
     (["--configs", "4/4"], "must include 8/0"), (["--configs", "4-4,8/0"], "is not I/J"),
     (["--configs", "0/8,8/0"], "I >= 1"), (["--configs", "8/0,500/500"], "I + J <= 64"),
+    (["--configs", "8/0,4/4+tis"], "the only rule is +is"), (["--configs", "8/0,8/0+is"], "J > 0"),
     (["--peers", "1"], "--peers >= 2"), (["--peers", "100000"], "at most 64"), (["--guess", "0"], "--guess"),
     (["--sweep", "--preset", "gpu"], "--sweep"), (["--rounds", "x"], "invalid int"), (["--jobs", "-1"], "--jobs"),
-    (["--lr", "-1"], "--lr"), (["--known", "2"], "--known")])
+    (["--lr", "-1"], "--lr"), (["--known", "2"], "--known"), (["--sweep", "--sweep-toys", "0.3"], "guess:known"),
+    (["--sweep", "--sweep-toys", "0:0"], "0 < guess"), (["--sweep", "--sweep-peers", "2,x"], "--sweep-peers")])
 def test_reproduce_bad_flags_get_one_sentence(flags, says, capsys):
     with pytest.raises(SystemExit) as e:
         reproduce.parse_args(flags)
@@ -3826,11 +4034,14 @@ def test_reproduce_refuses_a_run_folder_in_use(tmp_path):
     with pytest.raises(SystemExit, match="cannot make the run folder"):  # a file where a folder must go
         reproduce.main(["--out", str(tmp_path / "x" / "run")])
     assert reproduce.parse_configs("8/0,4/4,4/4,8/0") == [(8, 0), (4, 4)]
+    assert reproduce.parse_configs("4/4+is, 8/0,4/4,4/4+is") == [(8, 0), (4, 4, "is"), (4, 4)]
+    assert [reproduce.name(c) for c in reproduce.parse_configs("8/0,2/6+is")] == ["8/0", "2/6+is"]
 
 
 def test_reproduce_statistics():
     s = reproduce.mean_se([1.4, 1.5, 1.6])
     assert s["mean"] == pytest.approx(1.5) and s["se"] == pytest.approx(0.0577, abs=1e-4)
+    assert s["sd"] == pytest.approx(0.1)  # the seed-to-seed spread: se * sqrt(3)
     assert s["ci95"] == pytest.approx([1.5 - 4.30 * 0.057735, 1.5 + 4.30 * 0.057735], abs=1e-3)
-    assert reproduce.mean_se([2.0]) == dict(mean=2.0, se=None, ci95=None)
+    assert reproduce.mean_se([2.0]) == dict(mean=2.0, se=None, ci95=None, sd=None)
     assert reproduce.mean_se([None, float("nan")])["mean"] is None

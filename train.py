@@ -11,7 +11,7 @@ on every peer in turn):
   1. draw I questions, one per task family drawn uniformly with replacement (reward.py);
   2. sample G completions of each with the peer's own model (sample.py), and score them;
   3. publish the I groups to the swarm server as decoded text (swarm.py): question, ground truth,
-     task, metadata, completions, and whether each stopped; never token ids, log-probs or weights;
+     task, metadata, completions, and whether each stopped; never weights (nor log-probs, unless asked);
   4. take a sample of what other peers published recently: 4J groups a round, whatever the swarm's
      size, drawn by the server from each producer's newest batches, every producer with equal chance;
   5. re-tokenise each with the local tokenizer, score exactly the text that will be trained on with
@@ -55,6 +55,8 @@ Deviations from the paper, and why:
 - Old log-probs: peers share text, never probabilities, so the ratio's "old" policy is the local
   model at the start of the round for external rollouts too. With --inner-steps 1 (paper) the ratio
   is 1 and the update is REINFORCE with group-normalised advantages; the clip acts from step 2 on.
+  Beyond the paper, --shared-logprobs publishes sampling log-probs, and a receiver with the same tokenizer
+  takes the sender's as "old" for shared rows (README, "Off-policy sharing"); local rows keep ratio 1.
 - Trust: external groups whose answer does not follow from their question are dropped
   (reward.verify_item); the paper trusts the sender's ground truth.
 - Weights are trained in float32 (bfloat16 autocast on CUDA) and copied into a bfloat16 sampler each
@@ -67,6 +69,7 @@ import argparse
 import copy
 import ctypes
 import dataclasses
+import functools
 import glob
 import hashlib
 import json
@@ -186,6 +189,8 @@ def parser(device):
     a("--micro-batch", type=at_least(1), default=4 if cpu else 16, help="completions per forward and backward pass")
     a("--grad-checkpoint", action=argparse.BooleanOptionalAction, default=cpu,
       help="recompute activations in the backward pass")
+    a("--shared-logprobs", action=argparse.BooleanOptionalAction, default=False,
+      help="publish sampling log-probs, and train shared completions against their sender's (off: the paper's rule)")
     # machinery
     a("--seed", type=int, default=0,
       help="this peer's seed (questions, sampling, external draws, init); peer k of --peers gets peer_seed(seed, k)")
@@ -330,7 +335,8 @@ class Group:
     fields; for an external group the wire fields too); prompt and completions: token ids, a completion
     ending with the stop token if it stopped; texts: what each completion says, the text its reward
     scores; stopped: whether each ended with a stop token; rewards: one per completion; arrived: the
-    receiver's round in which an external group came."""
+    receiver's round in which an external group came; logprobs: each completion's sampling log-probs
+    (an external one's: its sender's, or None)."""
     item: dict
     prompt: list
     completions: list
@@ -338,6 +344,7 @@ class Group:
     stopped: list
     rewards: list
     arrived: int = 0
+    logprobs: list = None
 
 
 def retokenise(tokenizer, text, stopped, stop_id, max_new_tokens):
@@ -354,22 +361,32 @@ def retokenise(tokenizer, text, stopped, stop_id, max_new_tokens):
     return ids + [stop_id] * stopped, tokenizer.decode(ids, skip_special_tokens=True), stopped
 
 
-def external_group(tokenizer, g, stop_id, max_new_tokens, one_shot, log, system="default"):
-    """Step 5 for one group another peer published: None if its answer does not follow from its question
+def external_group(tokenizer, g, stop_id, max_new_tokens, one_shot, log, system="default", tasks=None):
+    """Step 5 for one group another peer published: None if it is not of one of `tasks` (the receiver's
+    --tasks; None: any family reward.py knows) or its answer does not follow from its question
     (reward.verify_item), if its question holds a special token's text, or if its rewards, by the local
     verifier on the re-tokenised text, are all equal (no advantage); otherwise the Group to train on."""
-    if not reward.verify_item(g):
-        log(f"dropped a group from {g.get('peer')}: its answer does not follow from its question")
+    if not reward.verify_item(g, tasks):
+        log(f"dropped a group from {g.get('peer')}: not one of this peer's tasks, or its answer does not "
+            "follow from its question")
         return None
     if any(t.special and t.content in g["question"] for t in tokenizer.added_tokens_decoder.values()):
         log(f"dropped a group from {g.get('peer')}: its question holds a special token of the chat template")
         return None  # the prompt is tokenised with its special tokens live: none may come from outside
     done = [retokenise(tokenizer, c, s, stop_id, max_new_tokens) for c, s in zip(g["completions"], g["stopped"])]
-    rewards = [reward.score(g, text) for _, text, _ in done]
+    ids, texts, stopped = (list(x) for x in zip(*done))
+    rewards = [reward.score(g, text) for text in texts]
     if len(set(rewards)) < 2:
         return None
-    return Group(g, prompt_ids(tokenizer, g, one_shot, system), [d[0] for d in done], [d[1] for d in done],
-                 [d[2] for d in done], rewards)
+    same = g.get("tokenizer") == tokenizer_fingerprint(tokenizer)  # then swarm.py checked token_ids and logprobs
+    return Group(g, prompt_ids(tokenizer, g, one_shot, system), ids, texts, stopped, rewards, [  # sender's log-probs
+        g["logprobs"][k][:len(c)] if same and g["token_ids"][k][:len(c)] == c else None for k, c in enumerate(ids)])
+
+
+@functools.lru_cache(maxsize=8)
+def tokenizer_fingerprint(tokenizer):
+    """A label for the vocabulary (every token's text and id): peers with the same label read ids alike."""
+    return "vocab-" + hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:32]
 
 # -----------------------------------------------------------------------------
 # one peer
@@ -469,27 +486,31 @@ class Peer:
         t0, args, G = time.time(), self.args, self.args.generations
         items = self.questions(r)
         prompts = [prompt_ids(self.tok, it, args.one_shot, args.system_prompt) for it in items]
-        outs = sample.generate(self.sampler, prompts, num_samples=G, max_new_tokens=args.max_new_tokens,
-                               temperature=args.temperature, eos_token_ids=self.stop_ids, seed=self.sampling_seed(r))
+        outs, logprobs = sample.generate(self.sampler, prompts, num_samples=G, max_new_tokens=args.max_new_tokens,
+                                         temperature=args.temperature, eos_token_ids=self.stop_ids,
+                                         seed=self.sampling_seed(r), logprobs=True)
         sample_seconds, groups = time.time() - t0, []
         for i, (item, prompt) in enumerate(zip(items, prompts)):
             ids = outs[i * G:(i + 1) * G]
             stopped = [len(o) > 0 and o[-1] in self.stop_ids for o in ids]
             texts = [self.tok.decode(o[:-1] if s else o, skip_special_tokens=True) for o, s in zip(ids, stopped)]
-            groups.append(Group(item, prompt, ids, texts, stopped, [reward.score(item, t) for t in texts]))
+            groups.append(Group(item, prompt, ids, texts, stopped, [reward.score(item, t) for t in texts],
+                                logprobs[i * G:(i + 1) * G]))
         return groups, sample_seconds
 
     def sampling_seed(self, r):
         return stream(self.args.seed, "sampling", r).getrandbits(63)
 
     def publish(self, r, groups):
-        """Step 3: the round's groups as decoded text; never token ids, log-probs or rewards."""
+        """Step 3: the round's groups as decoded text, never rewards (--shared-logprobs: ids, log-probs to 1e-4)."""
         if self.client is None:
             return
         model = os.path.basename(str(self.args.model).rstrip("/"))
+        behaviour = lambda g: dict(token_ids=g.completions, tokenizer=tokenizer_fingerprint(self.tok),  # noqa: E731
+                                   logprobs=[[round(max(x, -1e4), 4) for x in lp] for lp in g.logprobs])
         self.client.publish(r, [dict(task=g.item["task"], question=g.item["question"], answer=g.item["answer"],
-                                     metadata=g.item["metadata"], completions=g.texts, stopped=g.stopped, model=model)
-                                for g in groups])
+                                     metadata=g.item["metadata"], completions=g.texts, stopped=g.stopped, model=model,
+                                     **(behaviour(g) if self.args.shared_logprobs and g.logprobs else {})) for g in groups])
 
     def choose_external(self, r):
         """Steps 4-5: take the swarm's sample, keep the usable groups (external_group), pool them with those
@@ -499,7 +520,7 @@ class Peer:
             return [], dict(external_available=0, external_survived=0)
         fetched = self.client.fetch()
         usable = (external_group(self.tok, g, self.stop_id, args.max_new_tokens, args.one_shot, self.log,
-                                 args.system_prompt) for g in fetched)
+                                 args.system_prompt, args.task_list) for g in fetched)
         fresh = [dataclasses.replace(x, arrived=r) for x in usable if x is not None]
         self.pool = [x for x in self.pool + fresh if r - x.arrived < POOL_ROUNDS]
         # in production order, not arrival order: the same groups give the same draw however the network
@@ -519,6 +540,11 @@ class Peer:
         rewards = torch.tensor([x for g in groups for x in g.rewards])
         return rows, rewards, grpo.group_advantages(rewards, [len(g.rewards) for g in groups], self.args.adv_scale)
 
+    def behaviour(self, groups):
+        """Per row: with --shared-logprobs, a shared completion's sender log-probs (external_group's), else None."""
+        return [lp if "peer" in g.item else None for g in groups for lp in g.logprobs or [None] * len(g.completions)
+                ] if self.args.shared_logprobs else None
+
     def update(self, groups):
         """Step 6: group-normalised advantages, then a GRPO step (grpo.step) unless they are all zero; the
         sampling copy gets the new weights. Returns the step's stats; `stepped` says whether it stepped."""
@@ -528,8 +554,9 @@ class Peer:
             return dict(stepped=False, zero_adv_frac=1.0, train_tok_per_s=0.0)
         t0 = time.time()
         stats = grpo.step(self.model, self.opt, rows, adv.tolist(), self.pad_id, self.stop_ids, a.micro_batch,
-                          a.inner_steps, a.max_grad_norm, a.temperature, self.ref_model, epsilon=a.epsilon,
-                          epsilon_high=a.epsilon_high, beta=a.beta, loss_type=a.loss_type, max_tokens=a.max_new_tokens)
+                          a.inner_steps, a.max_grad_norm, a.temperature, self.ref_model, self.behaviour(groups),
+                          epsilon=a.epsilon, epsilon_high=a.epsilon_high, beta=a.beta, loss_type=a.loss_type,
+                          max_tokens=a.max_new_tokens)
         if self.sampler is not self.model:
             with torch.no_grad():
                 for ps, pm in zip(self.sampler.parameters(), self.model.parameters()):

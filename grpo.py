@@ -186,37 +186,12 @@ def pad_rows(rows, pad_id, stop_ids, device="cpu"):
 
 def completion_logprobs(model, ids, pos, temperature, autocast_dtype=None):
     """Log-probs (B, Tc) of the completion tokens ids[b, pos[b, j]] under the model, each scored by the
-    hidden state one position before it. Only those positions go through the output layer
-    (hidden_logprobs): the (B, T, vocabulary) logits are never held."""
+    hidden state one position before it: log_softmax(h @ W.T / temperature) at each target, which
+    hidden_logprobs computes chunk by chunk, so the (B, T, vocabulary) logits are never held."""
     with torch.autocast(ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         h = model.hidden(ids)                                                  # (B, T, dim)
     h = h.gather(1, (pos - 1)[:, :, None].expand(-1, -1, h.shape[-1]))         # (B, Tc, dim)
     return hidden_logprobs(h.to(autocast_dtype or h.dtype), model.lm_head.weight, ids.gather(1, pos), temperature)
-
-
-def hidden_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=512):
-    """
-    log softmax(hidden @ weight.T / temperature)[target] at every position, from the final (post-norm)
-    hidden states and the output embedding, chunk_size rows at a time. Each chunk runs under
-    torch.utils.checkpoint, which keeps only its inputs for the backward pass and recomputes its logits
-    there: neither pass holds more than one chunk's logits, in float32 (float64 for float64 input) and
-    the few (n, V) temporaries of their softmax and its gradient (about four at the backward's peak).
-    The matmul runs in hidden's dtype; weight's gradient is summed over the chunks in weight's dtype.
-
-    hidden (B, T, C), weight (V, C), targets (B, T) long -> (B, T) float32, e.g. B=16, T=64, C=576,
-    V=49152: 2 chunks of (512, 49152) float32 logits, one at a time, instead of (1024, 49152) at once
-    """
-    h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    chunks = [checkpoint(_chunk_logprobs, h[i:i + chunk_size], weight, t[i:i + chunk_size], temperature,
-                         use_reentrant=False) for i in range(0, len(t), chunk_size)]
-    return torch.cat(chunks).view(targets.shape)
-
-
-def _chunk_logprobs(h, weight, t, temperature):
-    """hidden_logprobs on one chunk of rows: h (n, C) -> (n,), everything kept for autograd."""
-    z = h @ weight.to(h.dtype).t()                                             # (n, V)
-    z = z.to(torch.promote_types(z.dtype, torch.float32)) / temperature        # the softmax in float32
-    return z.gather(1, t[:, None]).squeeze(1) - z.logsumexp(1)
 
 
 # -----------------------------------------------------------------------------
@@ -288,3 +263,33 @@ def step(model, opt, rows, advantages, pad_id, stop_ids, micro_batch=16, inner_s
     # the share of rows with no advantage, counted over the batch (grpo_loss's count, weighted by
     # micro-batch, would change with micro_batch)
     return dict(stats, grad_norm=float(grad_norm), zero_adv_frac=float((adv == 0).float().mean()))
+
+
+# ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
+# The log-probs of the targets, chunk by chunk: what completion_logprobs computes without ever holding
+# the (tokens x vocabulary) logits at once.
+
+
+def hidden_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=512):
+    """
+    log softmax(hidden @ weight.T / temperature)[target] at every position, from the final (post-norm)
+    hidden states and the output embedding, chunk_size rows at a time. Each chunk runs under
+    torch.utils.checkpoint, which keeps only its inputs for the backward pass and recomputes its logits
+    there: neither pass holds more than one chunk's logits, in float32 (float64 for float64 input) and
+    the few (n, V) temporaries of their softmax and its gradient (about four at the backward's peak).
+    The matmul runs in hidden's dtype; weight's gradient is summed over the chunks in weight's dtype.
+
+    hidden (B, T, C), weight (V, C), targets (B, T) long -> (B, T) float32, e.g. B=16, T=64, C=576,
+    V=49152: 2 chunks of (512, 49152) float32 logits, one at a time, instead of (1024, 49152) at once
+    """
+    h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    chunks = [checkpoint(_chunk_logprobs, h[i:i + chunk_size], weight, t[i:i + chunk_size], temperature,
+                         use_reentrant=False) for i in range(0, len(t), chunk_size)]
+    return torch.cat(chunks).view(targets.shape)
+
+
+def _chunk_logprobs(h, weight, t, temperature):
+    """hidden_logprobs on one chunk of rows: h (n, C) -> (n,), everything kept for autograd."""
+    z = h @ weight.to(h.dtype).t()                                             # (n, V)
+    z = z.to(torch.promote_types(z.dtype, torch.float32)) / temperature        # the softmax in float32
+    return z.gather(1, t[:, None]).squeeze(1) - z.logsumexp(1)

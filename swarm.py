@@ -18,11 +18,9 @@ sharing; what follows it makes the same thing durable, bounded and safe against 
   the store down a peer trains in silo (the paper's baseline) and catches up when it returns.
 - connect(url) picks the store: an HTTP server (SwarmClient), or Redis Streams (RedisClient, for a
   swarm one Python server cannot carry, with Redis's ACL users in the token's place).
-- Below the marker: Limits (every bound) and the rules every request, file or reply is checked by;
-  RolloutStore, the Store on disk; SwarmServer, the HTTP around it (`python swarm.py --dir swarm_data
-  --port 8000`, standard library only), built so that slow or hostile clients cannot take it down; the
-  two transports; a dashboard (GET / draws each peer's local reward per round beside what its newest
-  group says, escaped); the command line.
+- Below the marker: RolloutStore (the Store on disk) and SwarmServer, the HTTP around it (`python
+  swarm.py --dir swarm_data --port 8000`, standard library only, built so that slow or hostile clients
+  cannot take it down), the transports, a dashboard (GET /) and the command line.
 
 Deviations from the paper, and why:
 - The paper's swarm ran on Gensyn's RL Swarm, where peers exchange rollouts over a peer-to-peer DHT.
@@ -85,11 +83,8 @@ class Store:
         read()     GET /rollouts?after=SEQ: the indexed groups with seq > SEQ, from memory
         sample()   GET /rollouts?sample=K: K groups drawn from the recent window, every producer alike
 
-    The batch file is written atomically and fsynced before publish() returns, so an acknowledgement
-    means the batch survives kill -9 and nothing half-written is ever served; and as its name holds its
-    last seq, a restart continues the numbering whatever the files hold. Two locks: `write_lock` lets
-    one writer at a time touch the folder (one global order; a post costs one fsync), and `lock` guards
-    the in-memory state for the moment an update or a read takes, so readers never wait for a disk."""
+    A batch is durable (written atomically, fsynced) before publish() answers, so an acknowledged batch
+    survives kill -9. `write_lock` orders the writers; `lock` guards memory only: readers never wait."""
 
     def publish(self, peer, round_, batch_id, groups):
         """Store one batch (or recognise a retry of one) -> {"accepted": groups, "seq": its last seq}."""
@@ -150,9 +145,8 @@ class Store:
 
 def _page(entries, after, limit, exclude):
     """entries: (number, peer, UTF-8 JSON, ...) in number order -> (the JSON texts after `after` that are
-    not `exclude`'s, the number to continue after): at most `limit` (None: any) and Limits.page_bytes,
-    unless one text alone is larger. The next number passes over the excluded entries too, so a reader
-    who skips its own groups does not read them again and again."""
+    not `exclude`'s, the number to continue after, past the excluded ones too): at most `limit` (None:
+    any) and Limits.page_bytes, unless one text alone is larger."""
     start = bisect.bisect_right(entries, after, key=lambda entry: entry[0])
     texts, size, next_number = [], 0, after
     for number, peer, text, *_ in entries[start:start + Limits.scan_groups]:

@@ -3653,7 +3653,7 @@ def test_train_shared_logprobs_publishes_them_and_trains_shared_rows_against_the
         collected = peer.collect(0)
         published = peer.client.published[0][1]
         for g, local in zip(published, collected["groups"]):
-            assert swarm.check(g, swarm.GROUP) == g  # what the server accepts, unchanged
+            assert swarm.check(g, swarm.fields(swarm.GROUP, swarm.OPTIONAL, swarm.ALSO)) == g  # what the server accepts, unchanged
             if flag == "--shared-logprobs":
                 assert g["token_ids"] == local.completions and g["tokenizer"] == train.tokenizer_fingerprint(peer.tok)
                 assert [len(x) for x in g["logprobs"]] == [len(c) for c in local.completions]

@@ -23,26 +23,20 @@ on every peer in turn):
 Peers never wait for each other: a peer trains on whatever external groups have arrived.
 
 Defaults (parser, each declared once): I = 4 local and J = 4 external groups are the paper's best
-configuration (+94% cumulative reward over peers in silo, with 8 Qwen2.5-0.5B peers). Its baseline, in
-silo, trains on 8/0: a peer with J = 0, or with no swarm to join, takes I + J as I. The rest (G = 8,
-temperature 1.0, clip 0.2 / 0.28, no KL, DAPO's token-mean loss, 256 new tokens, one step per round)
-are common GRPO settings, chosen to match what the paper's code is described to do where we know it.
+configuration (+94% cumulative reward over peers in silo, with 8 Qwen2.5-0.5B peers); its baseline in
+silo trains on 8/0, so a peer with J = 0 or no swarm takes I + J as I. The rest (G = 8, temperature 1,
+clip 0.2 / 0.28, no KL, DAPO's token-mean loss, 256 new tokens, one step a round) are common GRPO
+settings, chosen to match what the paper's code is described to do where we know it.
 
-Seeds, so that runs can be paired: a peer's questions, its sampling and its draws of external groups
-come from separate random streams, each derived from its --seed alone. Round r's questions come from
-a stream of their own (the first I questions of round r do not depend on I, J or on what arrived), so
-a swarm peer and a silo peer with the same seed are asked the same questions with the same sampling
-seeds. Peer k of a swarm launched with --seed S gets the seed peer_seed(S, k), a hash: no two
-(S, k) share a peer, as S + k would.
+Seeds: questions, sampling and external draws come from separate random streams derived from --seed
+alone (stream), round r's questions from one of their own, so a swarm peer and a silo peer with the
+same seed are asked the same questions with the same sampling seeds: runs can be paired.
 
-External groups are taken as text, never as control: their completions are tokenised with special-
-token strings kept as text (an "<|im_end|>" inside one is just characters), every row is trained only
-up to its first stop token, and a completion longer than the local --max-new-tokens is cut there and
-scored as cut: the reward always belongs to the tokens trained on. What is recent is decided by the
-server, never by the round a sender claims (swarm.py: each producer's newest batches by arrival), so
-a forged round cannot age anyone's groups and a producer that restarts from an older round still
-counts. A pooled group the receiver did not draw leaves the pool POOL_ROUNDS of the receiver's own
-rounds after it arrived; the pool is saved in checkpoints, so a resumed peer draws as it would have.
+External groups are taken as text, never as control (external_group, retokenise): a special token's
+text inside one is just characters, a row trains only up to its first stop token, and a completion
+longer than --max-new-tokens is cut and scored as cut. What is recent is the store's call, never the
+round a sender claims (swarm.py); a pooled group not drawn leaves the pool POOL_ROUNDS of the
+receiver's own rounds after it came, and the pool is saved in checkpoints.
 
 Deviations from the paper, and why:
 - Learning rate: the paper's text says Adam at 0.001, its code 1e-5 or 1e-6. We use AdamW at
@@ -52,17 +46,14 @@ Deviations from the paper, and why:
   the paper's nine for any other model.
 - One-shot prompt: with --one-shot (on by default) the prompt holds one worked example of the same
   task family as an earlier chat turn; without it a 135M model almost never uses the answer tags.
-- Old log-probs: peers share text, never probabilities, so the ratio's "old" policy is the local
-  model at the start of the round for external rollouts too. With --inner-steps 1 (paper) the ratio
-  is 1 and the update is REINFORCE with group-normalised advantages; the clip acts from step 2 on.
-  Beyond the paper, --shared-logprobs publishes sampling log-probs, and a receiver with the same tokenizer
-  takes the sender's as "old" for shared rows (README, "Off-policy sharing"); local rows keep ratio 1.
+- Old log-probs: the paper's peers share no probabilities, so "old" is the local model at the start of
+  the round for external rollouts too: with --inner-steps 1 the ratio is 1 (REINFORCE with group-
+  normalised advantages). Beyond the paper, --shared-logprobs makes it the sender's (grpo.py, README).
 - Trust: external groups whose answer does not follow from their question are dropped
   (reward.verify_item); the paper trusts the sender's ground truth.
 - Weights are trained in float32 (bfloat16 autocast on CUDA) and copied into a bfloat16 sampler each
   round: pure-bf16 weights would round away updates of size 1e-6.
-- No GPU: the defaults shrink G, I, J and the completion length so that a CPU run shows progress
-  within minutes, and save memory with the same gradient (parser; --help shows this machine's).
+- No GPU: smaller defaults (parser), so that a CPU run shows progress within minutes.
 """
 
 import argparse
@@ -99,46 +90,13 @@ import swarm
 # settings: every knob of a run, with its meaning; saved as settings.json beside the checkpoints
 
 
-def parse_args(argv=None):
-    """The run's settings: the flags, whose defaults are this machine's (parser), then the silo rule.
-    A bad flag gets one sentence from argparse and exit status 2, before any model is loaded."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    device = argparse.ArgumentParser(add_help=False)
-    device.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p = parser(device.parse_known_args(argv)[0].device)  # the defaults depend on it: --help shows them
-    args = p.parse_args(argv)
-    args.token = getattr(args, "token", None) or os.environ.get("SWARM_TOKEN")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error(f"--device {args.device} was asked for, but torch sees no CUDA GPU")
-    if args.resume and not args.out:
-        p.error("--resume needs --out: the run folder to continue")
-    try:
-        args.task_list = resolve_tasks(args.tasks, args.model)
-        swarm.check_token(args.token)
-    except ValueError as e:
-        p.error(str(e))
-    if args.external and not (args.swarm or args.peers):  # explicit J > 0 with nothing to take groups from
-        p.error("--external needs --swarm URL or --peers N; without a swarm leave it out (in silo I takes I + J)")
-    # the silo rule: a peer with J = 0, or with no swarm to join, takes I + J as I (the paper's 8/0 against 4/4)
-    I, J = swarm_size(args.device)
-    if args.external is None:
-        args.external = J if args.swarm or args.peers else 0
-    if args.local is None:
-        args.local = I if args.external else I + J
-    check_resume(p, args)
-    args.out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    return args
-
-
-def swarm_size(device):
-    """The default (I, J): the paper's best, 4 local and 4 external groups a round; 2 and 2 on a CPU."""
+def swarm_size(device):  # the default (I, J): the paper's best, 4 and 4 groups a round; 2 and 2 on a CPU
     return (2, 2) if device == "cpu" else (4, 4)
 
 
 def parser(device):
-    """Every flag, with its meaning and its default on `device`. A CPU is ~100x slower at this than a GPU
-    and several peers share its memory, so there I, J, G and the completion length are smaller, and the
-    backward pass recomputes activations in micro-batches of 4 (the same gradient, less memory)."""
+    """Every flag, with its meaning and its default on `device`: on a CPU (~100x slower, several peers in
+    its memory) smaller I, J, G and completions, and micro-batches of 4 with recomputed activations."""
     cpu, (I, J) = device == "cpu", swarm_size(device)
     p = argparse.ArgumentParser(description="SAPO: swarm sampling policy optimization (arXiv 2509.08721)",
                                 formatter_class=Help, allow_abbrev=False,
@@ -191,105 +149,11 @@ def parser(device):
       help="recompute activations in the backward pass")
     a("--shared-logprobs", action=argparse.BooleanOptionalAction, default=False,
       help="publish sampling log-probs, and train shared completions against their sender's (off: the paper's rule)")
-    # machinery
-    a("--seed", type=int, default=0,
-      help="this peer's seed (questions, sampling, external draws, init); peer k of --peers gets peer_seed(seed, k)")
-    a("--device", default=device, help="cuda, cpu, cuda:1, ...")
-    a("--dtype", choices=["bfloat16", "float16", "float32"],
-      help="dtype of the sampling copy of the weights (default: bfloat16 on CUDA, float32 on CPU)")
-    a("--out", type=writable_folder, help="run folder (default: runs/<date-time>); each peer writes OUT/<name>/")
-    a("--save-every", type=at_least(0), default=50, help="checkpoint every K rounds (0: only at the end or on a stop)")
-    a("--sample-every", type=at_least(0), default=10, help="write some completions to samples.jsonl every K rounds")
-    a("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    a("--quiet", action="store_true", help="no progress bar (a line per round instead)")
+    machinery_flags(a, device)
     return p
 
 
-class Help(argparse.ArgumentDefaultsHelpFormatter):
-    """--help with every default said once: argparse's "(default: X)", unless the help says it in words."""
-
-    def _get_help_string(self, action):
-        said = action.default is None or action.default is False or "default" in action.help
-        return action.help if said else super()._get_help_string(action)
-
-
-def at_least(low, kind=int):
-    """An argparse type: a number of `kind` that is at least `low`."""
-    def number(text):
-        value = kind(text)  # a ValueError: argparse says "invalid int value"
-        if not value >= low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, not {text}")
-        return value
-    number.__name__ = kind.__name__
-    return number
-
-
-def positive(text):
-    """An argparse type: a float above 0."""
-    if not float(text) > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, not {text}")
-    return float(text)
-
-
-def fraction(text):
-    """An argparse type: a float in [0, 1)."""
-    if not 0 <= float(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, not {text}")
-    return float(text)
-
-
-def matching(pattern, what):
-    """An argparse type: a string that fully matches the regular expression `pattern`."""
-    def string(text):
-        if not re.fullmatch(pattern, text):
-            raise argparse.ArgumentTypeError(f"must be {what}, not {text!r}")
-        return text
-    return string
-
-
-def writable_folder(path):
-    """An argparse type: a folder that exists or can be made, and written in (checked, not made yet)."""
-    here = os.path.abspath(path)
-    while not os.path.exists(here):
-        here = os.path.dirname(here)
-    if not os.path.isdir(here):
-        raise argparse.ArgumentTypeError(f"{here} is a file, not a folder: give a folder for the run")
-    if not os.access(here, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"cannot write in {here}: give a folder of yours")
-    return path
-
-
-def check_resume(p, args):
-    """--resume without --name: the one peer in --out, or one sentence, before any model is loaded, if it
-    holds none, several, or a swarm launched with --peers N (swarm/ beside peer0, peer1, ...)."""
-    if not args.resume or args.name:
-        return
-    out, peers = args.out, sorted(glob.glob(os.path.join(glob.escape(args.out), "*", "settings.json")))
-    peers = [os.path.basename(os.path.dirname(f)) for f in peers]
-    launched = os.path.isdir(os.path.join(out, "swarm")) * sum(bool(re.fullmatch(r"peer\d+", n)) for n in peers)
-    if launched and args.peers != launched:
-        p.error(f"{out} holds a swarm of {launched} peers: resume it with "
-                f"python train.py --peers {launched} --resume --out {out}")
-    if not peers:
-        p.error(f"there is nothing to resume in {out}: no peer has started there; leave out --resume to start a run")
-    if len(peers) > 1 and not args.peers:
-        p.error(f"{args.out} holds {len(peers)} peers ({', '.join(peers)}): pass --name to say which one to resume")
-    if args.peers and not launched:
-        p.error(f"{args.out} holds no swarm launched with --peers: resume it without --peers")
-    args.name = None if args.peers else peers[0]
-
-
 POOL_ROUNDS = 2  # a pooled external group not drawn leaves the pool this many of the receiver's rounds after it came
-
-
-def resolve_tasks(spec, model_name):
-    """--tasks as a list of task names; 'auto' is the easy mix for the default 135M model."""
-    if spec == "auto":
-        spec = "easy" if model_name == M.DEFAULT_MODEL else "paper"
-    return reward.task_names(spec)  # raises ValueError naming the known tasks
-
-# -----------------------------------------------------------------------------
-# seeds: separate, named random streams, so that runs can be paired
 
 
 def peer_seed(seed, k):
@@ -379,7 +243,7 @@ def external_group(tokenizer, g, stop_id, max_new_tokens, one_shot, log, system=
     if len(set(rewards)) < 2:
         return None
     same = g.get("tokenizer") == tokenizer_fingerprint(tokenizer)  # then swarm.py checked token_ids and logprobs
-    return Group(g, prompt_ids(tokenizer, g, one_shot, system), ids, texts, stopped, rewards, [  # sender's log-probs
+    return Group(g, prompt_ids(tokenizer, g, one_shot, system), ids, texts, stopped, rewards, logprobs=[  # sender's
         g["logprobs"][k][:len(c)] if same and g["token_ids"][k][:len(c)] == c else None for k, c in enumerate(ids)])
 
 
@@ -389,70 +253,15 @@ def tokenizer_fingerprint(tokenizer):
     return "vocab-" + hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:32]
 
 # -----------------------------------------------------------------------------
-# one peer
+# one peer's round
 
 
-class Peer:
-    """One SAPO peer: its model, optimizer, swarm client and round loop.
-
-    client: a swarm client to use instead of one made from --swarm (a driver that runs several peers in
-    one process passes its own). args are taken as they are: parse_args treats a peer without --swarm
-    as one in silo and refuses --external J > 0 there, so with an injected client parse --swarm too.
-    round(r) is collect(r) then learn(r, ...): a synchronous swarm calls collect on every peer, lets
-    the groups reach the server, then calls learn on every peer."""
-
-    def __init__(self, args, log=print, client=None):
-        self.args, self.log = args, log
-        self.name = peer_name(args, log)
-        self.dir = os.path.join(args.out, self.name)
-        self.device = torch.device(args.device)
-        self.sample_dtype = getattr(torch, args.dtype) if args.dtype else M.default_dtype(self.device)
-        ckpt = last_checkpoint(self.dir)
-        resuming = args.resume and ckpt is not None
-        if os.path.exists(os.path.join(self.dir, "metrics.jsonl")) and not args.resume:
-            raise SystemExit(f"{self.dir} already holds a run: pass --resume to continue it, or another --out")
-        os.makedirs(self.dir, exist_ok=True)
-        torch.manual_seed(args.seed)
-        settings = os.path.join(self.dir, "settings.json")
-        try:
-            started = json.load(open(settings)).get("model") if resuming and args.beta > 0 else args.model
-            if started != args.model:
-                raise ValueError(f"{self.dir} started from --model {started} (the KL's reference): resume with it")
-            self.model, self.tok = M.load_model(ckpt["path"] if resuming else args.model, self.device, torch.float32, log=log)
-            # beta > 0: the KL's reference is the initial model, --model, also after a resume (not the checkpoint)
-            self.ref_model = M.load_model(args.model, self.device, torch.float32, log=log)[0] if args.beta > 0 else None
-        except (OSError, ValueError, RuntimeError) as e:  # a model that cannot be found or read
-            raise SystemExit(f"train.py: {e}") from None
-        self.model.grad_checkpoint = args.grad_checkpoint
-        self.stop_ids = self.model.stop_ids or [self.tok.eos_token_id]
-        self.stop_id = self.tok.eos_token_id if self.tok.eos_token_id in self.stop_ids else self.stop_ids[0]
-        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.stop_id
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
-        # sampling runs in bf16 on CUDA from a copy refreshed after every step; on the CPU it is the model
-        self.sampler = self.model
-        if self.sample_dtype != torch.float32:
-            self.sampler = copy.deepcopy(self.model).to(self.sample_dtype).eval()
-        self.external_rng = stream(args.seed, "external")  # questions and sampling have a stream per round
-        self.pool = []  # usable external groups (Group) not yet trained on
-        self.start_round = 0
-        if resuming:
-            self.load_state(ckpt)
-        elif args.resume:
-            log(f"{self.dir}: no checkpoint yet, starting from round 0")
-            open(os.path.join(self.dir, "metrics.jsonl"), "w").close()  # those rounds will run again
-        self.client = client
-        if client is None and args.swarm:  # with J = 0 a peer still shares its rollouts
-            try:  # a read of 4J groups a round, whatever the swarm's size
-                self.client = swarm.connect(args.swarm, self.name, token=args.token,
-                                            sample=max(1, min(4 * args.external, swarm.Limits.sample_groups)),
-                                            seed=stream(args.seed, "external", "reads", self.start_round).getrandbits(63))
-            except ValueError as e:  # a URL it cannot use, or redis:// without the redis package
-                raise SystemExit(f"train.py: --swarm: {e}") from None
-        with open(settings, "w") as f:  # never the token, nor a password in the URL: no secret goes to disk
-            json.dump({k: re.sub(r"(://[^/@]*?):[^/@]*@", r"\1:***@", v) if k == "swarm" and v else v
-                       for k, v in vars(args).items() if k != "token"}, f, indent=2)
-
-    # -- one round: Algorithm 1 of the paper ------------------------------------------------------
+class Algorithm1:
+    """One peer's SAPO round, Algorithm 1 of the paper: round(r) is collect(r) (steps 1-3) then
+    learn(r, ...) (steps 4-7); a synchronous swarm calls collect on every peer, lets the groups reach the
+    store, then calls learn on every peer. Peer, below the marker line, adds the state these methods use
+    (its __init__: the model and its tokenizer, the optimizer, the sampling copy, the swarm client, the
+    random streams), the loop over rounds, and checkpoints."""
 
     def round(self, r):
         """One SAPO round: sample and share this peer's rollouts, then learn from them and the swarm's."""
@@ -495,7 +304,7 @@ class Peer:
             stopped = [len(o) > 0 and o[-1] in self.stop_ids for o in ids]
             texts = [self.tok.decode(o[:-1] if s else o, skip_special_tokens=True) for o, s in zip(ids, stopped)]
             groups.append(Group(item, prompt, ids, texts, stopped, [reward.score(item, t) for t in texts],
-                                logprobs[i * G:(i + 1) * G]))
+                                logprobs=logprobs[i * G:(i + 1) * G]))
         return groups, sample_seconds
 
     def sampling_seed(self, r):
@@ -590,6 +399,217 @@ class Peer:
         return m
 
     # -- the loop, checkpoints and resume ---------------------------------------------------------
+
+
+def frac_zero_std(groups):
+    """The share of groups whose rewards are all equal (no advantage: GRPO learns nothing from them)."""
+    return mean([float(len(set(g.rewards)) == 1) for g in groups])
+
+
+def mean(xs):
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+# ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
+# The flags' checks, the peer's state, loop and checkpoints, the launcher, the plot and the command line.
+
+
+# -----------------------------------------------------------------------------
+# settings: checks
+
+
+def parse_args(argv=None):
+    """The run's settings: the flags, whose defaults are this machine's (parser), then the silo rule.
+    A bad flag gets one sentence from argparse and exit status 2, before any model is loaded."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    device = argparse.ArgumentParser(add_help=False)
+    device.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p = parser(device.parse_known_args(argv)[0].device)  # the defaults depend on it: --help shows them
+    args = p.parse_args(argv)
+    args.token = getattr(args, "token", None) or os.environ.get("SWARM_TOKEN")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device} was asked for, but torch sees no CUDA GPU")
+    if args.resume and not args.out:
+        p.error("--resume needs --out: the run folder to continue")
+    try:
+        args.task_list = resolve_tasks(args.tasks, args.model)
+        swarm.check_token(args.token)
+    except ValueError as e:
+        p.error(str(e))
+    if args.external and not (args.swarm or args.peers):  # explicit J > 0 with nothing to take groups from
+        p.error("--external needs --swarm URL or --peers N; without a swarm leave it out (in silo I takes I + J)")
+    # the silo rule: a peer with J = 0, or with no swarm to join, takes I + J as I (the paper's 8/0 against 4/4)
+    I, J = swarm_size(args.device)
+    if args.external is None:
+        args.external = J if args.swarm or args.peers else 0
+    if args.local is None:
+        args.local = I if args.external else I + J
+    check_resume(p, args)
+    args.out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    return args
+
+
+class Help(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with every default said once: argparse's "(default: X)", unless the help says it in words."""
+
+    def _get_help_string(self, action):
+        said = action.default is None or action.default is False or "default" in action.help
+        return action.help if said else super()._get_help_string(action)
+
+
+def at_least(low, kind=int):
+    """An argparse type: a number of `kind` that is at least `low`."""
+    def number(text):
+        value = kind(text)  # a ValueError: argparse says "invalid int value"
+        if not value >= low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, not {text}")
+        return value
+    number.__name__ = kind.__name__
+    return number
+
+
+def positive(text):
+    """An argparse type: a float above 0."""
+    if not float(text) > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, not {text}")
+    return float(text)
+
+
+def fraction(text):
+    """An argparse type: a float in [0, 1)."""
+    if not 0 <= float(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, not {text}")
+    return float(text)
+
+
+def matching(pattern, what):
+    """An argparse type: a string that fully matches the regular expression `pattern`."""
+    def string(text):
+        if not re.fullmatch(pattern, text):
+            raise argparse.ArgumentTypeError(f"must be {what}, not {text!r}")
+        return text
+    return string
+
+
+def writable_folder(path):
+    """An argparse type: a folder that exists or can be made, and written in (checked, not made yet)."""
+    here = os.path.abspath(path)
+    while not os.path.exists(here):
+        here = os.path.dirname(here)
+    if not os.path.isdir(here):
+        raise argparse.ArgumentTypeError(f"{here} is a file, not a folder: give a folder for the run")
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write in {here}: give a folder of yours")
+    return path
+
+
+def check_resume(p, args):
+    """--resume without --name: the one peer in --out, or one sentence, before any model is loaded, if it
+    holds none, several, or a swarm launched with --peers N (swarm/ beside peer0, peer1, ...)."""
+    if not args.resume or args.name:
+        return
+    out, peers = args.out, sorted(glob.glob(os.path.join(glob.escape(args.out), "*", "settings.json")))
+    peers = [os.path.basename(os.path.dirname(f)) for f in peers]
+    launched = os.path.isdir(os.path.join(out, "swarm")) * sum(bool(re.fullmatch(r"peer\d+", n)) for n in peers)
+    if launched and args.peers != launched:
+        p.error(f"{out} holds a swarm of {launched} peers: resume it with "
+                f"python train.py --peers {launched} --resume --out {out}")
+    if not peers:
+        p.error(f"there is nothing to resume in {out}: no peer has started there; leave out --resume to start a run")
+    if len(peers) > 1 and not args.peers:
+        p.error(f"{args.out} holds {len(peers)} peers ({', '.join(peers)}): pass --name to say which one to resume")
+    if args.peers and not launched:
+        p.error(f"{args.out} holds no swarm launched with --peers: resume it without --peers")
+    args.name = None if args.peers else peers[0]
+
+
+def resolve_tasks(spec, model_name):
+    """--tasks as a list of task names; 'auto' is the easy mix for the default 135M model."""
+    if spec == "auto":
+        spec = "easy" if model_name == M.DEFAULT_MODEL else "paper"
+    return reward.task_names(spec)  # raises ValueError naming the known tasks
+
+# -----------------------------------------------------------------------------
+# seeds: separate, named random streams, so that runs can be paired
+
+
+def machinery_flags(a, device):
+    """parser's flags that set where and how a run goes, not what it learns."""
+    a("--seed", type=int, default=0,
+      help="this peer's seed (questions, sampling, external draws, init); peer k of --peers gets peer_seed(seed, k)")
+    a("--device", default=device, help="cuda, cpu, cuda:1, ...")
+    a("--dtype", choices=["bfloat16", "float16", "float32"],
+      help="dtype of the sampling copy of the weights (default: bfloat16 on CUDA, float32 on CPU)")
+    a("--out", type=writable_folder, help="run folder (default: runs/<date-time>); each peer writes OUT/<name>/")
+    a("--save-every", type=at_least(0), default=50, help="checkpoint every K rounds (0: only at the end or on a stop)")
+    a("--sample-every", type=at_least(0), default=10, help="write some completions to samples.jsonl every K rounds")
+    a("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    a("--quiet", action="store_true", help="no progress bar (a line per round instead)")
+
+
+# -----------------------------------------------------------------------------
+# one peer: its state, its loop, its checkpoints
+
+
+class Peer(Algorithm1):
+    """One SAPO peer: its model, optimizer, swarm client and the loop over Algorithm1's rounds.
+
+    client: a swarm client to use instead of one made from --swarm (a driver that runs several peers in
+    one process passes its own). args are taken as they are: parse_args treats a peer without --swarm
+    as one in silo and refuses --external J > 0 there, so with an injected client parse --swarm too."""
+
+    def __init__(self, args, log=print, client=None):
+        self.args, self.log = args, log
+        self.name = peer_name(args, log)
+        self.dir = os.path.join(args.out, self.name)
+        self.device = torch.device(args.device)
+        self.sample_dtype = getattr(torch, args.dtype) if args.dtype else M.default_dtype(self.device)
+        ckpt = last_checkpoint(self.dir)
+        resuming = args.resume and ckpt is not None
+        if os.path.exists(os.path.join(self.dir, "metrics.jsonl")) and not args.resume:
+            raise SystemExit(f"{self.dir} already holds a run: pass --resume to continue it, or another --out")
+        os.makedirs(self.dir, exist_ok=True)
+        torch.manual_seed(args.seed)
+        settings = os.path.join(self.dir, "settings.json")
+        try:
+            started = json.load(open(settings)).get("model") if resuming and args.beta > 0 else args.model
+            if started != args.model:
+                raise ValueError(f"{self.dir} started from --model {started} (the KL's reference): resume with it")
+            self.model, self.tok = M.load_model(ckpt["path"] if resuming else args.model, self.device, torch.float32, log=log)
+            # beta > 0: the KL's reference is the initial model, --model, also after a resume (not the checkpoint)
+            self.ref_model = M.load_model(args.model, self.device, torch.float32, log=log)[0] if args.beta > 0 else None
+        except (OSError, ValueError, RuntimeError) as e:  # a model that cannot be found or read
+            raise SystemExit(f"train.py: {e}") from None
+        self.model.grad_checkpoint = args.grad_checkpoint
+        self.stop_ids = self.model.stop_ids or [self.tok.eos_token_id]
+        self.stop_id = self.tok.eos_token_id if self.tok.eos_token_id in self.stop_ids else self.stop_ids[0]
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.stop_id
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        # sampling runs in bf16 on CUDA from a copy refreshed after every step; on the CPU it is the model
+        self.sampler = self.model
+        if self.sample_dtype != torch.float32:
+            self.sampler = copy.deepcopy(self.model).to(self.sample_dtype).eval()
+        self.external_rng = stream(args.seed, "external")  # questions and sampling have a stream per round
+        self.pool = []  # usable external groups (Group) not yet trained on
+        self.start_round = 0
+        if resuming:
+            self.load_state(ckpt)
+        elif args.resume:
+            log(f"{self.dir}: no checkpoint yet, starting from round 0")
+            open(os.path.join(self.dir, "metrics.jsonl"), "w").close()  # those rounds will run again
+        self.client = client
+        if client is None and args.swarm:  # with J = 0 a peer still shares its rollouts
+            try:  # a read of 4J groups a round, whatever the swarm's size
+                self.client = swarm.connect(args.swarm, self.name, token=args.token,
+                                            sample=max(1, min(4 * args.external, swarm.Limits.sample_groups)),
+                                            seed=stream(args.seed, "external", "reads", self.start_round).getrandbits(63))
+            except ValueError as e:  # a URL it cannot use, or redis:// without the redis package
+                raise SystemExit(f"train.py: --swarm: {e}") from None
+        with open(settings, "w") as f:  # never the token, nor a password in the URL: no secret goes to disk
+            json.dump({k: re.sub(r"(://[^/@]*?):[^/@]*@", r"\1:***@", v) if k == "swarm" and v else v
+                       for k, v in vars(args).items() if k != "token"}, f, indent=2)
+
+    # -- one round: Algorithm 1 of the paper ------------------------------------------------------
 
     def run(self):
         """Rounds start_round to --rounds - 1, then a checkpoint of the last. Ctrl-C or SIGTERM (the
@@ -703,15 +723,6 @@ def progress(m, rounds):
 
 
 BAR = "{desc}: {n_fmt}/{total_fmt} rounds{postfix} |{bar}|"  # no tqdm rate or clock: the pace is the peer's own
-
-
-def frac_zero_std(groups):
-    """The share of groups whose rewards are all equal (no advantage: GRPO learns nothing from them)."""
-    return mean([float(len(set(g.rewards)) == 1) for g in groups])
-
-
-def mean(xs):
-    return sum(xs) / len(xs) if xs else 0.0
 
 
 def release_memory():

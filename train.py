@@ -894,7 +894,8 @@ def plot(run_dir, window=10):
     """RUN_DIR/reward.svg, every peer's reward per round (a running mean over `window` rounds): on top the
     local reward, the peer's skill; below it the batch reward, the paper's figure, which also counts the
     external groups trained on (always of mixed reward, so it reads higher). A run in silo trains on
-    its local groups only, where the two are the same: it gets the top chart alone."""
+    its local groups only, where the two are the same: it gets the top chart alone. The charts are
+    drawn by swarm.render_svg (swarm.py, the dashboard's, below its marker line)."""
     runs = {}
     for path in sorted(glob.glob(os.path.join(glob.escape(run_dir), "*", "metrics.jsonl"))):
         with open(path) as f:

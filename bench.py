@@ -364,8 +364,7 @@ def bench_stores(peers=200, rounds=3, local=4, sample=16, workers=8):
     """Both stores in one run, the embedded server (a swarm.py process) and a durable redis-server, under
     `peers` simulated peers in this process: each round every peer publishes `local` groups, then reads
     once: everything after its cursor ("cursor", up to 250 peers: beyond, it moves peers^2 x local groups
-    a round) or a sampled read of `sample` groups ("sampled"; for the HTTP server only its posts are
-    measured here, its sampled read being sample x bytes_per_group). The peers' exchanges are those of
+    a round) or a sampled read of `sample` groups ("sampled"). The peers' exchanges are those of
     swarm's clients (client._request, without their threads), from `workers` threads. -> per store:
     posts/s, read p50/p99 ms, bytes read per peer per round, the server's CPU ms per post and per read
     (from /proc), and its memory."""
@@ -379,8 +378,9 @@ def bench_stores(peers=200, rounds=3, local=4, sample=16, workers=8):
             proc, url = _server(os.path.join(folder, store))[:2] if store == "http" else \
                 _redis_server(os.path.join(folder, store))
             clients = [swarm.connect(url, f"worker{k}", cursor=0) for k in range(workers)]
-            for c in clients:
-                c.close()  # only its exchanges are used, on behalf of the simulated peers
+            for c in clients:  # only its exchanges are used, on behalf of the simulated peers: its thread
+                c.close()      # stops, and its _request works again
+                c.closing = False
             local_clients = threading.local()
 
             def client():
@@ -407,8 +407,6 @@ def bench_stores(peers=200, rounds=3, local=4, sample=16, workers=8):
             r = {"bytes_per_group": bytes_per_group}
             position, cpu0, t0 = [0] * peers, _cpu_seconds(proc.pid), time.perf_counter()
             modes = [("cursor", "after={after}")] * (peers <= 250) + [("sampled", f"sample={sample}&seed={{seed}}")]
-            if store == "http":  # (its sampled read is measured as posts only: the reads are computed)
-                modes[-1] = ("sampled", None)
             with ThreadPoolExecutor(workers) as pool:
                 for mode, query in modes:
                     post_s = cpu_post = cpu_read = 0.0

@@ -398,8 +398,6 @@ class Algorithm1:
             self.client.post_metrics(r, {k: float(v) for k, v in m.items() if isinstance(v, (int, float))})
         return m
 
-    # -- the loop, checkpoints and resume ---------------------------------------------------------
-
 
 def frac_zero_std(groups):
     """The share of groups whose rewards are all equal (no advantage: GRPO learns nothing from them)."""
@@ -609,7 +607,7 @@ class Peer(Algorithm1):
             json.dump({k: re.sub(r"(://[^/@]*?):[^/@]*@", r"\1:***@", v) if k == "swarm" and v else v
                        for k, v in vars(args).items() if k != "token"}, f, indent=2)
 
-    # -- one round: Algorithm 1 of the paper ------------------------------------------------------
+    # -- the loop over rounds, checkpoints and resume -------------------------------------------------
 
     def run(self):
         """Rounds start_round to --rounds - 1, then a checkpoint of the last. Ctrl-C or SIGTERM (the

@@ -257,6 +257,17 @@ def _server(folder=None, *flags, preexec_fn=None):
     return proc, m.group(1), folder
 
 
+def _end(proc, folder, stop=None, threads=()):
+    """An attack's end: its threads told to stop and joined, the server killed, its folder removed."""
+    if stop is not None:
+        stop.set()
+    for t in threads:
+        t.join()
+    proc.kill()
+    proc.wait()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def _groups(tag, n=4, completions=8, chars=600):
     filler = "Let me think step by step. " * (chars // 27 + 1)
     return [{"task": "basic_arithmetic", "question": f"{tag} question {i}", "answer": str(i), "metadata": {"i": i},
@@ -336,9 +347,7 @@ def bench_swarm(peers=32, rounds=20, groups_per_post=4):
                 "groups_lost": sum(key not in stored for key in posted),
                 "groups_missed": sum(len(others[k] - got[k]) for k in range(peers))}
     finally:
-        proc.kill()
-        proc.wait()
-        shutil.rmtree(folder, ignore_errors=True)
+        _end(proc, folder)
 
 
 def _redis_server(folder):
@@ -502,9 +511,7 @@ def attack_flood(slow=500, seconds=20):
     finally:
         stop.set()
         flooder.join()
-        proc.kill()
-        proc.wait()
-        shutil.rmtree(folder, ignore_errors=True)
+        _end(proc, folder)
     return {"slow_connections": slow, "slow_connects_made": opened[0], **honest, "server_cpu_cores": round(cpu, 3),
             "server_peak_rss_mb": round(rss, 1)}
 
@@ -586,9 +593,7 @@ def attack_busy_cap(busy=1100, limit=1024, seconds=15):
     finally:
         stop.set()
         holder.join()
-        proc.kill()
-        proc.wait()
-        shutil.rmtree(folder, ignore_errors=True)
+        _end(proc, folder)
 
 
 def attack_stalled_bodies(senders=8, seconds=15):
@@ -626,12 +631,7 @@ def attack_stalled_bodies(senders=8, seconds=15):
         honest = _honest(url, seconds, headers={"Authorization": "Bearer s3cret"})
         return {"stalled_senders": senders, "their_connects": made[0], **honest}
     finally:
-        stop.set()
-        for t in threads:
-            t.join()
-        proc.kill()
-        proc.wait()
-        shutil.rmtree(folder, ignore_errors=True)
+        _end(proc, folder, stop, threads)
 
 
 def attack_parse_bombs(writers=4, seconds=15):
@@ -672,12 +672,7 @@ def attack_parse_bombs(writers=4, seconds=15):
                 "health_p50_ms": _pct(health, 0.5), "health_p99_ms": _pct(health, 0.99),
                 "health_max_ms": round(max(health), 1), "server_peak_rss_mb": round(_rss_mb(proc.pid, "VmHWM"), 1)}
     finally:
-        stop.set()
-        for t in threads:
-            t.join()
-        proc.kill()
-        proc.wait()
-        shutil.rmtree(folder, ignore_errors=True)
+        _end(proc, folder, stop, threads)
 
 
 def _hostile_requests():
@@ -826,9 +821,7 @@ def attack_hostile():
         alive = requests.get(url + "/health", timeout=5).json()
         return {"classes": counts, "stored_groups_after": alive["groups"], "server_alive": alive["ok"]}
     finally:
-        proc.kill()
-        proc.wait()
-        shutil.rmtree(folder, ignore_errors=True)
+        _end(proc, folder)
 
 
 def attack_kill9(cycles=10, writers=16):
@@ -1108,9 +1101,7 @@ def attack_memory(keep_mb=64, post_mb=256, writers=4, largest=False):
                 "peak_disk_mb": round(peak_disk / 2**20, 1), "empty_rss_mb": round(empty_rss, 1),
                 "final_rss_mb": round(_rss_mb(proc.pid), 1), "peak_rss_mb": round(_rss_mb(proc.pid, "VmHWM"), 1)}
     finally:
-        proc.kill()
-        proc.wait()
-        shutil.rmtree(folder, ignore_errors=True)
+        _end(proc, folder)
 
 
 def bench_attack(args):

@@ -1104,15 +1104,18 @@ class SwarmClient(Client):
         if bad:
             self._log(f"dropped {len(bad)} malformed groups from the server (the first: {bad[0][:200]})")
         with self.cond:
-            self.inbox.extend(groups)
-            self.inbox_bytes += sum(size for _, size in groups)
-            while self.inbox_bytes > Limits.inbox_bytes:
-                self.inbox_bytes -= self.inbox.popleft()[1]
+            self._into_inbox(groups)
             self.read_up_to = page["next"]
             if page["next"] >= page["last"] or page["next"] == after:  # nothing more to read for now
                 self.caught_up = poll
                 self.cond.notify_all()
             return self.caught_up == poll
+
+    def _into_inbox(self, groups):  # (with self.cond held) (group, bytes) pairs in; beyond the bound the oldest go
+        self.inbox.extend(groups)
+        self.inbox_bytes += sum(size for _, size in groups)
+        while self.inbox_bytes > Limits.inbox_bytes:
+            self.inbox_bytes -= self.inbox.popleft()[1]
 
     def _newest(self):  # the server's newest seq
         self.newest = self._get("/health", HEALTH)["last_seq"]
@@ -1136,10 +1139,7 @@ class SwarmClient(Client):
                     continue
                 if g["peer"] != self.peer and g["seq"] not in self.seen:
                     self.seen.append(g["seq"])
-                    self.inbox.append((g, len(_dumps(g))))
-                    self.inbox_bytes += self.inbox[-1][1]
-            while self.inbox_bytes > Limits.inbox_bytes:
-                self.inbox_bytes -= self.inbox.popleft()[1]
+                    self._into_inbox([(g, len(_dumps(g)))])
             self.asked, self.caught_up = self.asked - 1, poll
             self.cond.notify_all()
         if bad:

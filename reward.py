@@ -85,10 +85,12 @@ def extract_answer(text):
 
 
 class Task:
-    """One task family. A family writes make(rng) -> (question, answer, metadata), drawing only from
-    rng; score_answer(answer, item) -> reward in [0, 1] for an extracted answer (None when the
-    completion has none; it may raise on an answer it cannot read, which scores 0), by default
-    ReasoningGym's default rule; and working(item), a line of working for the worked example.
+    """One task family. A family writes make(rng, **config) -> (question, answer, metadata), drawing
+    only from rng, its config being its entry of PAPER_CONFIGS (none for an easy family);
+    score_answer(answer, item) -> reward in [0, 1] for an extracted answer (None when the completion
+    has none; it may raise on an answer it cannot read, which scores 0), by default ReasoningGym's
+    default rule; and WORKING, a line of working for the worked example, filled in with the item's
+    answer and metadata (or a working(item) of its own).
 
     An item is trusted by making it again. A seeded family (the paper's nine) makes each item from
     random.Random(seed) and records the seed in metadata["seed"]; an unseeded one (the easy families)
@@ -97,6 +99,7 @@ class Task:
 
     seeded = True
     max_answer_chars = None  # a longer answer scores 0 (for scorers whose parsing is not linear time)
+    WORKING = ""
 
     def score_answer(self, answer, item):
         """ReasoningGym's default rule: 1.0 for exactly the item's answer, len(item's answer) /
@@ -109,7 +112,7 @@ class Task:
         return len(oracle) / len(answer) if oracle in answer else 0.0
 
     def working(self, item):
-        return ""
+        return self.WORKING.format_map({**item["metadata"], "answer": item["answer"]})
 
     def generate(self, rng):
         """A new item: made from a seed drawn from rng, or, unseeded, from rng itself."""
@@ -120,7 +123,7 @@ class Task:
 
     def from_seed(self, seed):
         """The item a seeded family makes from random.Random(seed): {task, question, answer, metadata}."""
-        question, answer, meta = self.make(random.Random(seed))
+        question, answer, meta = self.make(random.Random(seed), **PAPER_CONFIGS[self.name])
         return {"task": self.name, "question": question, "answer": answer, "metadata": {**meta, "seed": seed}}
 
     def verify(self, item):
@@ -267,20 +270,16 @@ class BaseConversion(Task):
     rule, so "1D2" and "0x1d2" are not the answer (the latter earns 3/5 partial credit)."""
 
     name = "base_conversion"
+    WORKING = ("In decimal the number is {decimal_value}; dividing by {target_base} again and again and reading "
+               "the remainders backwards gives {answer}.")
 
-    def make(self, rng):
-        c = PAPER_CONFIGS[self.name]
-        value = rng.randint(c["min_value"], c["max_value"])
-        source, target = rng.sample(range(c["min_base"], c["max_base"] + 1), 2)
+    def make(self, rng, min_base, max_base, min_value, max_value):
+        value = rng.randint(min_value, max_value)
+        source, target = rng.sample(range(min_base, max_base + 1), 2)
         question = ("Convert a number from one base to another. If the target base is above 10, write "
                     "the digits above 9 as lowercase letters a-z.\n\n"
                     f"Now, convert the {_base_name(source)} number {_to_base(value, source)} to {_base_name(target)}.")
         return question, _to_base(value, target), {"decimal_value": value, "source_base": source, "target_base": target}
-
-    def working(self, item):
-        meta = item["metadata"]
-        return (f"In decimal the number is {meta['decimal_value']}; dividing by {meta['target_base']} again and "
-                f"again and reading the remainders backwards gives {item['answer']}.")
 
 
 TASKS["base_conversion"] = BaseConversion()
@@ -377,6 +376,7 @@ class BasicArithmetic(Task):
 
     name = "basic_arithmetic"
     TEMPLATES = ("What is {}?", "Calculate {}.", "Compute {}.", "Evaluate: {}.")
+    WORKING = "Multiply and divide before adding and subtracting, innermost parentheses first: {expression} = {answer}."
 
     def _terms(self, rng, n, digits):
         """The tokens of an expression of n numbers: a first part of k numbers (a group in parentheses,
@@ -406,10 +406,9 @@ class BasicArithmetic(Task):
         divisor = rng.choice(_divisors(dividend)) if dividend else rng.randint(1, 10**digits - 1)
         return left + ["/", str(divisor)] + (["+"] + rest if rest else [])
 
-    def make(self, rng):
-        c = PAPER_CONFIGS[self.name]
+    def make(self, rng, min_terms, max_terms, min_digits, max_digits, **fixed):  # fixed: all operators, parentheses
         while True:
-            terms, digits = rng.randint(c["min_terms"], c["max_terms"]), rng.randint(c["min_digits"], c["max_digits"])
+            terms, digits = rng.randint(min_terms, max_terms), rng.randint(min_digits, max_digits)
             try:
                 expression = " ".join(self._terms(rng, terms, digits))
                 value = _int_value(expression)
@@ -418,10 +417,6 @@ class BasicArithmetic(Task):
                 continue
         return rng.choice(self.TEMPLATES).format(expression), str(value), {"expression": expression}
 
-    def working(self, item):
-        return ("Multiply and divide before adding and subtracting, innermost parentheses first: "
-                f"{item['metadata']['expression']} = {item['answer']}.")
-
 
 class DecimalArithmetic(Task):
     """Evaluate an expression of 2..6 decimals in (0, 10] with 1..3 decimal places, + - * / and random
@@ -429,6 +424,8 @@ class DecimalArithmetic(Task):
     ReasoningGym's rule: any number within 0.001 of the answer scores 1.0, anything else 0.0."""
 
     name = "decimal_arithmetic"
+    WORKING = ("Multiply and divide before adding and subtracting, keeping 5 significant digits: "
+               "{expression} = {answer}.")
 
     def _group(self, rng, numbers, ops):
         """numbers joined by ops, split at a random point and parenthesised half of the time."""
@@ -438,32 +435,26 @@ class DecimalArithmetic(Task):
         text = self._group(rng, numbers[:k], ops[:k - 1]) + ops[k - 1] + self._group(rng, numbers[k:], ops[k:])
         return f"({text})" if rng.random() < 0.5 else text
 
-    def make(self, rng):
-        c = PAPER_CONFIGS[self.name]
+    def make(self, rng, min_terms, max_terms, min_num_decimal_places, max_num_decimal_places, precision):
         while True:
             numbers = []
-            for _ in range(rng.randint(c["min_terms"], c["max_terms"])):
-                places = rng.randint(c["min_num_decimal_places"], c["max_num_decimal_places"])
+            for _ in range(rng.randint(min_terms, max_terms)):
+                places = rng.randint(min_num_decimal_places, max_num_decimal_places)
                 numbers.append(f"{rng.randint(1, 10 * 10**places) / 10**places:.{places}f}")
             expression = self._group(rng, numbers, [rng.choice("+-*/") for _ in numbers[1:]])
             try:
-                with localcontext(Context(prec=c["precision"])):
+                with localcontext(Context(prec=precision)):
                     answer = str(_evaluate(ast.parse(expression, mode="eval").body))
                 break
             except ArithmeticError:  # a division by a group worth 0: draw again
                 continue
-        question = (f"Compute this to {c['precision']} significant digits and reply with the final value "
-                    f"only.\n{expression} = ?")
-        return question, answer, {"expression": expression}
+        question = f"Compute this to {precision} significant digits and reply with the final value only."
+        return question + f"\n{expression} = ?", answer, {"expression": expression}
 
     def score_answer(self, answer, item):
         # rg subtracts in the Decimal context its generator left set: precision 5 in the paper's config
         with localcontext(Context(prec=5)):
             return 1.0 if abs(Decimal(answer) - Decimal(item["answer"])) <= Decimal("0.001") else 0.0
-
-    def working(self, item):
-        return ("Multiply and divide before adding and subtracting, keeping 5 significant digits: "
-                f"{item['metadata']['expression']} = {item['answer']}.")
 
 
 class FractionSimplification(Task):
@@ -476,13 +467,12 @@ class FractionSimplification(Task):
     STYLES = {"plain": "{}/{}", "latex_frac": "$\\frac{{{}}}{{{}}}$", "latex_dfrac": "$\\dfrac{{{}}}{{{}}}$"}
     LATEX = re.compile(r"\\(?:frac|dfrac)\s*{\s*(\d+)\s*}\s*{\s*(\d+)\s*}", re.IGNORECASE)
 
-    def make(self, rng):
-        c = PAPER_CONFIGS[self.name]
-        p, q = rng.randint(c["min_value"], c["max_value"]), rng.randint(c["min_value"], c["max_value"])
+    def make(self, rng, min_value, max_value, min_factor, max_factor, styles):
+        p, q = rng.randint(min_value, max_value), rng.randint(min_value, max_value)
         g = math.gcd(p, q)
         p, q = sorted((p // g, q // g))
-        k = rng.randint(c["min_factor"], c["max_factor"])
-        style = rng.choice(c["styles"])
+        k = rng.randint(min_factor, max_factor)
+        style = rng.choice(styles)
         form = self.STYLES[style]
         question = (f"Simplify the fraction {form.format(p * k, q * k)} to lowest terms. Give only the "
                     f"simplified fraction, written the same way, as your answer.")
@@ -504,8 +494,7 @@ class FractionSimplification(Task):
             return 0.01  # rg: no readable fraction, or no answer at all
 
     def working(self, item):
-        meta = item["metadata"]
-        n, d = meta["numerator"], meta["denominator"]
+        n, d = item["metadata"]["numerator"], item["metadata"]["denominator"]
         return f"gcd({n}, {d}) = {math.gcd(n, d)}; divide both by it."
 
 
@@ -528,10 +517,15 @@ class CalendarArithmetic(Task):
 
     name = "calendar_arithmetic"
     ORDINALS = ("first", "second", "third", "fourth", "last")
+    WORKING_OF_KIND = {
+        "weekday_of_date": "January 1, 2023 was a Sunday; count the days from it and take the remainder after "
+                           "dividing by 7.",
+        "count_days": "List the {weekday}s from {start_date} to {end_date}, and count them.",
+        "is_leap_year": "A leap year is divisible by 4, except century years, which must be divisible by 400.",
+        "recurring_event_day": "Find the first {weekday} of the month, then add 7 days per week."}
 
-    def make(self, rng):
-        c = PAPER_CONFIGS[self.name]
-        year, task = c["year"], rng.choice(c["tasks"])
+    def make(self, rng, year, offset_upper_bound, leap_year_range, tasks):
+        task = rng.choice(tasks)
         if task == "weekday_of_date":
             month = rng.randint(1, 12)
             day = datetime.date(year, month, rng.randint(1, calendar.monthrange(year, month)[1]))
@@ -539,22 +533,20 @@ class CalendarArithmetic(Task):
                     _DAYS[day.weekday()], {"task": task, "target_date": day.isoformat()})
         if task == "count_days":
             start = datetime.date(year, 1, 1) + datetime.timedelta(rng.randint(0, 364 + calendar.isleap(year)))
-            span = min(c["offset_upper_bound"], (datetime.date(year, 12, 31) - start).days)
+            span = min(offset_upper_bound, (datetime.date(year, 12, 31) - start).days)
             end = start + datetime.timedelta(rng.randint(0, span))
             weekday = rng.randrange(7)
             count = sum((start + datetime.timedelta(i)).weekday() == weekday for i in range((end - start).days + 1))
             question = (f"How many {_DAYS[weekday]}s are there from {_long_date(start, True)} to "
                         f"{_long_date(end, True)}, counting both dates? Answer with a number.")
-            meta = {"task": task, "year": year, "start_date": start.isoformat(), "end_date": end.isoformat(),
-                    "weekday": _DAYS[weekday]}
-            return question, str(count), meta
+            return question, str(count), {"task": task, "year": year, "start_date": start.isoformat(),
+                                          "end_date": end.isoformat(), "weekday": _DAYS[weekday]}
         if task == "is_leap_year":
-            y = rng.randint(year - c["leap_year_range"] // 2, year + c["leap_year_range"] // 2)
+            y = rng.randint(year - leap_year_range // 2, year + leap_year_range // 2)
             return (f"Is {y} a leap year? Answer with Yes or No.", "Yes" if calendar.isleap(y) else "No",
                     {"task": task, "year": y, "is_leap": calendar.isleap(y)})
         month, ordinal, weekday = rng.randint(1, 12), rng.choice(self.ORDINALS), rng.randrange(7)
-        days = [d for d in range(1, calendar.monthrange(year, month)[1] + 1)
-                if datetime.date(year, month, d).weekday() == weekday]
+        days = [d for d, w in calendar.Calendar().itermonthdays2(year, month) if d and w == weekday]
         day = days[-1] if ordinal == "last" else days[self.ORDINALS.index(ordinal)]  # every month has 4 of each
         question = (f"A meeting is held on the {ordinal} {_DAYS[weekday]} of {_MONTHS[month]} {year}. "
                     f"On which day of the month is it? Answer with a number, or -1 if there is no such day.")
@@ -572,14 +564,7 @@ class CalendarArithmetic(Task):
         return float(a == 0) if o == 0 else math.exp(-5 * (abs(a - o) / o))
 
     def working(self, item):
-        meta = item["metadata"]
-        if meta["task"] == "is_leap_year":
-            return "A leap year is divisible by 4, except century years, which must be divisible by 400."
-        if meta["task"] == "weekday_of_date":
-            return "January 1, 2023 was a Sunday; count the days from it and take the remainder after dividing by 7."
-        if meta["task"] == "count_days":
-            return f"List the {meta['weekday']}s from {meta['start_date']} to {meta['end_date']}, and count them."
-        return f"Find the first {meta['weekday']} of the month, then add 7 days per week."
+        return self.WORKING_OF_KIND[item["metadata"]["task"]].format_map(item["metadata"])
 
 
 def _grid(rows):
@@ -595,11 +580,11 @@ class BinaryMatrix(Task):
 
     name = "binary_matrix"
     max_answer_chars = MAX_ANSWER_CHARS  # the exact answer is at most 299 characters
+    WORKING = "Start from every 0 at distance 0 and spread outwards one step at a time."
 
-    def make(self, rng):
-        c = PAPER_CONFIGS[self.name]
-        n = rng.randint(c["min_n"], c["max_n"])
-        cells = [0] + [0 if rng.random() < c["p_zero"] else 1 for _ in range(n * n - 1)]
+    def make(self, rng, min_n, max_n, p_zero):
+        n = rng.randint(min_n, max_n)
+        cells = [0] + [0 if rng.random() < p_zero else 1 for _ in range(n * n - 1)]
         rng.shuffle(cells)
         matrix = [cells[i * n:(i + 1) * n] for i in range(n)]
         zeros = [(i, j) for i in range(n) for j in range(n) if matrix[i][j] == 0]
@@ -614,9 +599,6 @@ class BinaryMatrix(Task):
             return 1.0
         # a Python list of rows, read as a literal, never evaluated; anything else raises and scores 0
         return 0.1 if _grid(ast.literal_eval(answer)) == item["answer"] else 0.0
-
-    def working(self, item):
-        return "Start from every 0 at distance 0 and spread outwards one step at a time."
 
 
 def _bf_add(d):
@@ -658,17 +640,15 @@ class BF(Task):
     ReasoningGym's default rule: exactly the word, case included; "The output is spend" earns 5/20."""
 
     name = "bf"
+    WORKING = ("Each loop [<...>-] adds its inner +s (or -s) once per count in the cell on its right; each . "
+               "prints the current cell as a character.")
 
-    def make(self, rng):
+    def make(self, rng, difficulty):  # difficulty 1: a word printed with loops and steps, no other control flow
         word = rng.choice(_WORDS)
         program = _bf_print(word)
         question = (f"This is a BF (Brainf*ck) program. What does it print?\n\n{program}\n\n"
                     f"Reply with exactly what it prints and nothing else.")
         return question, word, {"program": program}
-
-    def working(self, item):
-        return ("Each loop [<...>-] adds its inner +s (or -s) once per count in the cell on its right; each . prints "
-                "the current cell as a character.")
 
 
 def _parse_logic(s):
@@ -724,6 +704,7 @@ class PropositionalLogic(Task):
     name = "propositional_logic"
     max_answer_chars = MAX_ANSWER_CHARS
     OPS = ("∧", "∨", "¬", "→", "↔")
+    WORKING = "In every row of the truth table where all the premises are true, {answer} is true too."
 
     def _formula(self, rng, variables, depth):
         """A random formula as rg writes one: "P", "¬(P ∧ Q)", "((P → Q) ↔ ¬R)"."""
@@ -745,18 +726,15 @@ class PropositionalLogic(Task):
         trivial = isinstance(conclusion, str) or all(_holds(conclusion, r) for r in rows)
         return 0.25 if trivial else 1.0
 
-    def make(self, rng):
-        c = PAPER_CONFIGS[self.name]
+    def make(self, rng, min_vars, max_vars, min_statements, max_statements, min_complexity, max_complexity):
         while True:
-            variables = [chr(ord("P") + i) for i in range(rng.randint(c["min_vars"], c["max_vars"]))]
-            premises = [self._formula(rng, variables, rng.randint(c["min_complexity"], c["max_complexity"]))
-                        for _ in range(rng.randint(c["min_statements"], c["max_statements"]))]
+            variables = [chr(ord("P") + i) for i in range(rng.randint(min_vars, max_vars))]
+            premises = [self._formula(rng, variables, rng.randint(min_complexity, max_complexity))
+                        for _ in range(rng.randint(min_statements, max_statements))]
             parsed = [_parse_logic(p) for p in premises]
-            rows = [dict(zip(variables, bits)) for bits in itertools.product((False, True), repeat=len(variables))]
-            models = [r for r in rows if all(_holds(p, r) for p in parsed)]  # none if the premises contradict
             shapes = [("¬", a) for a in variables] + [(op, a, b) for a in variables for b in variables
                                                        if a != b for op in "∧∨→↔"]  # none is trivial
-            good = [f for f in shapes if all(_holds(f, r) for r in models)]
+            good = [f for f in shapes if self._grade(parsed, f) == 1.0]  # those that follow
             if good:  # else only trivial conclusions follow: draw again
                 break
         f = rng.choice(good)
@@ -773,9 +751,6 @@ class PropositionalLogic(Task):
         if any(v not in meta["variables"] for v in re.findall("[A-Z]", answer)):
             return 0.0
         return self._grade([_parse_logic(p) for p in meta["premises"]], _parse_logic(answer))  # no formula: raises, 0
-
-    def working(self, item):
-        return f"In every row of the truth table where all the premises are true, {item['answer']} is true too."
 
 
 def _arc_move(rng, n, k, solid, wrap):
@@ -843,11 +818,12 @@ def _arc_own_size(rng, n):
 
 
 def _arc_touch(rng, n):
-    """A block slides towards a dot of color 1 until it touches it."""
-    size, dot, color = rng.randint(1, n - 1), rng.randint(0, n - 1), rng.randint(2, 9)
-    sides = [s for s, ok in (("left", dot >= size), ("right", dot + size < n)) if ok]
-    if not sides:
-        return None
+    """A block slides towards a dot of color 1 until it touches it (drawn again where it has no room)."""
+    while True:
+        size, dot, color = rng.randint(1, n - 1), rng.randint(0, n - 1), rng.randint(2, 9)
+        sides = [s for s, ok in (("left", dot >= size), ("right", dot + size < n)) if ok]
+        if sides:
+            break
     if rng.choice(sides) == "left":
         start, end = rng.randint(0, dot - size), dot - size
     else:
@@ -879,19 +855,12 @@ class Arc1D(Task):
 
     name = "arc_1d"
 
-    def _pair(self, rng, rule, n):
-        """(input row, output row) of one example of the rule."""
-        while True:
-            fn, kwargs, mirrored = ARC_RULES[rule]
-            pair = fn(rng, n, **kwargs)
-            if pair:
-                return [row[::-1] for row in pair] if mirrored else pair
-
-    def make(self, rng):
-        c = PAPER_CONFIGS[self.name]
+    def make(self, rng, min_size, max_size, num_train):
         rule = rng.choice(sorted(ARC_RULES))
-        n = rng.randint(c["min_size"], c["max_size"])
-        pairs = [self._pair(rng, rule, n) for _ in range(c["num_train"] + 1)]
+        n = rng.randint(min_size, max_size)
+        fn, kwargs, mirrored = ARC_RULES[rule]
+        pairs = [fn(rng, n, **kwargs) for _ in range(num_train + 1)]  # (input row, output row)
+        pairs = [[row[::-1] for row in pair] if mirrored else pair for pair in pairs]
         lines = ["Find the common rule that maps each input grid to its output grid in the examples below.", ""]
         for i, (inp, out) in enumerate(pairs[:-1], 1):
             lines += [f"Example {i}:", f"Input:  {_grid([inp])}", f"Output: {_grid([out])}", ""]
@@ -923,13 +892,11 @@ class RepeatNumber(EasyTask):
     """Repeat a 1-digit number: "Repeat this number: 7" -> "7"."""
 
     name = "repeat_number"
+    WORKING = "The number is {answer}."
 
     def make(self, rng):
         n = rng.randint(0, 9)
         return f"Repeat this number: {n}", str(n), {"n": n}
-
-    def working(self, item):
-        return f"The number is {item['answer']}."
 
 
 class AlphabetPosition(EasyTask):
@@ -938,14 +905,12 @@ class AlphabetPosition(EasyTask):
     by a lucky guess. "What is the position of the letter q in the alphabet?" -> "17"."""
 
     name = "alphabet_position"
+    WORKING = "{letter} is letter number {answer}."
 
     def make(self, rng):
         letter = rng.choice(string.ascii_lowercase)
         position = string.ascii_lowercase.index(letter) + 1
         return f"What is the position of the letter {letter} in the alphabet?", str(position), {"letter": letter}
-
-    def working(self, item):
-        return f"{item['metadata']['letter']} is letter number {item['answer']}."
 
 
 TASKS.update({task.name: task for task in [
@@ -964,17 +929,6 @@ VERIFY_SECONDS = 5.0  # the most an rg: item may take to be made again (the nine
 _RG_BUSY = threading.Lock()  # held while an rg: item is made again, by one thread at a time
 
 
-@functools.lru_cache(maxsize=None)
-def rg_task(rg_name):
-    """The Task "rg:" + rg_name, made once; ValueError if reasoning_gym is missing or has no such dataset."""
-    if reasoning_gym is None:
-        raise ValueError(f"Task 'rg:{rg_name}' needs the reasoning_gym package: pip install reasoning-gym==0.1.25.")
-    try:
-        return ReasoningGymTask(rg_name)
-    except Exception:
-        raise ValueError(f"reasoning_gym has no dataset called {rg_name!r}.") from None
-
-
 class ReasoningGymTask(Task):
     """A task backed by the reasoning_gym package (only if installed): "rg:bf" draws from
     reasoning_gym.create_dataset("bf", ...) with the paper's config for the nine (rg's defaults for
@@ -988,12 +942,15 @@ class ReasoningGymTask(Task):
     max_answer_chars = MAX_ANSWER_CHARS  # rg's parsers are not all linear time
 
     def __init__(self, rg_name):
+        """ValueError if reasoning_gym is missing or has no such dataset."""
+        if reasoning_gym is None:
+            raise ValueError(f"Task 'rg:{rg_name}' needs the reasoning_gym package: pip install reasoning-gym==0.1.25.")
         self.rg_name, self.name = rg_name, "rg:" + rg_name
         self.config = PAPER_CONFIGS.get(rg_name, {})
-        self._scorer = self._dataset(0)  # raises for an unknown name
-
-    def _dataset(self, seed):
-        return reasoning_gym.create_dataset(self.rg_name, seed=seed, size=1, **self.config)
+        try:
+            self._scorer = reasoning_gym.create_dataset(rg_name, seed=0, size=1, **self.config)
+        except Exception:
+            raise ValueError(f"reasoning_gym has no dataset called {rg_name!r}.") from None
 
     def _usable(self, item):
         return self.rg_name not in PAPER_TASKS or self.score_answer(item["answer"], item) == 1.0
@@ -1006,7 +963,7 @@ class ReasoningGymTask(Task):
 
     def from_seed(self, seed):
         with contextlib.redirect_stdout(io.StringIO()):  # rg's bf interpreter prints while it runs
-            entry = self._dataset(seed)[0]
+            entry = reasoning_gym.create_dataset(self.rg_name, seed=seed, size=1, **self.config)[0]
         meta = json.loads(json.dumps(entry.get("metadata", {}), default=str))
         answer = entry["answer"] if entry["answer"] is not None else meta.get("example_answer")
         return {"task": self.name, "question": entry["question"], "answer": str(answer),
@@ -1032,3 +989,6 @@ class ReasoningGymTask(Task):
     def score_answer(self, answer, item):
         entry = {"question": item["question"], "answer": item["answer"], "metadata": item["metadata"]}
         return self._scorer.score_answer(answer=answer, entry=entry)
+
+
+rg_task = functools.cache(ReasoningGymTask)  # the Task "rg:" + rg_name, made once

@@ -229,7 +229,7 @@ def task_names(spec):
 
 
 # The generator configs of the paper's code (rl-swarm rgym_exp/src/datasets.yaml, in reasoning_gym's
-# parameter names; seed and size left out). Our generators read their ranges from here too.
+# parameter names; seed and size left out). Each family's make() takes its entry as keyword arguments.
 PAPER_CONFIGS = {
     "base_conversion": {"min_base": 2, "max_base": 16, "min_value": 0, "max_value": 1000},
     "basic_arithmetic": {"min_terms": 2, "max_terms": 6, "min_digits": 1, "max_digits": 4,
@@ -301,15 +301,12 @@ class Arithmetic(EasyTask):
 
     def __init__(self, name, op, digits):
         self.name, self.op, self.digits = name, op, digits
+        self.WORKING = "{a} " + op + " {b} = {answer}."
 
     def make(self, rng):
         low, high = (0 if self.digits == 1 else 10 ** (self.digits - 1)), 10 ** self.digits - 1
         a, b = rng.randint(low, high), rng.randint(low, high)
         return f"What is {a} {self.op} {b}?", str(a + b if self.op == "+" else a * b), {"a": a, "b": b}
-
-    def working(self, item):
-        meta = item["metadata"]
-        return f"{meta['a']} {self.op} {meta['b']} = {item['answer']}."
 
 
 TASKS.update({name: Arithmetic(name, op, digits) for name, op, digits in [
@@ -319,8 +316,7 @@ TASKS.update({name: Arithmetic(name, op, digits) for name, op, digits in [
 
 
 def _task_of(item):
-    """The Task of a well-formed item (a dict with a known task name, a str question and answer and a
-    dict metadata), else None."""
+    """The Task of a well-formed item (a known task, a str question and answer, dict metadata), else None."""
     if not (isinstance(item, dict) and all(isinstance(item.get(k), str) for k in ("task", "question", "answer"))
             and isinstance(item.get("metadata"), dict)):
         return None
@@ -406,7 +402,7 @@ class BasicArithmetic(Task):
         divisor = rng.choice(_divisors(dividend)) if dividend else rng.randint(1, 10**digits - 1)
         return left + ["/", str(divisor)] + (["+"] + rest if rest else [])
 
-    def make(self, rng, min_terms, max_terms, min_digits, max_digits, **fixed):  # fixed: all operators, parentheses
+    def make(self, rng, min_terms, max_terms, min_digits, max_digits, **fixed):  # fixed: + - * /, ( ), negation
         while True:
             terms, digits = rng.randint(min_terms, max_terms), rng.randint(min_digits, max_digits)
             try:
@@ -476,9 +472,8 @@ class FractionSimplification(Task):
         form = self.STYLES[style]
         question = (f"Simplify the fraction {form.format(p * k, q * k)} to lowest terms. Give only the "
                     f"simplified fraction, written the same way, as your answer.")
-        meta = {"numerator": p * k, "denominator": q * k, "simplified_numerator": p, "simplified_denominator": q,
-                "style": style}
-        return question, form.format(p, q), meta
+        return question, form.format(p, q), {"numerator": p * k, "denominator": q * k, "simplified_numerator": p,
+                                             "simplified_denominator": q, "style": style}
 
     def score_answer(self, answer, item):
         meta = item["metadata"]
@@ -605,33 +600,25 @@ def _bf_add(d):
     """Code that adds d to the current cell: |d| pluses or minuses, or, when shorter, a loop on the next
     cell that adds a*b, then c more: _bf_add(115) -> ">++++++++[<++++++++++++++>-]<+++" (8 * 14 + 3)."""
     sign, n = ("+" if d > 0 else "-"), abs(d)
-    best = sign * n
-    for a in range(2, n // 2 + 1):
-        b, c = divmod(n, a)
-        loop = ">" + "+" * a + "[<" + sign * b + ">-]<" + sign * c
-        best = min(best, loop, key=len)
-    return best
+    loops = [">" + "+" * a + "[<" + sign * (n // a) + ">-]<" + sign * (n % a) for a in range(2, n // 2 + 1)]
+    return min([sign * n] + loops, key=len)  # the first of the shortest
 
 
 def _bf_print(text):
     """A program printing `text`, shaped like the output of the BF compiler ReasoningGym uses: clear two
     cells, then step the cell from character to character and print each one."""
-    code, prev = ">[-]>[-]<", 0
-    for ch in text:
-        code += _bf_add(ord(ch) - prev) + "."
-        prev = ord(ch)
-    return code + "<"
+    steps = itertools.pairwise([0] + [ord(ch) for ch in text])
+    return ">[-]>[-]<" + "".join(_bf_add(b - a) + "." for a, b in steps) + "<"
 
 
 # common five-letter words (ReasoningGym prints words from a Wordle list)
-_WORDS = """about above actor agent album alive angle arena award basic beach black board brain brave brick bring
-brown build candy chair charm cheap chest child clean clear cloud cover craft cream curve dream dress
-drink eagle earth empty enjoy error extra faith field flame focus frame fresh fruit glass grace grain
-grass guard guest guide heart hotel house human juice large laugh layer level lucky lunch magic match
-model money month music noble north novel offer paint paper party phone piece pilot place plate power
-price prize queen quiet radio range ready robot round royal scale sense shape share shelf short skill
-sleep smile solid sound space sport stone storm story sunny table taste teach thing toast today tower
-trade trust truth uncle upper value video visit watch wheel white whole write youth zebra""".split()
+_WORDS = """about above actor agent album alive angle arena award basic beach black board brain brave brick bring brown
+build candy chair charm cheap chest child clean clear cloud cover craft cream curve dream dress drink eagle earth empty
+enjoy error extra faith field flame focus frame fresh fruit glass grace grain grass guard guest guide heart hotel house
+human juice large laugh layer level lucky lunch magic match model money month music noble north novel offer paint paper
+party phone piece pilot place plate power price prize queen quiet radio range ready robot round royal scale sense shape
+share shelf short skill sleep smile solid sound space sport stone storm story sunny table taste teach thing toast today
+tower trade trust truth uncle upper value video visit watch wheel white whole write youth zebra""".split()
 
 
 class BF(Task):
@@ -688,7 +675,6 @@ def _holds(f, row):
 
 
 def _variables(f):
-    """The variable names in a parsed formula."""
     return {f} if isinstance(f, str) else set().union(*map(_variables, f[1:]))
 
 
@@ -942,7 +928,6 @@ class ReasoningGymTask(Task):
     max_answer_chars = MAX_ANSWER_CHARS  # rg's parsers are not all linear time
 
     def __init__(self, rg_name):
-        """ValueError if reasoning_gym is missing or has no such dataset."""
         if reasoning_gym is None:
             raise ValueError(f"Task 'rg:{rg_name}' needs the reasoning_gym package: pip install reasoning-gym==0.1.25.")
         self.rg_name, self.name = rg_name, "rg:" + rg_name

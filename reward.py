@@ -630,7 +630,7 @@ class BF(Task):
     WORKING = ("Each loop [<...>-] adds its inner +s (or -s) once per count in the cell on its right; each . "
                "prints the current cell as a character.")
 
-    def make(self, rng, difficulty):  # difficulty 1: a word printed with loops and steps, no other control flow
+    def make(self, rng, difficulty):  # the paper's difficulty 1 is the only one we write
         word = rng.choice(_WORDS)
         program = _bf_print(word)
         question = (f"This is a BF (Brainf*ck) program. What does it print?\n\n{program}\n\n"

@@ -171,10 +171,9 @@ class Client:
         fetch() <- inbox <--(GET /rollouts?sample=K, once per fetch() or flush())-- server      (sample=K)
         fetch() <- inbox <--(GET /rollouts?after=read_up_to, every Limits.poll_seconds)-- server (cursor)
 
-    A batch carries a batch_id, so however often a send is retried the server stores it once. sample=K (a
-    peer's way): K groups a round however large the swarm, the recent ones (RolloutStore.sample, seeded
-    from random.Random(seed)), never a seq twice. Else it reads every group after `cursor`, the seq of the
-    last group fetch() handed out (None: the newest Limits.recent_groups). The token defaults to $SWARM_TOKEN."""
+    A retried batch is stored once (it carries a batch_id). sample=K, a peer's way, reads K recent groups a
+    round however large the swarm (seeded from random.Random(seed)), never a seq twice; cursor mode reads
+    every group after `cursor`, the last seq fetch() handed out (None: the newest Limits.recent_groups)."""
 
     def publish(self, round, groups):
         """Queue this round's groups for the swarm; returns at once."""
@@ -184,8 +183,7 @@ class Client:
                 "batch_id": f"{self.peer}-{int(round)}-{os.urandom(6).hex()}"})
 
     def post_metrics(self, round, metrics):
-        """Queue per-round numbers for the dashboard (best effort); values that are not sane numbers go
-        as null."""
+        """Queue per-round numbers for the dashboard (best effort); what is not a sane number goes as null."""
         self._queue("/metrics", f"round {round}'s metrics", lambda: {"peer": self.peer, "round": int(round),
                     "metrics": {str(k)[:64]: float(v) if _sane(v) else None for k, v in list(metrics.items())[:64]}})
 
@@ -204,15 +202,13 @@ class Client:
         """Wait until the outbox is empty and a read begun after this call is done (sample=K: one sampled
         read; else a poll level with the server) -> True, or False if that took over timeout seconds."""
         with self.cond:
-            begun, self.wake = self.polls_begun, True
+            begun = self.polls_begun
             self._ask()
-            self.cond.notify_all()
             return self.cond.wait_for(lambda: not self.outbox and self.caught_up > begun, timeout)
 
-    def _ask(self):  # sampled mode: one more read for the thread, at most 2 waiting (the caller holds self.cond)
-        if self.sample:
-            self.asked, self.wake = min(2, self.asked + 1), True
-            self.cond.notify_all()
+    def _ask(self):  # (self.cond held) wake the thread for a read; sampled mode: one more, at most 2 waiting
+        self.asked, self.wake = min(2, self.asked + 1) if self.sample else 0, True
+        self.cond.notify_all()
 
     def _queue(self, path, what, make_body):
         """Put make_body() as JSON at the end of the outbox; what cannot be JSON is logged, never raised."""
@@ -998,8 +994,8 @@ def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.ke
 # Client: what a peer's training loop uses. It never raises and never waits for the network.
 
 class SwarmClient(Client):
-    """Client over HTTP: the thread's exchanges through requests, under a deadline; what it checks of
-    every reply, and how it reads on past one it cannot use."""
+    """Client over HTTP: the thread's exchanges through requests, under a deadline, and what it checks of
+    every reply. Any error in an exchange means "no usable answer now: try again later"."""
 
     def __init__(self, url, peer, token=None, cursor=None, sample=None, seed=0):
         if not isinstance(peer, str) or not NAME.fullmatch(peer):
@@ -1042,9 +1038,7 @@ class SwarmClient(Client):
     def _log(self, message):
         print(f"swarm client {self.peer}: {message}", file=sys.stderr, flush=True)
 
-    # --- the thread's side: all the network. Any error means "no usable answer now: try again later".
-
-    def _sleep(self, seconds):  # until a publish or flush wakes it, except while it waits out trouble
+    def _sleep(self, seconds):  # until a publish, fetch or flush wakes it, except while it waits out trouble
         with self.cond:
             self.cond.wait_for(lambda: self.closing or (self.wake and not self.down), seconds)
             self.wake = False
@@ -1127,12 +1121,11 @@ class SwarmClient(Client):
         return check(reply, fields, f"the reply to {path.partition('?')[0]}")
 
     def _request(self, method, path, body=None):
-        """One HTTP exchange -> (200, the reply's JSON), or (400, 413 or 422: the request's own fault, with the
-        error's JSON or None). The server's trouble (no whole reply in time, 5xx, 408, 429) and any other
-        refusal (a wrong token or URL, said naming the likely cause: what waits, waits) are an OSError. A 200
-        that is not JSON, or would hold the training loop too long in parsing (which holds the interpreter
-        lock), is BadRequest: a reply over Limits.reply_bytes or Limits.reply_values values is not parsed.
-        requests bounds each read, not a whole reply: a timer shuts the socket at the deadline, as close() does."""
+        """One HTTP exchange -> (status, its JSON or None): 200, or 400, 413 or 422 (the request's own fault).
+        Any other status (a wrong token or URL said naming the likely cause), or no whole reply within
+        Limits.request_seconds (a timer shuts the socket, as close() does: requests bounds each read, not a
+        reply), is an OSError. A 200 is BadRequest unless it is JSON within Limits.reply_bytes and reply_values
+        values: parsing holds the interpreter lock, and with it the training loop."""
         if self.closing:
             raise ConnectionError("the client is closing")
         deadline, reply, self.sockets = time.monotonic() + Limits.request_seconds, bytearray(), []

@@ -188,8 +188,7 @@ class Client:
                     "metrics": {str(k)[:64]: float(v) if _sane(v) else None for k, v in list(metrics.items())[:64]}})
 
     def fetch(self):
-        """The checked groups of other peers received since the previous call, oldest first; with
-        sample=K it also asks for the next sampled read, and never waits for it."""
+        """Other peers' checked groups received since the last call, oldest first; asks for a read, never waits."""
         with self.cond:
             groups = [g for g, _ in self.inbox]
             self.inbox.clear()
@@ -1182,10 +1181,8 @@ class _Adapter(requests.adapters.HTTPAdapter):
 
 def _shut(sockets):  # end an exchange at once, from another thread
     for sock in list(sockets):
-        try:
+        with contextlib.suppress(OSError):  # (it had just ended)
             sock.shutdown(socket.SHUT_RDWR)
-        except OSError:  # it had just ended
-            pass
 
 
 _REFUSED = dict.fromkeys((401, 403), "this peer's token is not the server's: pass it with --token or $SWARM_TOKEN")

@@ -1200,10 +1200,9 @@ def _said(data):  # the one sentence of an error reply
 
 
 # -----------------------------------------------------------------------------
-# Redis Streams as the store: SwarmClient's queues, thread and checks, with Redis commands for its exchanges.
-# A batch, atomically. KEYS: seq counter, stream (an entry a group, its ID the seq), producers by newest
-# batch time, the batch's reply (kept ARGV[5] s: a retry is stored once). ARGV: peer, round, MAXLEN, window
-# seconds, ARGV[5], groups. sapo:window:PEER: the seq ranges of PEER's newest 2 batches, until its window ends.
+# Redis Streams as the store. A batch, atomically. KEYS: seq counter, stream (an entry a group, its ID the
+# seq), producers by newest batch time, the batch's reply (kept ARGV[5] s: a retry is stored once). ARGV: peer,
+# round, MAXLEN, window seconds, ARGV[5], groups. sapo:window:PEER: the seq ranges of PEER's newest 2 batches.
 PUBLISH_LUA = """local reply, t, n = redis.call('GET', KEYS[4]), redis.call('TIME'), #ARGV - 5
 if reply then return reply end
 local now, last, window = t[1] + t[2] / 1e6, redis.call('INCRBY', KEYS[1], n), 'sapo:window:' .. ARGV[1]

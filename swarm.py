@@ -163,21 +163,17 @@ def _page(entries, after, limit, exclude):
 # The peer's side: its training loop touches two queues; one thread talks to the store.
 
 class Client:
-    """One peer's view of the swarm. The training loop's calls only touch two queues; a daemon thread
-    (_run) does all the talking, one exchange at a time, each within Limits.request_seconds (the
-    exchanges, _send, _poll and _sample, are SwarmClient's over HTTP and RedisClient's over Redis):
+    """One peer's view of the swarm. The training loop's calls only touch two queues, bounded in bytes
+    (beyond the bound the oldest entry goes: SAPO wants fresh rollouts); a daemon thread (_run) does all
+    the talking, one exchange at a time (_send and _read: SwarmClient's over HTTP, RedisClient's over Redis):
 
         publish(round, groups) -> outbox --(POST, oldest first, until acknowledged)--> server
         fetch() <- inbox <--(GET /rollouts?sample=K, once per fetch() or flush())-- server      (sample=K)
         fetch() <- inbox <--(GET /rollouts?after=read_up_to, every Limits.poll_seconds)-- server (cursor)
 
-    A batch carries a batch_id, so however often a send is retried the server stores it once. Both queues
-    are bounded in bytes: beyond the bound the oldest entry goes, since SAPO wants fresh rollouts.
-    sample=K (a peer's way): each fetch() asks for the next sampled read (RolloutStore.sample, seeded
-    from random.Random(seed)) and returns those done, never a seq twice: K groups a round however large
-    the swarm, and the recent ones for a late joiner or a resumed peer. sample=None reads everything
-    after `cursor`, the seq of the last group fetch() handed out (None: the newest Limits.recent_groups).
-    The token defaults to $SWARM_TOKEN (never on a command line). Received groups pass the server's table."""
+    A retried batch is stored once (it carries a batch_id). sample=K, a peer's way, reads K recent groups a
+    round however large the swarm (seeded from random.Random(seed)), never a seq twice; cursor mode reads
+    every group after `cursor`, the last seq fetch() handed out (None: the newest Limits.recent_groups)."""
 
     def publish(self, round, groups):
         """Queue this round's groups for the swarm; returns at once."""
@@ -187,14 +183,12 @@ class Client:
                 "batch_id": f"{self.peer}-{int(round)}-{os.urandom(6).hex()}"})
 
     def post_metrics(self, round, metrics):
-        """Queue per-round numbers for the dashboard (best effort); values that are not sane numbers go
-        as null."""
+        """Queue per-round numbers for the dashboard (best effort); what is not a sane number goes as null."""
         self._queue("/metrics", f"round {round}'s metrics", lambda: {"peer": self.peer, "round": int(round),
                     "metrics": {str(k)[:64]: float(v) if _sane(v) else None for k, v in list(metrics.items())[:64]}})
 
     def fetch(self):
-        """The checked groups of other peers received since the previous call, oldest first; with
-        sample=K it also asks for the next sampled read, and never waits for it."""
+        """Other peers' checked groups received since the last call, oldest first; asks for a read, never waits."""
         with self.cond:
             groups = [g for g, _ in self.inbox]
             self.inbox.clear()
@@ -207,15 +201,13 @@ class Client:
         """Wait until the outbox is empty and a read begun after this call is done (sample=K: one sampled
         read; else a poll level with the server) -> True, or False if that took over timeout seconds."""
         with self.cond:
-            begun, self.wake = self.polls_begun, True
+            begun = self.polls_begun
             self._ask()
-            self.cond.notify_all()
             return self.cond.wait_for(lambda: not self.outbox and self.caught_up > begun, timeout)
 
-    def _ask(self):  # sampled mode: one more read for the thread, at most 2 waiting (the caller holds self.cond)
-        if self.sample is not None:
-            self.asked, self.wake = min(2, self.asked + 1), True
-            self.cond.notify_all()
+    def _ask(self):  # (self.cond held) wake the thread for a read; sampled mode: one more, at most 2 waiting
+        self.asked, self.wake = min(2, self.asked + 1) if self.sample else 0, True
+        self.cond.notify_all()
 
     def _queue(self, path, what, make_body):
         """Put make_body() as JSON at the end of the outbox; what cannot be JSON is logged, never raised."""
@@ -242,9 +234,7 @@ class Client:
             try:
                 if entry is not None:
                     self._send(entry)
-                elif self.sample is not None:
-                    self._sample()
-                elif self._poll():  # caught up with the server: wait for the next poll or a publish
+                elif self._read():  # nothing more to read for now: wait for the next poll, a publish or a fetch
                     self._sleep(Limits.poll_seconds)
                 if self.down:
                     lost = f"; {self.dropped} older entries did not fit the outbox" if self.dropped else ""
@@ -1003,8 +993,8 @@ def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.ke
 # Client: what a peer's training loop uses. It never raises and never waits for the network.
 
 class SwarmClient(Client):
-    """Client over HTTP: the thread's exchanges through requests, under a deadline; what it checks of
-    every reply, and how it reads on past one it cannot use."""
+    """Client over HTTP: the thread's exchanges through requests, under a deadline, and what it checks of
+    every reply. Any error in an exchange means "no usable answer now: try again later"."""
 
     def __init__(self, url, peer, token=None, cursor=None, sample=None, seed=0):
         if not isinstance(peer, str) or not NAME.fullmatch(peer):
@@ -1016,7 +1006,7 @@ class SwarmClient(Client):
         self.cond = threading.Condition()  # guards all that follows; notified when the thread gets somewhere
         self.outbox, self.outbox_bytes = collections.deque(), 0  # (path, body, what, acknowledgement), oldest first
         self.inbox, self.inbox_bytes = collections.deque(), 0    # (group, bytes), oldest first
-        self.polls_begun = self.caught_up = 0  # polls begun / the number of the last one that caught up
+        self.polls_begun = self.caught_up = 0  # reads begun / the number of the last one that caught up
         self.down, self.dropped, self.wake, self.closing, self.sockets = None, 0, False, False, []
         self.cursor = self.read_up_to = cursor  # the seq fetch() has handed out / the thread has read up to
         self.newest = 0  # the server's newest seq as /health last said it: no page may claim far more
@@ -1025,7 +1015,7 @@ class SwarmClient(Client):
         self.thread = threading.Thread(target=self._run, name=f"swarm-client-{peer}", daemon=True)
         self.thread.start()
 
-    def _connect(self, u, token):  # the transport: HTTP through requests here (RedisClient: Redis)
+    def _connect(self, u, token):  # the transport, self.session: HTTP through requests here (RedisClient: Redis)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError(f"the swarm URL must look like http://HOST:PORT, not {u.geturl()[:80]!r}.")
         token = check_token(token)
@@ -1033,9 +1023,7 @@ class SwarmClient(Client):
         self.session.headers.update({"Content-Type": JSON, "Connection": "close", "Accept-Encoding": "identity",
                                      **({"Authorization": f"Bearer {token}"} if token else {})})
         for scheme in ("http://", "https://"):
-            self.session.mount(scheme, _Adapter(self._opened))
-
-    # --- the training loop's side: queues only
+            self.session.mount(scheme, _Adapter(self))
 
     def close(self):
         """Stop the thread: it ends its current exchange at once and sends nothing more."""
@@ -1044,13 +1032,12 @@ class SwarmClient(Client):
             self.cond.notify_all()
         _shut(self.sockets)
         self.thread.join(5)
+        self.session.close()
 
     def _log(self, message):
         print(f"swarm client {self.peer}: {message}", file=sys.stderr, flush=True)
 
-    # --- the thread's side: all the network. Any error means "no usable answer now: try again later".
-
-    def _sleep(self, seconds):  # until a publish or flush wakes it, except while it waits out trouble
+    def _sleep(self, seconds):  # until a publish, fetch or flush wakes it, except while it waits out trouble
         with self.cond:
             self.cond.wait_for(lambda: self.closing or (self.wake and not self.down), seconds)
             self.wake = False
@@ -1060,10 +1047,8 @@ class SwarmClient(Client):
         as malformed; a wrong token, a wrong URL or a 200 that acknowledges nothing keep it for later."""
         path, body, what, ack = entry
         status, reply = self._request("POST", path, body)
-        if status in (400, 413, 422):  # the same bytes would be refused again
+        if status != 200:  # 400, 413 or 422: the same bytes would be refused again
             self._log(f"the server refused {what}, so it is dropped: HTTP {status}: {_said(reply)}")
-        elif status != 200:
-            raise ConnectionError(_refusal(status, reply, self.url + path))
         else:  # the acknowledgement: every group accepted, under a seq (or, for metrics, ok)
             _want(isinstance(reply, dict) and ack.items() <= reply.items(), f"a reply to {path} acknowledges nothing")
             check(reply, fields({"seq": SEQ} if "accepted" in ack else {}), "the server's acknowledgement")
@@ -1073,93 +1058,73 @@ class SwarmClient(Client):
                 self.outbox_bytes -= len(body)
                 self.cond.notify_all()
 
-    def _poll(self):
-        """Read one page after read_up_to into the inbox -> True once caught up with the server. A page it
-        cannot use (costly, malformed, past the server's newest seq, or a 400: the server lost our seq)
-        never stops it: it reads on from the server's newest group."""
+    def _read(self):
+        """One read into the inbox -> True if there is nothing more to read for now. sample=K: the sampled
+        read that fetch() or flush() asked for, if any. Else one page after read_up_to; a page it cannot use
+        (costly, malformed, past the server's newest seq, or a 400: the server lost our seq) never stops it:
+        it reads on from the server's newest group. A server may be buggy or hostile: each group is checked."""
         with self.cond:
+            if self.sample and not self.asked:
+                return True
             self.polls_begun += 1
-            poll, after = self.polls_begun, self.read_up_to
-        if after is None:  # a new peer: start from the newest groups, not from the whole history
-            after = max(0, self._newest() - Limits.recent_groups)
-        try:
-            page = self._get(f"/rollouts?after={after}&exclude={self.peer}", PAGE)
-            if page["last"] > self.newest + Limits.scan_groups:  # more than an honest swarm adds in a poll
-                self._newest()
-            _want(after <= page["next"] <= page["last"] <= self.newest + Limits.scan_groups, f"its seqs (next "
-                  f"{page['next']}, last {page['last']}) do not follow ours ({after}) and /health's ({self.newest})")
-        except BadRequest as e:
-            self.read_up_to = self._newest()
-            raise ConnectionError(f"a reply it cannot use ({e.message:.200}); reading on from the server's "
-                                  f"newest group ({self.read_up_to})") from None
+            poll, after, seed = self.polls_begun, self.read_up_to, self.seeds.getrandbits(63)
+        if self.sample:
+            page = self._get(f"/rollouts?sample={self.sample}&exclude={self.peer}&seed={seed}", SAMPLE)
+        else:
+            if after is None:  # a new peer: start from the newest groups, not from the whole history
+                after = max(0, self._newest() - Limits.recent_groups)
+            try:
+                page = self._get(f"/rollouts?after={after}&exclude={self.peer}", PAGE)
+                if page["last"] > self.newest + Limits.scan_groups:  # more than an honest swarm adds in a poll
+                    self._newest()
+                _want(after <= page["next"] <= page["last"] <= self.newest + Limits.scan_groups, f"its seqs (next "
+                      f"{page['next']}, last {page['last']}) do not fit ours ({after}) and /health's ({self.newest})")
+            except BadRequest as e:
+                self.read_up_to = self._newest()
+                raise ConnectionError(f"a reply it cannot use ({e.message:.200}); reading on from the server's "
+                                      f"newest group ({self.read_up_to})") from None
         groups, bad, seq = [], [], after
-        for g in page["groups"]:  # a server may be buggy or hostile: each group is checked on arrival
+        for g in page["groups"][:self.sample or None]:
             try:
                 g = check(g, STORED, "a received group")
-                _want(seq < g["seq"] <= page["next"], "its seq is out of order")
+                _want(self.sample or seq < g["seq"] <= page["next"], "its seq is out of order")  # (a page's: in order)
                 seq = g["seq"]
-                groups += [(g, len(_dumps(g)))] if g["peer"] != self.peer else []
+                if g["peer"] != self.peer and not (self.sample and seq in self.seen):  # (sampled: never a seq twice)
+                    self.seen.append(seq)
+                    groups.append((g, len(_dumps(g))))
             except (BadRequest, ValueError) as e:  # (ValueError: a lone surrogate, which UTF-8 cannot carry)
                 bad.append(getattr(e, "message", str(e)))
         if bad:
             self._log(f"dropped {len(bad)} malformed groups from the server (the first: {bad[0][:200]})")
         with self.cond:
-            self._into_inbox(groups)
-            self.read_up_to = page["next"]
-            if page["next"] >= page["last"] or page["next"] == after:  # nothing more to read for now
+            self.inbox.extend(groups)
+            self.inbox_bytes += sum(size for _, size in groups)
+            while self.inbox_bytes > Limits.inbox_bytes:  # beyond the bound the oldest go
+                self.inbox_bytes -= self.inbox.popleft()[1]
+            if self.sample:
+                self.asked -= 1
+            else:
+                self.read_up_to = page["next"]
+            if self.sample or page["next"] in (page["last"], after):  # caught up with the server
                 self.caught_up = poll
                 self.cond.notify_all()
-            return self.caught_up == poll
-
-    def _into_inbox(self, groups):  # (with self.cond held) (group, bytes) pairs in; beyond the bound the oldest go
-        self.inbox.extend(groups)
-        self.inbox_bytes += sum(size for _, size in groups)
-        while self.inbox_bytes > Limits.inbox_bytes:
-            self.inbox_bytes -= self.inbox.popleft()[1]
+            return self.caught_up == poll and not self.asked
 
     def _newest(self):  # the server's newest seq
         self.newest = self._get("/health", HEALTH)["last_seq"]
         return self.newest
 
-    def _sample(self):
-        """One sampled read that fetch() or flush() asked for, into the inbox, less the seqs read before;
-        with none asked for, a wait for one."""
-        with self.cond:
-            if not self.asked:
-                return self._sleep(Limits.poll_seconds)
-            self.polls_begun += 1
-            poll, seed = self.polls_begun, self.seeds.getrandbits(63)
-        page, bad = self._get(f"/rollouts?sample={self.sample}&exclude={self.peer}&seed={seed}", SAMPLE), 0
-        with self.cond:
-            for g in page["groups"][:self.sample]:  # a server may be buggy or hostile: each group is checked
-                try:
-                    g = check(g, STORED, "a received group")
-                except BadRequest:
-                    bad += 1
-                    continue
-                if g["peer"] != self.peer and g["seq"] not in self.seen:
-                    self.seen.append(g["seq"])
-                    self._into_inbox([(g, len(_dumps(g)))])
-            self.asked, self.caught_up = self.asked - 1, poll
-            self.cond.notify_all()
-        if bad:
-            self._log(f"dropped {bad} malformed groups from the server")
-
-    def _get(self, path, fields):
-        """GET -> the reply, checked against `fields`. A 400 or a 200 it cannot use is BadRequest; a wrong
-        token or URL (a 4xx that keeps our place, said once) is an OSError, like the server's trouble."""
+    def _get(self, path, fields):  # GET -> the reply, checked against fields; an error reply is BadRequest
         status, reply = self._request("GET", path)
-        if status not in (200, 400):
-            raise ConnectionError(_refusal(status, reply, self.url + path.partition("?")[0]))
-        _want(status == 200, f"HTTP 400: {_said(reply)}")
+        _want(status == 200, f"HTTP {status}: {_said(reply)}")
         return check(reply, fields, f"the reply to {path.partition('?')[0]}")
 
     def _request(self, method, path, body=None):
-        """One HTTP exchange -> (status, the reply's JSON; None for an error reply that is not JSON).
-        requests bounds each read, not a whole reply: a timer shuts the socket at the deadline, as close()
-        does. The server's trouble (no whole reply in time, 5xx, 408, 429) is an OSError; a 200 that is not
-        JSON, or would hold the training loop too long in parsing (which holds the interpreter lock), is
-        BadRequest: it is not parsed when larger than Limits.reply_bytes or Limits.reply_values values."""
+        """One HTTP exchange -> (status, its JSON or None): 200, or 400, 413 or 422 (the request's own fault).
+        Any other status (a wrong token or URL said naming the likely cause), or no whole reply within
+        Limits.request_seconds (a timer shuts the socket, as close() does: requests bounds each read, not a
+        reply), is an OSError. A 200 is BadRequest unless it is JSON within Limits.reply_bytes and reply_values
+        values: parsing holds the interpreter lock, and with it the training loop."""
         if self.closing:
             raise ConnectionError("the client is closing")
         deadline, reply, self.sockets = time.monotonic() + Limits.request_seconds, bytearray(), []
@@ -1183,47 +1148,45 @@ class SwarmClient(Client):
         try:
             _want(len(reply) <= Limits.reply_bytes, f"a reply of more than {Limits.reply_bytes} bytes")
             _want(sum(map(reply.count, b"{[,:")) <= Limits.reply_values, f"over {Limits.reply_values} JSON values")
-            return r.status_code, parse_json(reply)
+            reply = parse_json(reply)
         except BadRequest:
             if r.status_code == 200:
                 raise
-            return r.status_code, None
-
-    def _opened(self, sock):  # requests opened a connection for this exchange: close() ends it from now on
-        self.sockets.append(sock)
-        if self.closing:
-            _shut([sock])
+            reply = None
+        if r.status_code not in (200, 400, 413, 422):
+            raise ConnectionError(f"HTTP {r.status_code} from {self.url}{path.partition('?')[0]}: "
+                                  f"{_REFUSED.get(r.status_code) or _said(reply)}")
+        return r.status_code, reply
 
 
 class _Adapter(requests.adapters.HTTPAdapter):
-    """requests' own transport, but each connection it opens is shown to opened(socket)."""
-    def __init__(self, opened):
+    """requests' own transport, but each connection it opens joins client.sockets, which the deadline and
+    close() shut (at once, if the client is closing)."""
+    def __init__(self, client):
         super().__init__()
-        self.opened = opened
+        self.client = client
 
     def get_connection_with_tls_context(self, *args, **kwargs):
-        pool, opened = super().get_connection_with_tls_context(*args, **kwargs), self.opened
+        pool, client = super().get_connection_with_tls_context(*args, **kwargs), self.client
         if "ConnectionCls" not in vars(pool):  # once per pool: its ConnectionCls makes every connection
             class Connection(pool.ConnectionCls):
                 def connect(self):
                     super().connect()
-                    opened(self.sock)
+                    client.sockets.append(self.sock)
+                    if client.closing:
+                        _shut([self.sock])
             pool.ConnectionCls = Connection
         return pool
 
 
 def _shut(sockets):  # end an exchange at once, from another thread
     for sock in list(sockets):
-        try:
+        with contextlib.suppress(OSError):  # (it had just ended)
             sock.shutdown(socket.SHUT_RDWR)
-        except OSError:  # it had just ended
-            pass
 
 
-def _refusal(status, reply, url):  # why a 4xx keeps the data waiting, naming the likely cause
-    token = "this peer's token is not the server's: pass it with --token or $SWARM_TOKEN"
-    cause = {401: token, 403: token, 404: "is that the swarm server's URL, or does a proxy send it elsewhere?"}
-    return f"HTTP {status} from {url}: {cause.get(status) or _said(reply)}"
+_REFUSED = dict.fromkeys((401, 403), "this peer's token is not the server's: pass it with --token or $SWARM_TOKEN")
+_REFUSED[404] = "is that the swarm server's URL, or does a proxy send it elsewhere?"  # (the likely causes)
 
 
 def _reason(e):  # the words that matter in requests' long messages ("Connection refused"); no error: too late
@@ -1237,10 +1200,9 @@ def _said(data):  # the one sentence of an error reply
 
 
 # -----------------------------------------------------------------------------
-# Redis Streams as the store: SwarmClient's queues, thread and checks, with Redis commands for its exchanges.
-# A batch, atomically. KEYS: seq counter, stream (an entry a group, its ID the seq), producers by newest
-# batch time, the batch's reply (kept ARGV[5] s: a retry is stored once). ARGV: peer, round, MAXLEN, window
-# seconds, ARGV[5], groups. sapo:window:PEER: the seq ranges of PEER's newest 2 batches, until its window ends.
+# Redis Streams as the store. A batch, atomically. KEYS: seq counter, stream (an entry a group, its ID the
+# seq), producers by newest batch time, the batch's reply (kept ARGV[5] s: a retry is stored once). ARGV: peer,
+# round, MAXLEN, window seconds, ARGV[5], groups. sapo:window:PEER: the seq ranges of PEER's newest 2 batches.
 PUBLISH_LUA = """local reply, t, n = redis.call('GET', KEYS[4]), redis.call('TIME'), #ARGV - 5
 if reply then return reply end
 local now, last, window = t[1] + t[2] / 1e6, redis.call('INCRBY', KEYS[1], n), 'sapo:window:' .. ARGV[1]
@@ -1292,8 +1254,8 @@ class RedisClient(SwarmClient):
             import redis
         except ImportError:
             raise ValueError("a redis:// swarm needs the redis package: pip install redis") from None
-        self.redis, self.redis_error = redis.Redis.from_url(u.geturl(), password=token, decode_responses=True,
-                                                            socket_timeout=Limits.request_seconds), redis.RedisError
+        self.session, self.redis_error = redis.Redis.from_url(u.geturl(), password=token, decode_responses=True,
+                                                              socket_timeout=Limits.request_seconds), redis.RedisError
 
     def _request(self, method, path, body=b""):
         """The exchange SwarmClient's thread asks for, in Redis commands -> (200, the reply's JSON). Redis
@@ -1304,23 +1266,21 @@ class RedisClient(SwarmClient):
             if method == "POST":
                 b = json.loads(body)
                 if path == "/metrics":
-                    return 200, {"ok": bool(self.redis.xadd("sapo:metrics", {"row": body}, maxlen=1 << 16))}
-                return 200, json.loads(self.redis.eval(PUBLISH_LUA, 4, *KEYS, f"sapo:reply:{b['peer']}:{b['batch_id']}",
-                    b["peer"], b["round"], Limits.stream_groups, Limits.window_seconds, 86400, *map(_dumps, b["groups"])))
-            last = int(self.redis.get(KEYS[0]) or 0)
+                    return 200, {"ok": bool(self.session.xadd("sapo:metrics", {"row": body}, maxlen=1 << 16))}
+                keys = (*KEYS, f"sapo:reply:{b['peer']}:{b['batch_id']}")
+                return 200, json.loads(self.session.eval(PUBLISH_LUA, 4, *keys, b["peer"], b["round"],
+                                                         Limits.stream_groups, Limits.window_seconds, 86400,
+                                                         *map(_dumps, b["groups"])))
+            last = int(self.session.get(KEYS[0]) or 0)
             if "sample" in q:
-                found = self.redis.eval_ro(SAMPLE_LUA, 2, *KEYS[1:], q["sample"], q.get("exclude", ""),
-                                           q.get("seed", "0"), Limits.page_bytes)
+                found = self.session.eval_ro(SAMPLE_LUA, 2, *KEYS[1:], q["sample"], q.get("exclude", ""),
+                                             q.get("seed", "0"), Limits.page_bytes)
                 return 200, {"groups": [_stored(*e) for e in found], "last": last}
-            found = self.redis.xrange(KEYS[1], f"{int(q.get('after', last)) + 1}-0", count=256)
+            found = self.session.xrange(KEYS[1], f"{int(q.get('after', last)) + 1}-0", count=256)
             return 200, {"groups": [_stored(*e) for e in found if e[1].get("peer") != q.get("exclude")], "last": last,
                          "next": int(found[-1][0][:-2]) if found else int(q.get("after", last)), "last_seq": last}
         except self.redis_error as e:
             raise ConnectionError(f"Redis: {e}") from None
-
-    def close(self):
-        super().close()  # (an exchange under way ends within Limits.request_seconds)
-        self.redis.close()
 
 
 def _stored(seq, fields):  # a stream entry -> the group as served, or None (check() judges either)

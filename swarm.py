@@ -273,41 +273,32 @@ def connect(url, peer, token=None, cursor=None, sample=None, seed=0):
 
 
 class Limits:
-    """Every bound in one place (sizes in bytes): what keeps a sender from making the server hold more,
-    and a server from making a client hold more."""
-    body_bytes = 8 << 20        # one request body (413 beyond it); bodies over 1/8 of it are answered one
-                                # at a time, as parsing one may take several times its bytes
+    """Every bound in one place (sizes in bytes): on what a sender may make the server hold, and a server a client."""
+    body_bytes = 8 << 20        # one request body (413 beyond it); those over 1/8 of it are parsed one at a time
     json_values = 1 << 20       # commas, objects and lists outside strings in one JSON text (413 beyond)
     completion_tokens = 8192    # token ids (and log-probs) of one completion in a group
     page_bytes = 1 << 20        # one reply page of /rollouts or /metrics (a page holds at least one item)
     page_groups = 1024          # groups in one /rollouts page (?limit=, default 256)
-    sample_groups = 256         # groups one sampled read may ask for (?sample=)
-    window_batches = 2          # a sampled read draws from each producer's newest this many batches,
-    window_seconds = 600.0      # of the producers whose newest batch arrived this recently
     scan_groups = 16 * 1024     # groups one read may step over (the reader's own, which it excludes)
     keep_bytes = 256 << 20      # default --keep-bytes: batches kept, on disk and (the same bytes) in memory
     metrics_bytes = 8 << 20     # metrics rows kept, in memory and in metrics.jsonl
     replies = 20_000            # idempotency records (one per batch), kept after their batch is deleted
     peers = 1024                # peers in the table; the one seen least recently goes first
-    connections = 1000          # open connections (fewer under a low descriptor limit); at the cap, the
-                                # connection waiting longest for a request is closed for a new one
+    connections = 1000          # open connections, fewer under a low descriptor limit (at the cap: _evict)
     in_flight_bytes = 64 << 20  # request bodies and replies held at once, all connections together
     request_seconds = 10.0      # whole-request deadline: the server's to read one, the client's per call
     line_bytes = 8192           # the request line (414 beyond it) and each header line (431)
     header_lines = 64           # header lines in one request (431 beyond it)
-    workers = 4                 # threads answering complete GETs, and as many for POSTs (which wait
-                                # for each other's fsync: reads must not wait behind them)
+    workers = 4                 # threads answering GETs, and as many for POSTs (reads never wait for an fsync)
     backlog = 128               # connections the kernel queues before the server accepts them
     outbox_bytes = 64 << 20     # client: unsent batches and metrics; the oldest go first beyond it
     inbox_bytes = 64 << 20      # client: received groups not yet fetched; the oldest go first beyond it
     reply_bytes = body_bytes + (64 << 10)  # client: the largest reply it reads (a page holds one group
                                 # larger than page_bytes at most, and no group is larger than a body)
-    reply_values = 1 << 19      # client: JSON values in one reply, counted before it is parsed (parsing
-                                # holds the interpreter lock: 2**19 values take about 30 ms)
+    reply_values = 1 << 19      # client: JSON values in a reply, counted before it is parsed (2**19: 30 ms)
     poll_seconds = 1.0          # client: how often it asks for new groups
-    recent_groups = 64          # client: a new peer starts with the newest this many groups (two rounds
-                                # of an 8-peer swarm at I = 4), not with the whole history
-    sample_groups = 256         # the most groups one sampled read may ask for (?sample=K)
+    recent_groups = 64          # client: a new peer starts with the newest this many groups, not all history
+    sample_groups = 256         # groups one sampled read may ask for (?sample=K)
     window_batches = 2          # a sampled read draws from each producer's newest this many batches,
     window_seconds = 600        # of the producers whose newest batch arrived within this many seconds
     seen_seqs = 4096            # client, sampled reads: the seqs it remembers, so it hands out none twice
@@ -323,6 +314,7 @@ class BadRequest(Exception):
     def __init__(self, message, status=400, headers=None):
         super().__init__(message)
         self.message, self.status, self.headers = message, status, headers or {}
+        self.reply = status, JSON, _dumps({"error": message}), self.headers  # as the server answers it
 
 
 def _want(ok, message, status=400, headers=None):
@@ -461,8 +453,6 @@ def _log(message):
 class RolloutStore(Store):
     """Store on disk, behind the HTTP server: the folder of batch files (locked, written atomically and
     fsynced), retention in bytes, the metrics rows, and the state Store's methods use."""
-
-
     copies = ("pruned.json", "pruned-copy.json")  # two copies: a damaged one alone loses nothing
 
     def __init__(self, folder, keep_bytes=Limits.keep_bytes):
@@ -480,12 +470,22 @@ class RolloutStore(Store):
         self.metrics, self.metrics_bytes = [], 0  # (n, peer, row as a JSON line, row) per kept metrics row
         self.closed = self.metrics_cut = False    # metrics_cut: a failed write may have left half a line
         self.folder_fd = None
-        self._lock_folder()
-        try:
+        try:  # the folder itself is flocked (no lock file a stray `rm` could remove); files open relative to it
+            os.makedirs(self.folder, exist_ok=True)
+            self.folder_fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
+            self._remove(".tmp-probe")
+            self._open(".tmp-probe", "wb").close()  # can we write here?
+            if fcntl is not None:
+                fcntl.flock(self.folder_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             self._load()
-        except BaseException:
-            self.close()
-            raise
+        except BaseException as e:
+            if self.folder_fd is not None:
+                os.close(self.folder_fd)
+            if not isinstance(e, OSError):
+                raise
+            raise ValueError(f"another swarm server is already using --dir {self.folder}; stop it or choose another "
+                             "folder." if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else f"cannot use --dir "
+                             f"{self.folder} ({e.strerror or e}); give a folder it can create and write.") from None
 
     def _seen(self, peer, round_, when, published=0):
         p = self.peers.pop(peer, None) or {"last_seen": 0.0, "last_round": 0, "groups": 0}
@@ -496,10 +496,9 @@ class RolloutStore(Store):
             self.peers.popitem(last=False)
 
     def _retain(self):
-        """Past --keep-bytes, delete the oldest batches down to 90% of it (the newest always stays). First
-        pruned.json and its copy record the newest deleted seq and the deleted batches' idempotency
-        records, so after a restart the numbering goes on and a late retry of a deleted batch is still not
-        stored twice, even if one of the two files is damaged."""
+        """Past --keep-bytes, delete the oldest batches down to 90% of it (the newest always stays), once both
+        copies of pruned.json hold the newest deleted seq and the deleted batches' idempotency records: after
+        a restart the numbering goes on, and a late retry of a deleted batch is still not stored twice."""
         if self.kept_bytes <= self.keep_bytes or len(self.batches) < 2:
             return
         with self.lock:
@@ -611,23 +610,6 @@ class RolloutStore(Store):
 
     # -- the folder itself
 
-    def _lock_folder(self):
-        """Open the folder and flock it (self.folder_fd): a second server on it is refused, and no stray
-        `rm` of a lock file can change that (there is none). Every file is opened relative to it."""
-        try:
-            os.makedirs(self.folder, exist_ok=True)
-            self.folder_fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
-            self._remove(".tmp-probe")
-            self._open(".tmp-probe", "wb").close()  # can we write here?
-            if fcntl is not None:
-                fcntl.flock(self.folder_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if self.folder_fd is not None:
-                os.close(self.folder_fd)
-            raise ValueError(f"another swarm server is already using --dir {self.folder}; stop it or choose another "
-                             "folder." if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else f"cannot use --dir "
-                             f"{self.folder} ({e.strerror or e}); give a folder the server can create and write.") from None
-
     def _open(self, name, mode="rb"):
         """A regular file of the locked folder, opened relative to its descriptor: never through a link,
         never a FIFO or a device. Writing, it refuses (503) if the folder's path now names another folder
@@ -687,15 +669,10 @@ def _now():  # the server's clock as a TIME field holds it, so that no clock mak
 # -----------------------------------------------------------------------------
 # HTTP server: an asyncio loop reads requests; worker threads answer them; errors are one JSON sentence.
 
-ROUTES = {"/": {"GET": "page"}, "/health": {"GET": "health"}, "/peers": {"GET": "peers"},
-          "/rollouts": {"GET": "get_rollouts", "POST": "post_rollouts"},
-          "/metrics": {"GET": "get_metrics", "POST": "post_metrics"}}
+ROUTES = {"/": ("GET",), "/health": ("GET",), "/peers": ("GET",), "/rollouts": ("GET", "POST"),
+          "/metrics": ("GET", "POST")}  # path -> its methods (SwarmServer._route answers them)
 JSON = "application/json"
 Request = collections.namedtuple("Request", "method target headers body")
-
-
-def _error(message):
-    return _dumps({"error": message})
 
 
 async def _readline(reader, status, what):
@@ -722,13 +699,9 @@ def _int_param(query, name, default, lowest, highest):
 
 class SwarmServer:
     """The HTTP side of the store. One asyncio loop (in a thread) reads each request whole under a
-    deadline, so a slow or idle connection costs a buffer, not a thread; two small pools of threads
-    answer complete requests, one for reads and one for writes. A request's way through:
-
-        _accept -> _connection: _read_request (line, headers, token, body: all under one deadline),
-        _answer in a worker thread (route, then one short method per route), _send the reply, close
-
-    shutdown() stops serving, closes the connections, then the store."""
+    deadline, so a slow or idle connection costs a buffer, not a thread; a pool of threads for reads and
+    one for writes answer complete requests. A request's way: _accept -> _connection: _read_request (line,
+    headers, token, body: under one deadline), _answer and _route in a worker thread, _send, close."""
 
     def __init__(self, store, host, port, token=None, public_reads=False, verbose=False):
         self.store, self.token, self.public_reads, self.verbose = store, token, public_reads, verbose
@@ -736,8 +709,7 @@ class SwarmServer:
                                              family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.listener.setblocking(False)
         self.server_address = self.listener.getsockname()
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if resource else -1  # -1: no limit
-        # every connection holds a descriptor: leave 64 of them for the batch files
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if resource else -1  # -1: none; 64 stay for files
         self.max_connections = max(4, min(Limits.connections, soft - 64)) if soft > 0 else Limits.connections
         self.open, self.waiting = set(), {}  # every connection; those that may be closed for a new one ->
                                              # 0 if idle or sending a head, 1 if sending a body (in order)
@@ -754,8 +726,8 @@ class SwarmServer:
 
     async def _accept(self):
         """Accept one connection at a time, so the cap holds before the next. At the cap, or out of
-        descriptors, the connection that has waited longest without a complete request is closed for it
-        (see _evict); with none to close, a new connection is refused, and accept() pauses, never spins."""
+        descriptors, _evict closes one for it; with none to close, a new connection is refused, and
+        accept() pauses, never spins."""
         while True:
             try:
                 sock, _ = await self.loop.sock_accept(self.listener)
@@ -783,13 +755,10 @@ class SwarmServer:
         if not self.waiting:
             return False
         writer = min(self.waiting, key=self.waiting.get)  # the first of the lowest rank
-        self._forget(writer)  # at once, so that a burst never picks it twice
+        self.open.discard(writer)  # at once, so that a burst never picks it twice
+        del self.waiting[writer]
         writer.transport.abort()
         return True
-
-    def _forget(self, writer):
-        self.open.discard(writer)
-        self.waiting.pop(writer, None)
 
     async def _connection(self, reader, writer):
         """One connection, one request: read it whole under the deadline, answer it in a worker thread,
@@ -812,7 +781,7 @@ class SwarmServer:
             self.in_flight -= len(body)
             body.clear()
             try:
-                await self._send(writer, e.status, JSON, _error(e.message), e.headers)
+                await self._send(writer, *e.reply)
                 writer.write_eof()  # and read what the client still sends for a moment, so that closing
                 await asyncio.wait_for(_drop_input(reader), 2.0)  # does not reset it before it reads the reply
             except (OSError, asyncio.TimeoutError):
@@ -821,15 +790,14 @@ class SwarmServer:
             pass  # a client that hangs up, idles or stops reading its reply is not news
         finally:
             self.in_flight -= len(body)
-            self._forget(writer)
+            self.open.discard(writer)
+            self.waiting.pop(writer, None)
             writer.transport.abort()
 
     async def _read_request(self, reader, writer, body):
-        """The request line, the headers, and the body (into `body`) -> Request. Strict, so that
-        no request reads differently here and in a proxy in front: one space between the parts of the
-        request line, 'Name: value' headers, each name once. The token is checked before any body is read,
-        and the body counts towards Limits.in_flight_bytes as its bytes arrive, so a sender who only
-        declares a length costs nothing."""
+        """The request line, the headers and the body (into `body`) -> Request. Strict, so that no request
+        reads differently here and in a proxy in front. The token is checked before any body is read, and
+        the body counts in self.in_flight as it arrives: a sender who only declares a length costs nothing."""
         if (first := await reader.read(1)) in (b"", b"\x16"):  # gone, or TLS (this server speaks plain HTTP)
             raise EOFError("no request")
         line = first.decode("latin-1") + await _readline(reader, 414, "The request line")
@@ -864,15 +832,15 @@ class SwarmServer:
                 raise EOFError("the client hung up")
             if self.in_flight + len(chunk) > Limits.in_flight_bytes:
                 raise BadRequest("The server is busy; send it again in a moment.", 503, {"Retry-After": "1"})
-            self.in_flight += len(chunk)  # given back by _exchange once the reply has gone
+            self.in_flight += len(chunk)  # given back by _connection once the reply has gone
             body += chunk
         self.waiting.pop(writer, None)
         return Request(method, target, headers, body)
 
     async def _send(self, writer, status, content_type, body, headers=None, head_only=False):
         if len(body) > 65536 and self.in_flight + len(body) > Limits.in_flight_bytes:  # bound what waits
-            status, content_type, body = 503, JSON, _error("The server is busy; ask again in a moment.")
-            headers = {"Retry-After": "1"}
+            status, content_type, body, headers = BadRequest("The server is busy; ask again in a moment.", 503,
+                                                             {"Retry-After": "1"}).reply
         head = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: {content_type}\r\n" \
                f"Content-Length: {len(body)}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         data = (head + "Connection: close\r\n\r\n").encode() + (b"" if head_only else body)
@@ -896,58 +864,49 @@ class SwarmServer:
             _want(query.count("&") < 16, "The query string has too many fields.")
             q = parse_qs(query, keep_blank_values=True)
             with self.large if len(request.body) > Limits.body_bytes // 8 else contextlib.nullcontext():
-                return (*getattr(self, "_" + methods[request.method])(q, request.body), {})
+                reply = self._route(request.method, path, q, request.body)
+            return 200, "text/html; charset=utf-8" if path == "/" else JSON, reply, {}
         except BadRequest as e:
-            return e.status, JSON, _error(e.message), e.headers
+            return e.reply
         except Exception as e:
             if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):  # the sender keeps its data: later
-                return 507, JSON, _error("The server's disk is full, so nothing was stored; send it again later."), {}
+                return BadRequest("The server's disk is full, so nothing was stored; send it again later.", 507).reply
             if getattr(e, "errno", None) in (errno.EMFILE, errno.ENFILE):
-                return 503, JSON, _error("The server is busy; send it again in a moment."), {"Retry-After": "1"}
+                return BadRequest("The server is busy; send it again in a moment.", 503, {"Retry-After": "1"}).reply
             _log(f"unexpected error in {request.method[:20]} {request.target[:200]}: {e!r:.300}")
-            return 500, JSON, _error("The server hit an unexpected error; it was logged and the server "
-                                     "keeps serving."), {}
+            return BadRequest("The server hit an unexpected error; it was logged and the server keeps serving.",
+                              500).reply
 
-    # --- one method per route: (query, body) -> (status, content type, body bytes)
-
-    def _post_rollouts(self, q, body):
-        b = check(parse_json(body), PUBLISH)
-        return 200, JSON, _dumps(self.store.publish(b["peer"], b["round"], b["batch_id"], b["groups"]))
-
-    def _get_rollouts(self, q, body):
-        exclude = q.get("exclude", [""])[-1]
-        _want(not exclude or NAME.fullmatch(exclude), f"exclude must be a peer name matching {NAME.pattern}.")
-        if "sample" in q:  # a sampled read: K groups of the recent window
-            texts, last_seq = self.store.sample(_int_param(q, "sample", 1, 1, Limits.sample_groups), exclude,
-                                                _int_param(q, "seed", 0, 0, 2**63 - 1))
-            return 200, JSON, b'{"groups":[' + b",".join(texts) + b'],"last":%d}' % last_seq
-        after = _int_param(q, "after", 0, 0, 10**15)
-        limit = _int_param(q, "limit", 256, 1, Limits.page_groups)
-        texts, next_seq, last_seq = self.store.read(after, exclude, limit)
-        # groups are kept as JSON text, so a page is joined, not re-encoded
-        return 200, JSON, b'{"groups":[' + b",".join(texts) + b'],"next":%d,"last":%d}' % (next_seq, last_seq)
-
-    def _post_metrics(self, q, body):
-        b = check(parse_json(body), METRICS)
-        self.store.add_metrics(b["peer"], b["round"], b["metrics"])
-        return 200, JSON, b'{"ok":true}'
-
-    def _get_metrics(self, q, body):
-        texts, next_n, last_n = self.store.read_metrics(_int_param(q, "after", 0, 0, 10**15))
-        return 200, JSON, b'{"metrics":[' + b",".join(texts) + b'],"next":%d,"last":%d}' % (next_n, last_n)
-
-    def _health(self, q, body):
+    def _route(self, method, path, q, body):
+        """A request for one of ROUTES -> the reply's bytes. Groups are kept as JSON text, so a page of
+        them is joined, not encoded again."""
+        if method == "POST":
+            b = check(parse_json(body), PUBLISH if path == "/rollouts" else METRICS)
+            if path == "/metrics":
+                self.store.add_metrics(b["peer"], b["round"], b["metrics"])
+                return b'{"ok":true}'
+            return _dumps(self.store.publish(b["peer"], b["round"], b["batch_id"], b["groups"]))
+        if path == "/metrics":
+            texts, next_n, last_n = self.store.read_metrics(_int_param(q, "after", 0, 0, 10**15))
+            return b'{"metrics":[' + b",".join(texts) + b'],"next":%d,"last":%d}' % (next_n, last_n)
+        if path == "/rollouts":
+            exclude = q.get("exclude", [""])[-1]
+            _want(not exclude or NAME.fullmatch(exclude), f"exclude must be a peer name matching {NAME.pattern}.")
+            if "sample" in q:  # a sampled read: K groups of the recent window
+                texts, last_seq = self.store.sample(_int_param(q, "sample", 1, 1, Limits.sample_groups), exclude,
+                                                    _int_param(q, "seed", 0, 0, 2**63 - 1))
+                return b'{"groups":[' + b",".join(texts) + b'],"last":%d}' % last_seq
+            texts, next_seq, last_seq = self.store.read(_int_param(q, "after", 0, 0, 10**15), exclude,
+                                                        _int_param(q, "limit", 256, 1, Limits.page_groups))
+            return b'{"groups":[' + b",".join(texts) + b'],"next":%d,"last":%d}' % (next_seq, last_seq)
         snap = self.store.snapshot()
-        return 200, JSON, _dumps({"ok": True, "groups": snap["groups"], "peers": len(snap["peers"]),
-                                  "last_seq": snap["last_seq"]})
-
-    def _peers(self, q, body):
-        return 200, JSON, _dumps({"peers": self.store.snapshot()["peers"]})
-
-    def _page(self, q, body):
-        snap = self.store.snapshot()
-        newest = self.store.read(max(0, snap["last_seq"] - 64), None, 64)[0]  # what the peers said last
-        return 200, "text/html; charset=utf-8", render_page(snap, [json.loads(t) for t in newest]).encode()
+        if path == "/health":
+            return _dumps({"ok": True, "groups": snap["groups"], "peers": len(snap["peers"]),
+                           "last_seq": snap["last_seq"]})
+        if path == "/peers":
+            return _dumps({"peers": snap["peers"]})
+        newest = self.store.read(max(0, snap["last_seq"] - 64), None, 64)[0]  # the dashboard: what peers said last
+        return render_page(snap, [json.loads(t) for t in newest]).encode()
 
     def shutdown(self):
         """Stop serving: close the listener and every connection, let running answers finish, close the store."""

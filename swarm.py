@@ -313,8 +313,7 @@ class BadRequest(Exception):
     """What the other side got wrong, in one sentence, with the HTTP status that says so."""
     def __init__(self, message, status=400, headers=None):
         super().__init__(message)
-        self.message, self.status, self.headers = message, status, headers or {}
-        self.reply = status, JSON, _dumps({"error": message}), self.headers  # as the server answers it
+        self.message, self.reply = message, (status, JSON, _dumps({"error": message}), headers or {})  # as served
 
 
 def _want(ok, message, status=400, headers=None):
@@ -425,10 +424,9 @@ def _finite(text):  # JSON may spell numbers that cannot be served back as JSON:
 
 
 def parse_json(raw):
-    """Strict UTF-8 JSON -> a Python value, or BadRequest: no NaN or Infinity, no lone surrogate such as
-    "\\ud800" (no UTF-8 can store or serve it), nothing nested too deeply, and at most Limits.json_values
-    objects, lists and items, since each costs memory far beyond its bytes (an 8 MB body of {},{},... is
-    230 MB as Python objects)."""
+    """Strict UTF-8 JSON -> a Python value, or BadRequest: no NaN or Infinity, no lone surrogate ("\\ud800":
+    no UTF-8 can store or serve it), nothing nested too deeply, at most Limits.json_values values (each
+    costs memory far beyond its bytes: an 8 MB body of {},{},... is 230 MB as Python objects)."""
     try:
         text = raw.decode() if isinstance(raw, (bytes, bytearray)) else raw  # strict: no encoded surrogates
         if text.count(",") + text.count("{") + text.count("[") > Limits.json_values:  # then count outside strings
@@ -459,8 +457,7 @@ class RolloutStore(Store):
         self.folder, self.keep_bytes = os.path.abspath(folder), keep_bytes
         self.write_lock, self.lock = threading.Lock(), threading.Lock()
         self.index = []                           # (seq, peer, group as UTF-8 JSON) per kept group, in order
-        self.window = {}                          # peer -> its newest kept batches (arrival time, file name,
-                                                  # group JSON texts), Limits.window_batches at most
+        self.window = {}                          # peer -> its newest batches: (arrival time, file name, texts)
         self.batches = collections.deque()        # (file name, peer, batch_id, groups, bytes), oldest first
         self.kept_bytes = 0                       # bytes of the kept batch files
         self.last_seq = 0                         # seq of the newest group ever stored: never reused
@@ -611,9 +608,8 @@ class RolloutStore(Store):
     # -- the folder itself
 
     def _open(self, name, mode="rb"):
-        """A regular file of the locked folder, opened relative to its descriptor: never through a link,
-        never a FIFO or a device. Writing, it refuses (503) if the folder's path now names another folder
-        (`mv D D.old; mkdir D`): a second server may be writing there, and our batches would not be found."""
+        """A regular file of the locked folder (never through a link, never a FIFO). Writing, a 503 if the folder's
+        path now names another folder (`mv D D.old; mkdir D`): another server may write there, and ours be lost."""
         try:
             moved = mode != "rb" and not os.path.samestat(os.fstat(self.folder_fd), os.stat(self.folder))
         except FileNotFoundError:
@@ -633,9 +629,8 @@ class RolloutStore(Store):
             raise
 
     def _write_atomic(self, name, data):
-        """Write bytes to folder/name so that anyone (a reader, a restart after kill -9) sees all or nothing:
-        a temporary file, fsynced, renamed over the name (a link there is replaced, never followed), and
-        the rename fsynced too."""
+        """Bytes to folder/name, so that a reader or a restart after kill -9 sees all or nothing: a temporary
+        file, fsynced, renamed over the name (a link there is replaced, never followed), the rename fsynced."""
         try:
             with self._open(".tmp-" + name, "wb") as f:
                 f.write(data)
@@ -725,9 +720,8 @@ class SwarmServer:
         self.thread.start()
 
     async def _accept(self):
-        """Accept one connection at a time, so the cap holds before the next. At the cap, or out of
-        descriptors, _evict closes one for it; with none to close, a new connection is refused, and
-        accept() pauses, never spins."""
+        """One connection at a time, so the cap holds before the next. At the cap, or out of descriptors, _evict
+        closes one for it; with none to close, a new connection is refused, and accept() pauses, never spins."""
         while True:
             try:
                 sock, _ = await self.loop.sock_accept(self.listener)
@@ -761,9 +755,8 @@ class SwarmServer:
         return True
 
     async def _connection(self, reader, writer):
-        """One connection, one request: read it whole under the deadline, answer it in a worker thread,
-        send the reply, close. (Nothing can ride behind a body as a second request, and no connection
-        holds a place between requests.) The body counts in self.in_flight until the reply has gone."""
+        """One request per connection (nothing rides behind a body), read whole under the deadline, answered
+        in a worker thread, then closed. The body counts in self.in_flight until the reply has gone."""
         writer.transport.set_write_buffer_limits(0)  # so that drain() returns once the reply has left
         self.waiting[writer], body = 0, bytearray()
         try:
@@ -940,9 +933,8 @@ def check_token(token):
 
 def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.keep_bytes,
                  public_reads=False, verbose=False):
-    """Start a server in a daemon thread -> (server, "http://host:port"). Stop it with server.shutdown().
-    With a token every request needs it, except GETs when public_reads is true. Raises ValueError with
-    one sentence when the folder, port or settings cannot be used."""
+    """Start a server in a daemon thread -> (server, "http://host:port"); server.shutdown() stops it. With a
+    token every request needs it (GETs not, with public_reads). Bad settings: ValueError, in one sentence."""
     token = check_token(token)
     if not isinstance(keep_bytes, int) or keep_bytes < 1:
         raise ValueError("--keep-bytes must be a size of at least 1 byte.")
@@ -1294,12 +1286,7 @@ def _stored(seq, fields):  # a stream entry -> the group as served, or None (che
 # -----------------------------------------------------------------------------
 # Dashboard: an SVG line chart, and one self-contained HTML page.
 
-COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
-           "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
-
-
-def _esc(text):
-    return html.escape(str(text), quote=True)  # safe in both HTML and XML
+COLOURS = "#1f77b4 #ff7f0e #2ca02c #d62728 #9467bd #8c564b #e377c2 #7f7f7f #bcbd22 #17becf".split()
 
 
 def render_svg(series, title="reward per round", ylabel="reward", xlabel="round", width=760, height=360,
@@ -1312,7 +1299,7 @@ def render_svg(series, title="reward per round", ylabel="reward", xlabel="round"
     bands = {name: [b for b in band if all(map(_sane, b))] for name, band in (bands or {}).items() if name in lines}
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} '
            f'{height}" font-family="sans-serif" font-size="12"><rect width="{width}" height="{height}" fill="white"/>',
-           f'<text x="{left + plot_w / 2}" y="20" text-anchor="middle" font-size="14">{_esc(title)}</text>']
+           f'<text x="{left + plot_w / 2}" y="20" text-anchor="middle" font-size="14">{html.escape(title)}</text>']
     if not lines:
         return "\n".join(out + [f'<text x="{left + plot_w / 2}" y="{top + plot_h / 2}" text-anchor="middle" '
                                 'fill="#888">no data yet</text></svg>'])
@@ -1334,9 +1321,9 @@ def render_svg(series, title="reward per round", ylabel="reward", xlabel="round"
     for yv in (y0 + (y1 - y0) * k / 5 for k in range(6)):  # values up the side, with grid lines
         out.append(f'<line x1="{left}" y1="{py(yv):.1f}" x2="{left + plot_w}" y2="{py(yv):.1f}" stroke="#ddd"/>'
                    f'<text x="{left - 6}" y="{py(yv) + 4:.1f}" text-anchor="end">{yv:.3g}</text>')
-    out.append(f'<text x="{left + plot_w / 2}" y="{height - 8}" text-anchor="middle">{_esc(xlabel)}</text>'
+    out.append(f'<text x="{left + plot_w / 2}" y="{height - 8}" text-anchor="middle">{html.escape(xlabel)}</text>'
                f'<text x="16" y="{top + plot_h / 2}" text-anchor="middle" '
-               f'transform="rotate(-90 16 {top + plot_h / 2})">{_esc(ylabel)}</text>')
+               f'transform="rotate(-90 16 {top + plot_h / 2})">{html.escape(ylabel)}</text>')
     if _sane(hline):
         out.append(f'<line x1="{left}" y1="{py(hline):.1f}" x2="{left + plot_w}" y2="{py(hline):.1f}" '
                    'stroke="#888" stroke-dasharray="5,4"/>')
@@ -1351,14 +1338,13 @@ def render_svg(series, title="reward per round", ylabel="reward", xlabel="round"
         out.append(f'<circle cx="{px(pts[0][0]):.1f}" cy="{py(pts[0][1]):.1f}" r="3" fill="{colour}"/>' if len(pts) == 1
                    else f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{coords}"/>')
         out.append(f'<line x1="{left + plot_w + 12}" y1="{ly}" x2="{left + plot_w + 32}" y2="{ly}" stroke="{colour}" '
-                   f'stroke-width="3"/><text x="{left + plot_w + 38}" y="{ly + 4}">{_esc(name[:24])}</text>')
+                   f'stroke-width="3"/><text x="{left + plot_w + 38}" y="{ly + 4}">{html.escape(name[:24])}</text>')
     return "\n".join(out + ["</svg>"])
 
 
 def render_page(snap, groups=()):
-    """The dashboard: local_reward (the skill) per round of the 10 peers seen most recently, beside it each
-    one's newest completions among `groups` (text from outside: escaped), and a table. Rounds count as
-    the peers' logs do: a peer that has finished round 0 shows last round 0."""
+    """The dashboard: local_reward per round of the 10 peers seen most recently, each one's newest completions
+    among `groups` (escaped), and a table. A peer that has finished round 0 shows last round 0, as its log."""
     series, last, drawn = {}, {}, list(snap["peers"])[-len(COLOURS):]
     for row in snap["metrics"]:  # later rows for the same round (after a resume) replace earlier ones
         if row["peer"] in drawn and row["metrics"].get("local_reward") is not None:
@@ -1366,15 +1352,16 @@ def render_page(snap, groups=()):
         last.setdefault(row["peer"], {}).update(row["metrics"], round=row["round"])
     chart = render_svg({p: sorted(s.items()) for p, s in series.items()}, title="local_reward per round")
     newest = {g["peer"]: g for g in groups if g["peer"] in drawn}  # the last group of each peer wins
-    said = "".join(f"<h3>{_esc(p)}, round {g['round']}: {_esc(g['question'][:300])}</h3>"
-                   + "".join(f"<pre>{_esc(c[:500])}</pre>" for c in g["completions"][:2])
+    said = "".join(f"<h3>{html.escape(p)}, round {g['round']}: {html.escape(g['question'][:300])}</h3>"
+                   + "".join(f"<pre>{html.escape(c[:500])}</pre>" for c in g["completions"][:2])
                    for p, g in sorted(newest.items()))
     rows = []
     for peer, info in sorted(snap["peers"].items()):
         m = last.get(peer, {})
         cells = "".join(f"<td>{'' if m.get(k) is None else f'{m[k]:.3f}'}</td>" for k in ("local_reward", "batch_reward"))
         seen = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(info["last_seen"]))
-        rows.append(f"<tr><td>{_esc(peer)}</td><td>{m.get('round', '')}</td><td>{info['groups']}</td>{cells}<td>{seen}</td></tr>")
+        rows.append(f"<tr><td>{html.escape(peer)}</td><td>{m.get('round', '')}</td><td>{info['groups']}</td>{cells}"
+                    f"<td>{seen}</td></tr>")
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><meta http-equiv="refresh" content="5"><title>nanoSAPO swarm</title>
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}} h3{{font-size:1em}}
@@ -1416,19 +1403,16 @@ def main(argv=None):
     parser.add_argument("--token", default=os.environ.get("SWARM_TOKEN"),
                         help="require 'Authorization: Bearer TOKEN' on every request (default: $SWARM_TOKEN, "
                              "which, unlike this flag, does not show in ps)")
-    parser.add_argument("--token-file", help="read the token from this file instead")
+    parser.add_argument("--token-file", type=argparse.FileType(encoding="latin-1"),
+                        help="read the token from this file instead")
     parser.add_argument("--public-reads", action="store_true",
                         help="with a token: let anyone GET (dashboard, rollouts, metrics); writes still need it")
     parser.add_argument("--keep-bytes", type=_size, default=f"{Limits.keep_bytes >> 20}M",
                         help="batch bytes kept on disk and in memory; the oldest go first (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="log every request on stderr")
     args = parser.parse_args(argv)
-    try:
-        if args.token_file:
-            with open(args.token_file) as f:
-                args.token = f.read().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        _fail(f"cannot read --token-file {args.token_file} ({e})")
+    if args.token_file:  # (a token that is not printable ASCII fails in start_server)
+        args.token = args.token_file.read().strip()
     try:
         server, url = start_server(args.dir, args.host, args.port, args.token, args.keep_bytes,
                                    args.public_reads, args.verbose)

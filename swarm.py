@@ -664,8 +664,7 @@ def _now():  # the server's clock as a TIME field holds it, so that no clock mak
 # -----------------------------------------------------------------------------
 # HTTP server: an asyncio loop reads requests; worker threads answer them; errors are one JSON sentence.
 
-ROUTES = {"/": ("GET",), "/health": ("GET",), "/peers": ("GET",), "/rollouts": ("GET", "POST"),
-          "/metrics": ("GET", "POST")}  # path -> its methods (SwarmServer._route answers them)
+ROUTES = {"/": "GET", "/health": "GET", "/peers": "GET", "/rollouts": "GET, POST", "/metrics": "GET, POST"}  # _route
 JSON = "application/json"
 Request = collections.namedtuple("Request", "method target headers body")
 
@@ -684,12 +683,10 @@ async def _drop_input(reader, most=1 << 20):  # what a refused client still send
 
 
 def _int_param(query, name, default, lowest, highest):
-    values = query.get(name)
-    if not values:
-        return default
-    _want(re.fullmatch(r"[0-9]{1,19}", values[-1]) and lowest <= int(values[-1]) <= highest,
+    value = query.get(name, [str(default)])[-1]
+    _want(re.fullmatch(r"[0-9]{1,19}", value) and lowest <= int(value) <= highest,
           f"{name} must be a whole number from {lowest} to {highest}.")
-    return int(values[-1])
+    return int(value)
 
 
 class SwarmServer:
@@ -773,12 +770,10 @@ class SwarmServer:
             self.waiting[writer] = 0  # first to go while it lingers, holding no body
             self.in_flight -= len(body)
             body.clear()
-            try:
+            with contextlib.suppress(OSError, asyncio.TimeoutError):
                 await self._send(writer, *e.reply)
                 writer.write_eof()  # and read what the client still sends for a moment, so that closing
                 await asyncio.wait_for(_drop_input(reader), 2.0)  # does not reset it before it reads the reply
-            except (OSError, asyncio.TimeoutError):
-                pass
         except (OSError, EOFError, asyncio.TimeoutError):
             pass  # a client that hangs up, idles or stops reading its reply is not news
         finally:
@@ -849,11 +844,10 @@ class SwarmServer:
         try:
             path, _, query = request.target.partition("?")
             _want(path.startswith("/"), "The request target must be a path such as /rollouts.")
-            methods = ROUTES.get(path)
-            _want(methods is not None, f"There is no {path[:80]} here; the paths are {', '.join(ROUTES)}.", 404)
-            allowed = ", ".join(methods)
-            _want(request.method in methods, f"{path} accepts only {allowed}, not {request.method[:20]}.", 405,
-                  {"Allow": allowed})
+            allowed = ROUTES.get(path)
+            _want(allowed, f"There is no {path[:80]} here; the paths are {', '.join(ROUTES)}.", 404)
+            _want(request.method in allowed.split(", "), f"{path} accepts only {allowed}, not {request.method[:20]}.",
+                  405, {"Allow": allowed})
             _want(query.count("&") < 16, "The query string has too many fields.")
             q = parse_qs(query, keep_blank_values=True)
             with self.large if len(request.body) > Limits.body_bytes // 8 else contextlib.nullcontext():
@@ -1395,16 +1389,12 @@ def _fail(message):  # every bad flag or setting: one sentence, exit status 2
 def main(argv=None):
     parser = argparse.ArgumentParser(description="nanoSAPO swarm rollout server (see the docstring of swarm.py).")
     parser.error = lambda message: _fail(f"{message}; see python swarm.py --help.")  # not usage + error
-    parser.add_argument("--dir", default="swarm_data",
-                        help="folder of the batch files, made if missing (default: %(default)s)")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on, 0.0.0.0 for a LAN (default: %(default)s)")
+    parser.add_argument("--dir", default="swarm_data", help="batch folder, made if missing (default: %(default)s)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: LAN; default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on, 0: any (default: %(default)s)")
-    parser.add_argument("--token", default=os.environ.get("SWARM_TOKEN"),
-                        help="require 'Authorization: Bearer TOKEN' on every request (default: $SWARM_TOKEN, "
-                             "which, unlike this flag, does not show in ps)")
-    parser.add_argument("--token-file", type=argparse.FileType(encoding="latin-1"),
-                        help="read the token from this file instead")
+    parser.add_argument("--token", default=os.environ.get("SWARM_TOKEN"), help="require 'Authorization: Bearer "
+                        "TOKEN' on every request (default: $SWARM_TOKEN, which, unlike this flag, does not show in ps)")
+    parser.add_argument("--token-file", type=argparse.FileType(encoding="latin-1"), help="the token, from a file")
     parser.add_argument("--public-reads", action="store_true",
                         help="with a token: let anyone GET (dashboard, rollouts, metrics); writes still need it")
     parser.add_argument("--keep-bytes", type=_size, default=f"{Limits.keep_bytes >> 20}M",

@@ -293,8 +293,7 @@ class Limits:
     backlog = 128               # connections the kernel queues before the server accepts them
     outbox_bytes = 64 << 20     # client: unsent batches and metrics; the oldest go first beyond it
     inbox_bytes = 64 << 20      # client: received groups not yet fetched; the oldest go first beyond it
-    reply_bytes = body_bytes + (64 << 10)  # client: the largest reply it reads (a page holds one group
-                                # larger than page_bytes at most, and no group is larger than a body)
+    reply_bytes = body_bytes + (64 << 10)  # client: the largest reply read (a page of one group of at most a body)
     reply_values = 1 << 19      # client: JSON values in a reply, counted before it is parsed (2**19: 30 ms)
     poll_seconds = 1.0          # client: how often it asks for new groups
     recent_groups = 64          # client: a new peer starts with the newest this many groups, not all history
@@ -567,8 +566,6 @@ class RolloutStore(Store):
             _log(f"skipping unreadable {name} ({getattr(e, 'message', e)!s:.200})")
             return None if rule else b""
 
-    # -- metrics: an append-only log, bounded in bytes
-
     def add_metrics(self, peer, round_, metrics):
         with self.write_lock:
             row = {"n": self.metrics[-1][0] + 1 if self.metrics else 1, "peer": peer, "round": round_,
@@ -605,8 +602,6 @@ class RolloutStore(Store):
                     "last_seq": self.last_seq, "peers": {p: dict(v) for p, v in self.peers.items()},
                     "metrics": [m[3] for m in self.metrics]}
 
-    # -- the folder itself
-
     def _open(self, name, mode="rb"):
         """A regular file of the locked folder (never through a link, never a FIFO). Writing, a 503 if the folder's
         path now names another folder (`mv D D.old; mkdir D`): another server may write there, and ours be lost."""
@@ -618,15 +613,12 @@ class RolloutStore(Store):
             _log(f"{self.folder} was moved or replaced while this server ran; it stores nothing until restarted")
             raise BadRequest("The server's folder was moved or replaced, so nothing was stored; send it again "
                              "once the server is restarted.", 503, {"Retry-After": "10"})
-        flags = {"rb": os.O_RDONLY, "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "ab": os.O_WRONLY | os.O_CREAT | os.O_APPEND}
-        fd = os.open(name, flags[mode] | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644, dir_fd=self.folder_fd)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OSError(errno.EINVAL, "not a regular file")
-            return open(fd, mode)
-        except BaseException:
-            os.close(fd)
-            raise
+        f = open(name, mode, opener=lambda path, flags: os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644,
+                                                                dir_fd=self.folder_fd))  # (open adds O_CLOEXEC)
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            f.close()
+            raise OSError(errno.EINVAL, "not a regular file")
+        return f
 
     def _write_atomic(self, name, data):
         """Bytes to folder/name, so that a reader or a restart after kill -9 sees all or nothing: a temporary

@@ -1373,14 +1373,9 @@ def _size(text):
     return int(found.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[found.group(2)]
 
 
-def _fail(message):  # every bad flag or setting: one sentence, exit status 2
-    print(f"swarm.py: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description="nanoSAPO swarm rollout server (see the docstring of swarm.py).")
-    parser.error = lambda message: _fail(f"{message}; see python swarm.py --help.")  # not usage + error
+    parser.error = lambda message: parser.exit(2, f"swarm.py: {message}; see python swarm.py --help.\n")  # one line
     parser.add_argument("--dir", default="swarm_data", help="batch folder, made if missing (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: LAN; default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on, 0: any (default: %(default)s)")
@@ -1398,8 +1393,8 @@ def main(argv=None):
     try:
         server, url = start_server(args.dir, args.host, args.port, args.token, args.keep_bytes,
                                    args.public_reads, args.verbose)
-    except (ValueError, OSError) as e:  # e.g. a folder or port it cannot use, a full disk at start
-        _fail(e)
+    except (ValueError, OSError) as e:  # e.g. a folder or port it cannot use: one sentence, exit status 2
+        parser.exit(2, f"swarm.py: {e}\n")
     print(f"swarm server: {url}", flush=True)  # a launcher reads this line
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it like Ctrl-C
     try:

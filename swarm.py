@@ -1377,7 +1377,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="nanoSAPO swarm rollout server (see the docstring of swarm.py).")
     parser.error = lambda message: parser.exit(2, f"swarm.py: {message}; see python swarm.py --help.\n")  # one line
     parser.add_argument("--dir", default="swarm_data", help="batch folder, made if missing (default: %(default)s)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: LAN; default: %(default)s)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on, 0.0.0.0: any (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on, 0: any (default: %(default)s)")
     parser.add_argument("--token", default=os.environ.get("SWARM_TOKEN"), help="require 'Authorization: Bearer "
                         "TOKEN' on every request (default: $SWARM_TOKEN, which, unlike this flag, does not show in ps)")

@@ -263,41 +263,31 @@ def connect(url, peer, token=None, cursor=None, sample=None, seed=0):
 
 
 class Limits:
-    """Every bound in one place (sizes in bytes): what keeps a sender from making the server hold more,
-    and a server from making a client hold more."""
-    body_bytes = 8 << 20        # one request body (413 beyond it); bodies over 1/8 of it are answered one
-                                # at a time, as parsing one may take several times its bytes
+    """Every bound in one place (sizes in bytes): on what a sender may make the server hold, and a server a client."""
+    body_bytes = 8 << 20        # one request body (413 beyond it); those over 1/8 of it are parsed one at a time
     json_values = 1 << 20       # commas, objects and lists outside strings in one JSON text (413 beyond)
     completion_tokens = 8192    # token ids (and log-probs) of one completion in a group
     page_bytes = 1 << 20        # one reply page of /rollouts or /metrics (a page holds at least one item)
     page_groups = 1024          # groups in one /rollouts page (?limit=, default 256)
-    sample_groups = 256         # groups one sampled read may ask for (?sample=)
-    window_batches = 2          # a sampled read draws from each producer's newest this many batches,
-    window_seconds = 600.0      # of the producers whose newest batch arrived this recently
     scan_groups = 16 * 1024     # groups one read may step over (the reader's own, which it excludes)
     keep_bytes = 256 << 20      # default --keep-bytes: batches kept, on disk and (the same bytes) in memory
     metrics_bytes = 8 << 20     # metrics rows kept, in memory and in metrics.jsonl
     replies = 20_000            # idempotency records (one per batch), kept after their batch is deleted
     peers = 1024                # peers in the table; the one seen least recently goes first
-    connections = 1000          # open connections (fewer under a low descriptor limit); at the cap, the
-                                # connection waiting longest for a request is closed for a new one
+    connections = 1000          # open connections, fewer under a low descriptor limit (at the cap: _evict)
     in_flight_bytes = 64 << 20  # request bodies and replies held at once, all connections together
     request_seconds = 10.0      # whole-request deadline: the server's to read one, the client's per call
     line_bytes = 8192           # the request line (414 beyond it) and each header line (431)
     header_lines = 64           # header lines in one request (431 beyond it)
-    workers = 4                 # threads answering complete GETs, and as many for POSTs (which wait
-                                # for each other's fsync: reads must not wait behind them)
+    workers = 4                 # threads answering GETs, and as many for POSTs (reads never wait for an fsync)
     backlog = 128               # connections the kernel queues before the server accepts them
     outbox_bytes = 64 << 20     # client: unsent batches and metrics; the oldest go first beyond it
     inbox_bytes = 64 << 20      # client: received groups not yet fetched; the oldest go first beyond it
-    reply_bytes = body_bytes + (64 << 10)  # client: the largest reply it reads (a page holds one group
-                                # larger than page_bytes at most, and no group is larger than a body)
-    reply_values = 1 << 19      # client: JSON values in one reply, counted before it is parsed (parsing
-                                # holds the interpreter lock: 2**19 values take about 30 ms)
+    reply_bytes = body_bytes + (64 << 10)  # client: the largest reply read (a page of one group of at most a body)
+    reply_values = 1 << 19      # client: JSON values in a reply, counted before it is parsed (2**19: 30 ms)
     poll_seconds = 1.0          # client: how often it asks for new groups
-    recent_groups = 64          # client: a new peer starts with the newest this many groups (two rounds
-                                # of an 8-peer swarm at I = 4), not with the whole history
-    sample_groups = 256         # the most groups one sampled read may ask for (?sample=K)
+    recent_groups = 64          # client: a new peer starts with the newest this many groups, not all history
+    sample_groups = 256         # groups one sampled read may ask for (?sample=K)
     window_batches = 2          # a sampled read draws from each producer's newest this many batches,
     window_seconds = 600        # of the producers whose newest batch arrived within this many seconds
     seen_seqs = 4096            # client, sampled reads: the seqs it remembers, so it hands out none twice
@@ -312,7 +302,7 @@ class BadRequest(Exception):
     """What the other side got wrong, in one sentence, with the HTTP status that says so."""
     def __init__(self, message, status=400, headers=None):
         super().__init__(message)
-        self.message, self.status, self.headers = message, status, headers or {}
+        self.message, self.reply = message, (status, JSON, _dumps({"error": message}), headers or {})  # as served
 
 
 def _want(ok, message, status=400, headers=None):
@@ -423,10 +413,9 @@ def _finite(text):  # JSON may spell numbers that cannot be served back as JSON:
 
 
 def parse_json(raw):
-    """Strict UTF-8 JSON -> a Python value, or BadRequest: no NaN or Infinity, no lone surrogate such as
-    "\\ud800" (no UTF-8 can store or serve it), nothing nested too deeply, and at most Limits.json_values
-    objects, lists and items, since each costs memory far beyond its bytes (an 8 MB body of {},{},... is
-    230 MB as Python objects)."""
+    """Strict UTF-8 JSON -> a Python value, or BadRequest: no NaN or Infinity, no lone surrogate ("\\ud800":
+    no UTF-8 can store or serve it), nothing nested too deeply, at most Limits.json_values values (each
+    costs memory far beyond its bytes: an 8 MB body of {},{},... is 230 MB as Python objects)."""
     try:
         text = raw.decode() if isinstance(raw, (bytes, bytearray)) else raw  # strict: no encoded surrogates
         if text.count(",") + text.count("{") + text.count("[") > Limits.json_values:  # then count outside strings
@@ -451,16 +440,13 @@ def _log(message):
 class RolloutStore(Store):
     """Store on disk, behind the HTTP server: the folder of batch files (locked, written atomically and
     fsynced), retention in bytes, the metrics rows, and the state Store's methods use."""
-
-
     copies = ("pruned.json", "pruned-copy.json")  # two copies: a damaged one alone loses nothing
 
     def __init__(self, folder, keep_bytes=Limits.keep_bytes):
         self.folder, self.keep_bytes = os.path.abspath(folder), keep_bytes
         self.write_lock, self.lock = threading.Lock(), threading.Lock()
         self.index = []                           # (seq, peer, group as UTF-8 JSON) per kept group, in order
-        self.window = {}                          # peer -> its newest kept batches (arrival time, file name,
-                                                  # group JSON texts), Limits.window_batches at most
+        self.window = {}                          # peer -> its newest batches: (arrival time, file name, texts)
         self.batches = collections.deque()        # (file name, peer, batch_id, groups, bytes), oldest first
         self.kept_bytes = 0                       # bytes of the kept batch files
         self.last_seq = 0                         # seq of the newest group ever stored: never reused
@@ -470,12 +456,22 @@ class RolloutStore(Store):
         self.metrics, self.metrics_bytes = [], 0  # (n, peer, row as a JSON line, row) per kept metrics row
         self.closed = self.metrics_cut = False    # metrics_cut: a failed write may have left half a line
         self.folder_fd = None
-        self._lock_folder()
-        try:
+        try:  # the folder itself is flocked (no lock file a stray `rm` could remove); files open relative to it
+            os.makedirs(self.folder, exist_ok=True)
+            self.folder_fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
+            self._remove(".tmp-probe")
+            self._open(".tmp-probe", "wb").close()  # can we write here?
+            if fcntl is not None:
+                fcntl.flock(self.folder_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             self._load()
-        except BaseException:
-            self.close()
-            raise
+        except BaseException as e:
+            if self.folder_fd is not None:
+                os.close(self.folder_fd)
+            if not isinstance(e, OSError):
+                raise
+            raise ValueError(f"another swarm server is already using --dir {self.folder}; stop it or choose another "
+                             "folder." if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else f"cannot use --dir "
+                             f"{self.folder} ({e.strerror or e}); give a folder it can create and write.") from None
 
     def _seen(self, peer, round_, when, published=0):
         p = self.peers.pop(peer, None) or {"last_seen": 0.0, "last_round": 0, "groups": 0}
@@ -486,10 +482,9 @@ class RolloutStore(Store):
             self.peers.popitem(last=False)
 
     def _retain(self):
-        """Past --keep-bytes, delete the oldest batches down to 90% of it (the newest always stays). First
-        pruned.json and its copy record the newest deleted seq and the deleted batches' idempotency
-        records, so after a restart the numbering goes on and a late retry of a deleted batch is still not
-        stored twice, even if one of the two files is damaged."""
+        """Past --keep-bytes, delete the oldest batches down to 90% of it (the newest always stays), once both
+        copies of pruned.json hold the newest deleted seq and the deleted batches' idempotency records: after
+        a restart the numbering goes on, and a late retry of a deleted batch is still not stored twice."""
         if self.kept_bytes <= self.keep_bytes or len(self.batches) < 2:
             return
         with self.lock:
@@ -561,8 +556,6 @@ class RolloutStore(Store):
             _log(f"skipping unreadable {name} ({getattr(e, 'message', e)!s:.200})")
             return None if rule else b""
 
-    # -- metrics: an append-only log, bounded in bytes
-
     def add_metrics(self, peer, round_, metrics):
         with self.write_lock:
             row = {"n": self.metrics[-1][0] + 1 if self.metrics else 1, "peer": peer, "round": round_,
@@ -599,29 +592,9 @@ class RolloutStore(Store):
                     "last_seq": self.last_seq, "peers": {p: dict(v) for p, v in self.peers.items()},
                     "metrics": [m[3] for m in self.metrics]}
 
-    # -- the folder itself
-
-    def _lock_folder(self):
-        """Open the folder and flock it (self.folder_fd): a second server on it is refused, and no stray
-        `rm` of a lock file can change that (there is none). Every file is opened relative to it."""
-        try:
-            os.makedirs(self.folder, exist_ok=True)
-            self.folder_fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
-            self._remove(".tmp-probe")
-            self._open(".tmp-probe", "wb").close()  # can we write here?
-            if fcntl is not None:
-                fcntl.flock(self.folder_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if self.folder_fd is not None:
-                os.close(self.folder_fd)
-            raise ValueError(f"another swarm server is already using --dir {self.folder}; stop it or choose another "
-                             "folder." if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else f"cannot use --dir "
-                             f"{self.folder} ({e.strerror or e}); give a folder the server can create and write.") from None
-
     def _open(self, name, mode="rb"):
-        """A regular file of the locked folder, opened relative to its descriptor: never through a link,
-        never a FIFO or a device. Writing, it refuses (503) if the folder's path now names another folder
-        (`mv D D.old; mkdir D`): a second server may be writing there, and our batches would not be found."""
+        """A regular file of the locked folder (never through a link, never a FIFO). Writing, a 503 if the folder's
+        path now names another folder (`mv D D.old; mkdir D`): another server may write there, and ours be lost."""
         try:
             moved = mode != "rb" and not os.path.samestat(os.fstat(self.folder_fd), os.stat(self.folder))
         except FileNotFoundError:
@@ -630,20 +603,16 @@ class RolloutStore(Store):
             _log(f"{self.folder} was moved or replaced while this server ran; it stores nothing until restarted")
             raise BadRequest("The server's folder was moved or replaced, so nothing was stored; send it again "
                              "once the server is restarted.", 503, {"Retry-After": "10"})
-        flags = {"rb": os.O_RDONLY, "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "ab": os.O_WRONLY | os.O_CREAT | os.O_APPEND}
-        fd = os.open(name, flags[mode] | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644, dir_fd=self.folder_fd)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OSError(errno.EINVAL, "not a regular file")
-            return open(fd, mode)
-        except BaseException:
-            os.close(fd)
-            raise
+        f = open(name, mode, opener=lambda path, flags: os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644,
+                                                                dir_fd=self.folder_fd))  # (open adds O_CLOEXEC)
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            f.close()
+            raise OSError(errno.EINVAL, "not a regular file")
+        return f
 
     def _write_atomic(self, name, data):
-        """Write bytes to folder/name so that anyone (a reader, a restart after kill -9) sees all or nothing:
-        a temporary file, fsynced, renamed over the name (a link there is replaced, never followed), and
-        the rename fsynced too."""
+        """Bytes to folder/name, so that a reader or a restart after kill -9 sees all or nothing: a temporary
+        file, fsynced, renamed over the name (a link there is replaced, never followed), the rename fsynced."""
         try:
             with self._open(".tmp-" + name, "wb") as f:
                 f.write(data)
@@ -677,15 +646,9 @@ def _now():  # the server's clock as a TIME field holds it, so that no clock mak
 # -----------------------------------------------------------------------------
 # HTTP server: an asyncio loop reads requests; worker threads answer them; errors are one JSON sentence.
 
-ROUTES = {"/": {"GET": "page"}, "/health": {"GET": "health"}, "/peers": {"GET": "peers"},
-          "/rollouts": {"GET": "get_rollouts", "POST": "post_rollouts"},
-          "/metrics": {"GET": "get_metrics", "POST": "post_metrics"}}
+ROUTES = {"/": "GET", "/health": "GET", "/peers": "GET", "/rollouts": "GET, POST", "/metrics": "GET, POST"}  # _route
 JSON = "application/json"
 Request = collections.namedtuple("Request", "method target headers body")
-
-
-def _error(message):
-    return _dumps({"error": message})
 
 
 async def _readline(reader, status, what):
@@ -702,23 +665,17 @@ async def _drop_input(reader, most=1 << 20):  # what a refused client still send
 
 
 def _int_param(query, name, default, lowest, highest):
-    values = query.get(name)
-    if not values:
-        return default
-    _want(re.fullmatch(r"[0-9]{1,19}", values[-1]) and lowest <= int(values[-1]) <= highest,
+    value = query.get(name, [str(default)])[-1]
+    _want(re.fullmatch(r"[0-9]{1,19}", value) and lowest <= int(value) <= highest,
           f"{name} must be a whole number from {lowest} to {highest}.")
-    return int(values[-1])
+    return int(value)
 
 
 class SwarmServer:
     """The HTTP side of the store. One asyncio loop (in a thread) reads each request whole under a
-    deadline, so a slow or idle connection costs a buffer, not a thread; two small pools of threads
-    answer complete requests, one for reads and one for writes. A request's way through:
-
-        _accept -> _connection: _read_request (line, headers, token, body: all under one deadline),
-        _answer in a worker thread (route, then one short method per route), _send the reply, close
-
-    shutdown() stops serving, closes the connections, then the store."""
+    deadline, so a slow or idle connection costs a buffer, not a thread; a pool of threads for reads and
+    one for writes answer complete requests. A request's way: _accept -> _connection: _read_request (line,
+    headers, token, body: under one deadline), _answer and _route in a worker thread, _send, close."""
 
     def __init__(self, store, host, port, token=None, public_reads=False, verbose=False):
         self.store, self.token, self.public_reads, self.verbose = store, token, public_reads, verbose
@@ -726,8 +683,7 @@ class SwarmServer:
                                              family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.listener.setblocking(False)
         self.server_address = self.listener.getsockname()
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if resource else -1  # -1: no limit
-        # every connection holds a descriptor: leave 64 of them for the batch files
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if resource else -1  # -1: none; 64 stay for files
         self.max_connections = max(4, min(Limits.connections, soft - 64)) if soft > 0 else Limits.connections
         self.open, self.waiting = set(), {}  # every connection; those that may be closed for a new one ->
                                              # 0 if idle or sending a head, 1 if sending a body (in order)
@@ -743,9 +699,8 @@ class SwarmServer:
         self.thread.start()
 
     async def _accept(self):
-        """Accept one connection at a time, so the cap holds before the next. At the cap, or out of
-        descriptors, the connection that has waited longest without a complete request is closed for it
-        (see _evict); with none to close, a new connection is refused, and accept() pauses, never spins."""
+        """One connection at a time, so the cap holds before the next. At the cap, or out of descriptors, _evict
+        closes one for it; with none to close, a new connection is refused, and accept() pauses, never spins."""
         while True:
             try:
                 sock, _ = await self.loop.sock_accept(self.listener)
@@ -773,18 +728,14 @@ class SwarmServer:
         if not self.waiting:
             return False
         writer = min(self.waiting, key=self.waiting.get)  # the first of the lowest rank
-        self._forget(writer)  # at once, so that a burst never picks it twice
+        self.open.discard(writer)  # at once, so that a burst never picks it twice
+        del self.waiting[writer]
         writer.transport.abort()
         return True
 
-    def _forget(self, writer):
-        self.open.discard(writer)
-        self.waiting.pop(writer, None)
-
     async def _connection(self, reader, writer):
-        """One connection, one request: read it whole under the deadline, answer it in a worker thread,
-        send the reply, close. (Nothing can ride behind a body as a second request, and no connection
-        holds a place between requests.) The body counts in self.in_flight until the reply has gone."""
+        """One request per connection (nothing rides behind a body), read whole under the deadline, answered
+        in a worker thread, then closed. The body counts in self.in_flight until the reply has gone."""
         writer.transport.set_write_buffer_limits(0)  # so that drain() returns once the reply has left
         self.waiting[writer], body = 0, bytearray()
         try:
@@ -801,25 +752,22 @@ class SwarmServer:
             self.waiting[writer] = 0  # first to go while it lingers, holding no body
             self.in_flight -= len(body)
             body.clear()
-            try:
-                await self._send(writer, e.status, JSON, _error(e.message), e.headers)
+            with contextlib.suppress(OSError, asyncio.TimeoutError):
+                await self._send(writer, *e.reply)
                 writer.write_eof()  # and read what the client still sends for a moment, so that closing
                 await asyncio.wait_for(_drop_input(reader), 2.0)  # does not reset it before it reads the reply
-            except (OSError, asyncio.TimeoutError):
-                pass
         except (OSError, EOFError, asyncio.TimeoutError):
             pass  # a client that hangs up, idles or stops reading its reply is not news
         finally:
             self.in_flight -= len(body)
-            self._forget(writer)
+            self.open.discard(writer)
+            self.waiting.pop(writer, None)
             writer.transport.abort()
 
     async def _read_request(self, reader, writer, body):
-        """The request line, the headers, and the body (into `body`) -> Request. Strict, so that
-        no request reads differently here and in a proxy in front: one space between the parts of the
-        request line, 'Name: value' headers, each name once. The token is checked before any body is read,
-        and the body counts towards Limits.in_flight_bytes as its bytes arrive, so a sender who only
-        declares a length costs nothing."""
+        """The request line, the headers and the body (into `body`) -> Request. Strict, so that no request
+        reads differently here and in a proxy in front. The token is checked before any body is read, and
+        the body counts in self.in_flight as it arrives: a sender who only declares a length costs nothing."""
         if (first := await reader.read(1)) in (b"", b"\x16"):  # gone, or TLS (this server speaks plain HTTP)
             raise EOFError("no request")
         line = first.decode("latin-1") + await _readline(reader, 414, "The request line")
@@ -854,15 +802,15 @@ class SwarmServer:
                 raise EOFError("the client hung up")
             if self.in_flight + len(chunk) > Limits.in_flight_bytes:
                 raise BadRequest("The server is busy; send it again in a moment.", 503, {"Retry-After": "1"})
-            self.in_flight += len(chunk)  # given back by _exchange once the reply has gone
+            self.in_flight += len(chunk)  # given back by _connection once the reply has gone
             body += chunk
         self.waiting.pop(writer, None)
         return Request(method, target, headers, body)
 
     async def _send(self, writer, status, content_type, body, headers=None, head_only=False):
         if len(body) > 65536 and self.in_flight + len(body) > Limits.in_flight_bytes:  # bound what waits
-            status, content_type, body = 503, JSON, _error("The server is busy; ask again in a moment.")
-            headers = {"Retry-After": "1"}
+            status, content_type, body, headers = BadRequest("The server is busy; ask again in a moment.", 503,
+                                                             {"Retry-After": "1"}).reply
         head = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: {content_type}\r\n" \
                f"Content-Length: {len(body)}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         data = (head + "Connection: close\r\n\r\n").encode() + (b"" if head_only else body)
@@ -878,66 +826,56 @@ class SwarmServer:
         try:
             path, _, query = request.target.partition("?")
             _want(path.startswith("/"), "The request target must be a path such as /rollouts.")
-            methods = ROUTES.get(path)
-            _want(methods is not None, f"There is no {path[:80]} here; the paths are {', '.join(ROUTES)}.", 404)
-            allowed = ", ".join(methods)
-            _want(request.method in methods, f"{path} accepts only {allowed}, not {request.method[:20]}.", 405,
-                  {"Allow": allowed})
+            allowed = ROUTES.get(path)
+            _want(allowed, f"There is no {path[:80]} here; the paths are {', '.join(ROUTES)}.", 404)
+            _want(request.method in allowed.split(", "), f"{path} accepts only {allowed}, not {request.method[:20]}.",
+                  405, {"Allow": allowed})
             _want(query.count("&") < 16, "The query string has too many fields.")
             q = parse_qs(query, keep_blank_values=True)
             with self.large if len(request.body) > Limits.body_bytes // 8 else contextlib.nullcontext():
-                return (*getattr(self, "_" + methods[request.method])(q, request.body), {})
+                reply = self._route(request.method, path, q, request.body)
+            return 200, "text/html; charset=utf-8" if path == "/" else JSON, reply, {}
         except BadRequest as e:
-            return e.status, JSON, _error(e.message), e.headers
+            return e.reply
         except Exception as e:
             if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):  # the sender keeps its data: later
-                return 507, JSON, _error("The server's disk is full, so nothing was stored; send it again later."), {}
+                return BadRequest("The server's disk is full, so nothing was stored; send it again later.", 507).reply
             if getattr(e, "errno", None) in (errno.EMFILE, errno.ENFILE):
-                return 503, JSON, _error("The server is busy; send it again in a moment."), {"Retry-After": "1"}
+                return BadRequest("The server is busy; send it again in a moment.", 503, {"Retry-After": "1"}).reply
             _log(f"unexpected error in {request.method[:20]} {request.target[:200]}: {e!r:.300}")
-            return 500, JSON, _error("The server hit an unexpected error; it was logged and the server "
-                                     "keeps serving."), {}
+            return BadRequest("The server hit an unexpected error; it was logged and the server keeps serving.",
+                              500).reply
 
-    # --- one method per route: (query, body) -> (status, content type, body bytes)
-
-    def _post_rollouts(self, q, body):
-        b = check(parse_json(body), PUBLISH)
-        return 200, JSON, _dumps(self.store.publish(b["peer"], b["round"], b["batch_id"], b["groups"]))
-
-    def _get_rollouts(self, q, body):
-        exclude = q.get("exclude", [""])[-1]
-        _want(not exclude or NAME.fullmatch(exclude), f"exclude must be a peer name matching {NAME.pattern}.")
-        if "sample" in q:  # a sampled read: K groups of the recent window
-            texts, last_seq = self.store.sample(_int_param(q, "sample", 1, 1, Limits.sample_groups), exclude,
-                                                _int_param(q, "seed", 0, 0, 2**63 - 1))
-            return 200, JSON, b'{"groups":[' + b",".join(texts) + b'],"last":%d}' % last_seq
-        after = _int_param(q, "after", 0, 0, 10**15)
-        limit = _int_param(q, "limit", 256, 1, Limits.page_groups)
-        texts, next_seq, last_seq = self.store.read(after, exclude, limit)
-        # groups are kept as JSON text, so a page is joined, not re-encoded
-        return 200, JSON, b'{"groups":[' + b",".join(texts) + b'],"next":%d,"last":%d}' % (next_seq, last_seq)
-
-    def _post_metrics(self, q, body):
-        b = check(parse_json(body), METRICS)
-        self.store.add_metrics(b["peer"], b["round"], b["metrics"])
-        return 200, JSON, b'{"ok":true}'
-
-    def _get_metrics(self, q, body):
-        texts, next_n, last_n = self.store.read_metrics(_int_param(q, "after", 0, 0, 10**15))
-        return 200, JSON, b'{"metrics":[' + b",".join(texts) + b'],"next":%d,"last":%d}' % (next_n, last_n)
-
-    def _health(self, q, body):
+    def _route(self, method, path, q, body):
+        """A request for one of ROUTES -> the reply's bytes. Groups are kept as JSON text, so a page of
+        them is joined, not encoded again."""
+        if method == "POST":
+            b = check(parse_json(body), PUBLISH if path == "/rollouts" else METRICS)
+            if path == "/metrics":
+                self.store.add_metrics(b["peer"], b["round"], b["metrics"])
+                return b'{"ok":true}'
+            return _dumps(self.store.publish(b["peer"], b["round"], b["batch_id"], b["groups"]))
+        if path == "/metrics":
+            texts, next_n, last_n = self.store.read_metrics(_int_param(q, "after", 0, 0, 10**15))
+            return b'{"metrics":[' + b",".join(texts) + b'],"next":%d,"last":%d}' % (next_n, last_n)
+        if path == "/rollouts":
+            exclude = q.get("exclude", [""])[-1]
+            _want(not exclude or NAME.fullmatch(exclude), f"exclude must be a peer name matching {NAME.pattern}.")
+            if "sample" in q:  # a sampled read: K groups of the recent window
+                texts, last_seq = self.store.sample(_int_param(q, "sample", 1, 1, Limits.sample_groups), exclude,
+                                                    _int_param(q, "seed", 0, 0, 2**63 - 1))
+                return b'{"groups":[' + b",".join(texts) + b'],"last":%d}' % last_seq
+            texts, next_seq, last_seq = self.store.read(_int_param(q, "after", 0, 0, 10**15), exclude,
+                                                        _int_param(q, "limit", 256, 1, Limits.page_groups))
+            return b'{"groups":[' + b",".join(texts) + b'],"next":%d,"last":%d}' % (next_seq, last_seq)
         snap = self.store.snapshot()
-        return 200, JSON, _dumps({"ok": True, "groups": snap["groups"], "peers": len(snap["peers"]),
-                                  "last_seq": snap["last_seq"]})
-
-    def _peers(self, q, body):
-        return 200, JSON, _dumps({"peers": self.store.snapshot()["peers"]})
-
-    def _page(self, q, body):
-        snap = self.store.snapshot()
-        newest = self.store.read(max(0, snap["last_seq"] - 64), None, 64)[0]  # what the peers said last
-        return 200, "text/html; charset=utf-8", render_page(snap, [json.loads(t) for t in newest]).encode()
+        if path == "/health":
+            return _dumps({"ok": True, "groups": snap["groups"], "peers": len(snap["peers"]),
+                           "last_seq": snap["last_seq"]})
+        if path == "/peers":
+            return _dumps({"peers": snap["peers"]})
+        newest = self.store.read(max(0, snap["last_seq"] - 64), None, 64)[0]  # the dashboard: what peers said last
+        return render_page(snap, [json.loads(t) for t in newest]).encode()
 
     def shutdown(self):
         """Stop serving: close the listener and every connection, let running answers finish, close the store."""
@@ -971,9 +909,8 @@ def check_token(token):
 
 def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.keep_bytes,
                  public_reads=False, verbose=False):
-    """Start a server in a daemon thread -> (server, "http://host:port"). Stop it with server.shutdown().
-    With a token every request needs it, except GETs when public_reads is true. Raises ValueError with
-    one sentence when the folder, port or settings cannot be used."""
+    """Start a server in a daemon thread -> (server, "http://host:port"); server.shutdown() stops it. With a
+    token every request needs it (GETs not, with public_reads). Bad settings: ValueError, in one sentence."""
     token = check_token(token)
     if not isinstance(keep_bytes, int) or keep_bytes < 1:
         raise ValueError("--keep-bytes must be a size of at least 1 byte.")
@@ -1295,12 +1232,7 @@ def _stored(seq, fields):  # a stream entry -> the group as served, or None (che
 # -----------------------------------------------------------------------------
 # Dashboard: an SVG line chart, and one self-contained HTML page.
 
-COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
-           "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
-
-
-def _esc(text):
-    return html.escape(str(text), quote=True)  # safe in both HTML and XML
+COLOURS = "#1f77b4 #ff7f0e #2ca02c #d62728 #9467bd #8c564b #e377c2 #7f7f7f #bcbd22 #17becf".split()
 
 
 def render_svg(series, title="reward per round", ylabel="reward", xlabel="round", width=760, height=360,
@@ -1313,7 +1245,7 @@ def render_svg(series, title="reward per round", ylabel="reward", xlabel="round"
     bands = {name: [b for b in band if all(map(_sane, b))] for name, band in (bands or {}).items() if name in lines}
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} '
            f'{height}" font-family="sans-serif" font-size="12"><rect width="{width}" height="{height}" fill="white"/>',
-           f'<text x="{left + plot_w / 2}" y="20" text-anchor="middle" font-size="14">{_esc(title)}</text>']
+           f'<text x="{left + plot_w / 2}" y="20" text-anchor="middle" font-size="14">{html.escape(title)}</text>']
     if not lines:
         return "\n".join(out + [f'<text x="{left + plot_w / 2}" y="{top + plot_h / 2}" text-anchor="middle" '
                                 'fill="#888">no data yet</text></svg>'])
@@ -1335,9 +1267,9 @@ def render_svg(series, title="reward per round", ylabel="reward", xlabel="round"
     for yv in (y0 + (y1 - y0) * k / 5 for k in range(6)):  # values up the side, with grid lines
         out.append(f'<line x1="{left}" y1="{py(yv):.1f}" x2="{left + plot_w}" y2="{py(yv):.1f}" stroke="#ddd"/>'
                    f'<text x="{left - 6}" y="{py(yv) + 4:.1f}" text-anchor="end">{yv:.3g}</text>')
-    out.append(f'<text x="{left + plot_w / 2}" y="{height - 8}" text-anchor="middle">{_esc(xlabel)}</text>'
+    out.append(f'<text x="{left + plot_w / 2}" y="{height - 8}" text-anchor="middle">{html.escape(xlabel)}</text>'
                f'<text x="16" y="{top + plot_h / 2}" text-anchor="middle" '
-               f'transform="rotate(-90 16 {top + plot_h / 2})">{_esc(ylabel)}</text>')
+               f'transform="rotate(-90 16 {top + plot_h / 2})">{html.escape(ylabel)}</text>')
     if _sane(hline):
         out.append(f'<line x1="{left}" y1="{py(hline):.1f}" x2="{left + plot_w}" y2="{py(hline):.1f}" '
                    'stroke="#888" stroke-dasharray="5,4"/>')
@@ -1352,14 +1284,13 @@ def render_svg(series, title="reward per round", ylabel="reward", xlabel="round"
         out.append(f'<circle cx="{px(pts[0][0]):.1f}" cy="{py(pts[0][1]):.1f}" r="3" fill="{colour}"/>' if len(pts) == 1
                    else f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{coords}"/>')
         out.append(f'<line x1="{left + plot_w + 12}" y1="{ly}" x2="{left + plot_w + 32}" y2="{ly}" stroke="{colour}" '
-                   f'stroke-width="3"/><text x="{left + plot_w + 38}" y="{ly + 4}">{_esc(name[:24])}</text>')
+                   f'stroke-width="3"/><text x="{left + plot_w + 38}" y="{ly + 4}">{html.escape(name[:24])}</text>')
     return "\n".join(out + ["</svg>"])
 
 
 def render_page(snap, groups=()):
-    """The dashboard: local_reward (the skill) per round of the 10 peers seen most recently, beside it each
-    one's newest completions among `groups` (text from outside: escaped), and a table. Rounds count as
-    the peers' logs do: a peer that has finished round 0 shows last round 0."""
+    """The dashboard: local_reward per round of the 10 peers seen most recently, each one's newest completions
+    among `groups` (escaped), and a table. A peer that has finished round 0 shows last round 0, as its log."""
     series, last, drawn = {}, {}, list(snap["peers"])[-len(COLOURS):]
     for row in snap["metrics"]:  # later rows for the same round (after a resume) replace earlier ones
         if row["peer"] in drawn and row["metrics"].get("local_reward") is not None:
@@ -1367,15 +1298,16 @@ def render_page(snap, groups=()):
         last.setdefault(row["peer"], {}).update(row["metrics"], round=row["round"])
     chart = render_svg({p: sorted(s.items()) for p, s in series.items()}, title="local_reward per round")
     newest = {g["peer"]: g for g in groups if g["peer"] in drawn}  # the last group of each peer wins
-    said = "".join(f"<h3>{_esc(p)}, round {g['round']}: {_esc(g['question'][:300])}</h3>"
-                   + "".join(f"<pre>{_esc(c[:500])}</pre>" for c in g["completions"][:2])
+    said = "".join(f"<h3>{html.escape(p)}, round {g['round']}: {html.escape(g['question'][:300])}</h3>"
+                   + "".join(f"<pre>{html.escape(c[:500])}</pre>" for c in g["completions"][:2])
                    for p, g in sorted(newest.items()))
     rows = []
     for peer, info in sorted(snap["peers"].items()):
         m = last.get(peer, {})
         cells = "".join(f"<td>{'' if m.get(k) is None else f'{m[k]:.3f}'}</td>" for k in ("local_reward", "batch_reward"))
         seen = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(info["last_seen"]))
-        rows.append(f"<tr><td>{_esc(peer)}</td><td>{m.get('round', '')}</td><td>{info['groups']}</td>{cells}<td>{seen}</td></tr>")
+        rows.append(f"<tr><td>{html.escape(peer)}</td><td>{m.get('round', '')}</td><td>{info['groups']}</td>{cells}"
+                    f"<td>{seen}</td></tr>")
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><meta http-equiv="refresh" content="5"><title>nanoSAPO swarm</title>
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}} h3{{font-size:1em}}
@@ -1401,40 +1333,28 @@ def _size(text):
     return int(found.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[found.group(2)]
 
 
-def _fail(message):  # every bad flag or setting: one sentence, exit status 2
-    print(f"swarm.py: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description="nanoSAPO swarm rollout server (see the docstring of swarm.py).")
-    parser.error = lambda message: _fail(f"{message}; see python swarm.py --help.")  # not usage + error
-    parser.add_argument("--dir", default="swarm_data",
-                        help="folder of the batch files, made if missing (default: %(default)s)")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on, 0.0.0.0 for a LAN (default: %(default)s)")
+    parser.error = lambda message: parser.exit(2, f"swarm.py: {message}; see python swarm.py --help.\n")  # one line
+    parser.add_argument("--dir", default="swarm_data", help="batch folder, made if missing (default: %(default)s)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on, 0.0.0.0: any (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on, 0: any (default: %(default)s)")
-    parser.add_argument("--token", default=os.environ.get("SWARM_TOKEN"),
-                        help="require 'Authorization: Bearer TOKEN' on every request (default: $SWARM_TOKEN, "
-                             "which, unlike this flag, does not show in ps)")
-    parser.add_argument("--token-file", help="read the token from this file instead")
+    parser.add_argument("--token", default=os.environ.get("SWARM_TOKEN"), help="require 'Authorization: Bearer "
+                        "TOKEN' on every request (default: $SWARM_TOKEN, which, unlike this flag, does not show in ps)")
+    parser.add_argument("--token-file", type=argparse.FileType(encoding="latin-1"), help="the token, from a file")
     parser.add_argument("--public-reads", action="store_true",
                         help="with a token: let anyone GET (dashboard, rollouts, metrics); writes still need it")
     parser.add_argument("--keep-bytes", type=_size, default=f"{Limits.keep_bytes >> 20}M",
                         help="batch bytes kept on disk and in memory; the oldest go first (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="log every request on stderr")
     args = parser.parse_args(argv)
-    try:
-        if args.token_file:
-            with open(args.token_file) as f:
-                args.token = f.read().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        _fail(f"cannot read --token-file {args.token_file} ({e})")
+    if args.token_file:  # (a token that is not printable ASCII fails in start_server)
+        args.token = args.token_file.read().strip()
     try:
         server, url = start_server(args.dir, args.host, args.port, args.token, args.keep_bytes,
                                    args.public_reads, args.verbose)
-    except (ValueError, OSError) as e:  # e.g. a folder or port it cannot use, a full disk at start
-        _fail(e)
+    except (ValueError, OSError) as e:  # e.g. a folder or port it cannot use: one sentence, exit status 2
+        parser.exit(2, f"swarm.py: {e}\n")
     print(f"swarm server: {url}", flush=True)  # a launcher reads this line
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it like Ctrl-C
     try:

@@ -2256,6 +2256,32 @@ def test_swarm_no_clock_and_no_cut_line_loses_an_acknowledged_row(tmp_path, monk
             server.shutdown()
 
 
+def test_swarm_a_full_disk_at_start_is_one_sentence_and_frees_the_folder(tmp_path, monkeypatch):
+    """Starting on a folder whose repair needs a write (here a metrics line cut by kill -9) on a full disk
+    is a ValueError in one sentence, which train.py's launcher catches (never an OSError traceback), and
+    the folder is not left locked."""
+    import errno
+    folder = str(tmp_path / "s")
+    server, url = swarm.start_server(folder)
+    server.store.add_metrics("alice", 0, {"local_reward": 0.5})
+    server.shutdown()
+    with open(os.path.join(folder, "metrics.jsonl"), "ab") as f:
+        f.write(b'{"n":2,"peer":"alice","rou')
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(swarm.os, "fsync", full)
+    with pytest.raises(ValueError, match=r"^cannot use --dir .*No space left on device.*\.$"):
+        swarm.start_server(folder)
+    monkeypatch.undo()
+    server, url = swarm.start_server(folder)  # the lock was released; the cut line is dropped now
+    try:
+        assert [row["round"] for row in requests.get(url + "/metrics", timeout=5).json()["metrics"]] == [0]
+    finally:
+        server.shutdown()
+
+
 def test_swarm_retention_is_bounded_in_bytes(tmp_path):
     folder = str(tmp_path / "s")
     one = len(swarm._dumps({"peer": "alice", "round": 0, "batch_id": "alice-0", "time": time.time(), "groups": [

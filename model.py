@@ -327,12 +327,8 @@ def stop_token_ids(folder, hf, tokenizer):
     gen = os.path.join(folder, "generation_config.json")
     sources = [hf.get("eos_token_id"), read_json(gen).get("eos_token_id") if os.path.exists(gen) else None,
                tokenizer.eos_token_id]
-    ids = []
-    for s in sources:
-        for i in (s if isinstance(s, list) else [s]):
-            if isinstance(i, int) and i not in ids:
-                ids.append(i)
-    return ids
+    ids = [i for s in sources for i in (s if isinstance(s, list) else [s]) if isinstance(i, int)]
+    return list(dict.fromkeys(ids))  # each once, in order
 
 
 def save_model(model: Transformer, tokenizer, folder, write_extra=None):
@@ -342,15 +338,13 @@ def save_model(model: Transformer, tokenizer, folder, write_extra=None):
     trainer's state), then renamed over it; the previous folder stays as `folder`.old meanwhile."""
     from safetensors.torch import save_file
     folder = os.path.abspath(folder)
-    parent = os.path.dirname(folder)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(folder))
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if model.cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
     dtype = next(iter(state.values())).dtype
-    hf = dict(model.hf_config)
-    hf.pop("quantization_config", None)
+    hf = {k: v for k, v in model.hf_config.items() if k != "quantization_config"}  # a GGUF's: no longer true
     hf.update(architectures=[FAMILIES[model.cfg.family]], torch_dtype=str(dtype).removeprefix("torch."))
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)

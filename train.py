@@ -28,15 +28,11 @@ silo trains on 8/0, so a peer with J = 0 or no swarm takes I + J as I. The rest 
 clip 0.2 / 0.28, no KL, DAPO's token-mean loss, 256 new tokens, one step a round) are common GRPO
 settings, chosen to match what the paper's code is described to do where we know it.
 
-Seeds: questions, sampling and external draws come from separate random streams derived from --seed
-alone (stream), round r's questions from one of their own, so a swarm peer and a silo peer with the
-same seed are asked the same questions with the same sampling seeds: runs can be paired.
+Seeds: questions, sampling and external draws come from separate random streams of --seed (stream),
+so a swarm peer and a silo peer with the same seed get the same questions and sampling seeds: paired runs.
 
 External groups are taken as text, never as control (external_group, retokenise): a special token's
-text inside one is just characters, a row trains only up to its first stop token, and a completion
-longer than --max-new-tokens is cut and scored as cut. What is recent is the store's call, never the
-round a sender claims (swarm.py); a pooled group not drawn leaves the pool POOL_ROUNDS of the
-receiver's own rounds after it came, and the pool is saved in checkpoints.
+text inside one is just characters, and a completion is trained and scored only as far as it is kept.
 
 Deviations from the paper, and why:
 - Learning rate: the paper's text says Adam at 0.001, its code 1e-5 or 1e-6. We use AdamW at
@@ -412,10 +408,6 @@ def mean(xs):
 # The flags' checks, the peer's state, loop and checkpoints, the launcher, the plot and the command line.
 
 
-# -----------------------------------------------------------------------------
-# settings: checks
-
-
 def parse_args(argv=None):
     """The run's settings: the flags, whose defaults are this machine's (parser), then the silo rule.
     A bad flag gets one sentence from argparse and exit status 2, before any model is loaded."""
@@ -430,7 +422,8 @@ def parse_args(argv=None):
     if args.resume and not args.out:
         p.error("--resume needs --out: the run folder to continue")
     try:
-        args.task_list = resolve_tasks(args.tasks, args.model)
+        auto = "easy" if args.model == M.DEFAULT_MODEL else "paper"  # 'auto': the easy mix for the 135M default
+        args.task_list = reward.task_names(auto if args.tasks == "auto" else args.tasks)  # a ValueError names them
         swarm.check_token(args.token)
     except ValueError as e:
         p.error(str(e))
@@ -455,29 +448,20 @@ class Help(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if said else super()._get_help_string(action)
 
 
-def at_least(low, kind=int):
-    """An argparse type: a number of `kind` that is at least `low`."""
+def at_least(low, kind=int, below=None, positive=False):
+    """An argparse type: a number of `kind`, at least `low` and below `below` (positive: above 0 as well)."""
     def number(text):
-        value = kind(text)  # a ValueError: argparse says "invalid int value"
-        if not value >= low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, not {text}")
+        value = kind(text)  # a ValueError: argparse says "invalid int value"; NaN fails the test below
+        if not (value >= low and (below is None or value < below) and (value > 0 or not positive)):
+            bounds = ("positive" if positive else f"at least {low}") + (f" and below {below}" if below else "")
+            raise argparse.ArgumentTypeError(f"must be {bounds}, not {text}")
         return value
     number.__name__ = kind.__name__
     return number
 
 
-def positive(text):
-    """An argparse type: a float above 0."""
-    if not float(text) > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, not {text}")
-    return float(text)
-
-
-def fraction(text):
-    """An argparse type: a float in [0, 1)."""
-    if not 0 <= float(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, not {text}")
-    return float(text)
+positive = at_least(0, float, positive=True)
+fraction = at_least(0, float, below=1)  # in [0, 1)
 
 
 def matching(pattern, what):
@@ -521,16 +505,6 @@ def check_resume(p, args):
     args.name = None if args.peers else peers[0]
 
 
-def resolve_tasks(spec, model_name):
-    """--tasks as a list of task names; 'auto' is the easy mix for the default 135M model."""
-    if spec == "auto":
-        spec = "easy" if model_name == M.DEFAULT_MODEL else "paper"
-    return reward.task_names(spec)  # raises ValueError naming the known tasks
-
-# -----------------------------------------------------------------------------
-# seeds: separate, named random streams, so that runs can be paired
-
-
 def machinery_flags(a, device):
     """parser's flags that set where and how a run goes, not what it learns."""
     a("--seed", type=int, default=0,
@@ -561,7 +535,6 @@ class Peer(Algorithm1):
         self.name = peer_name(args, log)
         self.dir = os.path.join(args.out, self.name)
         self.device = torch.device(args.device)
-        self.sample_dtype = getattr(torch, args.dtype) if args.dtype else M.default_dtype(self.device)
         ckpt = last_checkpoint(self.dir)
         resuming = args.resume and ckpt is not None
         if os.path.exists(os.path.join(self.dir, "metrics.jsonl")) and not args.resume:
@@ -584,9 +557,8 @@ class Peer(Algorithm1):
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.stop_id
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
         # sampling runs in bf16 on CUDA from a copy refreshed after every step; on the CPU it is the model
-        self.sampler = self.model
-        if self.sample_dtype != torch.float32:
-            self.sampler = copy.deepcopy(self.model).to(self.sample_dtype).eval()
+        dtype = getattr(torch, args.dtype) if args.dtype else M.default_dtype(self.device)
+        self.sampler = self.model if dtype == torch.float32 else copy.deepcopy(self.model).to(dtype).eval()
         self.external_rng = stream(args.seed, "external")  # questions and sampling have a stream per round
         self.pool = []  # usable external groups (Group) not yet trained on
         self.start_round = 0
@@ -748,15 +720,11 @@ def launch(args, argv):
     non-zero, saying why where it can."""
     if not args.resume and glob.glob(os.path.join(args.out, "*", "metrics.jsonl")):
         raise SystemExit(f"{args.out} already holds a run: pass --resume to continue it, or another --out")
-    try:  # once, here: a first download or GGUF dequantisation must not run in every peer at once
-        folder = M.resolve(args.model)
-    except (OSError, ValueError, RuntimeError) as e:
-        raise SystemExit(f"train.py: {e}") from None
-    check_memory(args.peers, args.device, count_params(folder))
-    os.makedirs(args.out, exist_ok=True)
-    try:
+    try:  # the model once, here: a first download or GGUF dequantisation must not run in every peer at once
+        check_memory(args.peers, args.device, count_params(M.resolve(args.model)))
+        os.makedirs(args.out, exist_ok=True)
         server, url = swarm.start_server(os.path.join(args.out, "swarm"), token=args.token)  # in this process
-    except ValueError as e:
+    except (OSError, ValueError, RuntimeError) as e:
         raise SystemExit(f"train.py: {e}") from None
     children, failed, stopped = [], {}, False
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as Ctrl-C does
@@ -834,8 +802,7 @@ def stop_all(children):
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second Ctrl-C must not cut this short
         signal.signal(sig, signal.SIG_IGN)
     for proc in children:
-        if proc.poll() is None:
-            proc.terminate()
+        proc.terminate()  # a no-op on one that has exited
     deadline = time.time() + STOP_SECONDS
     for proc in children:
         try:

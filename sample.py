@@ -127,8 +127,7 @@ def generate(model: Transformer, prompts, num_samples=1, max_new_tokens=256, tem
     out_lp = torch.zeros(B, max_new_tokens, device=w.device)
     done = torch.zeros(B, dtype=torch.bool, device=w.device)
     check_every = 8 if w.device.type == "cuda" else 1  # asking "all done?" costs a GPU -> CPU sync
-    n = 0
-    for n in range(1, max_new_tokens + 1):
+    for n in range(1, max_new_tokens + 1):  # at least once: max_new_tokens >= 1 here
         tokens, out_lp[:, n - 1] = sample_token(logits, temperature, top_k, top_p, generator, True)
         out[:, n - 1] = tokens
         done |= torch.isin(tokens, stop)

@@ -191,20 +191,15 @@ def prompt_ids(tokenizer, item, one_shot, system="default"):
 
 @dataclasses.dataclass
 class Group:
-    """One question and its G completions, ready to train on. item: the question's dict (reward.py's
-    fields; for an external group the wire fields too); prompt and completions: token ids, a completion
-    ending with the stop token if it stopped; texts: what each completion says, the text its reward
-    scores; stopped: whether each ended with a stop token; rewards: one per completion; arrived: the
-    receiver's round in which an external group came; logprobs: each completion's sampling log-probs
-    (an external one's: its sender's, or None)."""
-    item: dict
-    prompt: list
-    completions: list
-    texts: list
-    stopped: list
-    rewards: list
-    arrived: int = 0
-    logprobs: list = None
+    """One question and its G completions, ready to train on."""
+    item: dict         # the question's dict: reward.py's fields (an external group's: the wire fields too)
+    prompt: list       # token ids
+    completions: list  # token ids of each, ending with the stop token if it stopped
+    texts: list        # what each completion says: the text its reward scores
+    stopped: list      # whether each ended with a stop token
+    rewards: list      # one per completion
+    arrived: int = 0   # the receiver's round in which an external group came
+    logprobs: list = None  # each completion's sampling log-probs (an external one's: its sender's, or None)
 
 
 def retokenise(tokenizer, text, stopped, stop_id, max_new_tokens):
@@ -253,19 +248,17 @@ def tokenizer_fingerprint(tokenizer):
 
 
 class Algorithm1:
-    """One peer's SAPO round, Algorithm 1 of the paper: round(r) is collect(r) (steps 1-3) then
-    learn(r, ...) (steps 4-7); a synchronous swarm calls collect on every peer, lets the groups reach the
-    store, then calls learn on every peer. Peer, below the marker line, adds the state these methods use
-    (its __init__: the model and its tokenizer, the optimizer, the sampling copy, the swarm client, the
-    random streams), the loop over rounds, and checkpoints."""
+    """One peer's SAPO round, Algorithm 1 of the paper: round(r) is collect(r) (steps 1-3) then learn(r, ...)
+    (steps 4-7); a synchronous swarm calls collect on every peer, lets the groups reach the store, then
+    learn on every peer. Peer, below the marker line, adds the state these methods use (model, tokenizer,
+    optimizer, sampling copy, swarm client, random streams), the loop over rounds, and checkpoints."""
 
     def round(self, r):
         """One SAPO round: sample and share this peer's rollouts, then learn from them and the swarm's."""
         return self.learn(r, self.collect(r))
 
     def collect(self, r):
-        """Steps 1-3: sample and score this round's local groups, publish them. Returns what learn()
-        needs: the local groups and the time taken."""
+        """Steps 1-3: sample, score and publish this round's local groups; returns them for learn()."""
         t0 = time.time()
         groups, sample_seconds = self.sample_local(r)
         self.publish(r, groups)
@@ -293,7 +286,7 @@ class Algorithm1:
         prompts = [prompt_ids(self.tok, it, args.one_shot, args.system_prompt) for it in items]
         outs, logprobs = sample.generate(self.sampler, prompts, num_samples=G, max_new_tokens=args.max_new_tokens,
                                          temperature=args.temperature, eos_token_ids=self.stop_ids,
-                                         seed=self.sampling_seed(r), logprobs=True)
+                                         seed=stream(args.seed, "sampling", r).getrandbits(63), logprobs=True)
         sample_seconds, groups = time.time() - t0, []
         for i, (item, prompt) in enumerate(zip(items, prompts)):
             ids = outs[i * G:(i + 1) * G]
@@ -302,9 +295,6 @@ class Algorithm1:
             groups.append(Group(item, prompt, ids, texts, stopped, [reward.score(item, t) for t in texts],
                                 logprobs=logprobs[i * G:(i + 1) * G]))
         return groups, sample_seconds
-
-    def sampling_seed(self, r):
-        return stream(self.args.seed, "sampling", r).getrandbits(63)
 
     def publish(self, r, groups):
         """Step 3: the round's groups as decoded text, never rewards (--shared-logprobs: ids, log-probs to 1e-4)."""
@@ -524,11 +514,9 @@ def machinery_flags(a, device):
 
 
 class Peer(Algorithm1):
-    """One SAPO peer: its model, optimizer, swarm client and the loop over Algorithm1's rounds.
-
-    client: a swarm client to use instead of one made from --swarm (a driver that runs several peers in
-    one process passes its own). args are taken as they are: parse_args treats a peer without --swarm
-    as one in silo and refuses --external J > 0 there, so with an injected client parse --swarm too."""
+    """One SAPO peer: its model, optimizer, swarm client and the loop over Algorithm1's rounds. client: one
+    to use instead of --swarm's (a driver of several peers in one process passes its own; parse --swarm
+    too, or parse_args takes the peer for one in silo and refuses --external J > 0)."""
 
     def __init__(self, args, log=print, client=None):
         self.args, self.log = args, log
@@ -662,8 +650,7 @@ class Peer(Algorithm1):
 
 
 def last_checkpoint(folder):
-    """The checkpoint that folder/checkpoint.json names (Peer.save), as a dict: round, checkpoint (its
-    folder's name), metrics_bytes, and path; None before the first save."""
+    """folder/checkpoint.json (Peer.save) as a dict: round, checkpoint, metrics_bytes, path; None before any."""
     try:
         with open(os.path.join(folder, "checkpoint.json")) as f:
             pointer = json.load(f)
@@ -683,9 +670,8 @@ def peer_name(args, log):
 
 
 def progress(m, rounds):
-    """A progress bar's numbers: the local reward (the skill) first; the batch reward beside it is the
-    paper's figure, the mean over the training batch, external groups included. Then the peer's own
-    pace, from its last round's time (the launcher's clock would count the peers' start too)."""
+    """A progress bar's numbers: the local reward (the skill), the batch reward (the paper's figure, external
+    groups included), and the peer's own pace from its last round (the launcher's clock counts start-up)."""
     seconds = max(m["round_seconds"], 1e-9)
     left = (rounds - m["round"] - 1) * seconds
     return dict(reward=f"{m['local_reward']:.2f}", batch=f"{m['batch_reward']:.2f}", ext=int(m["external_used"]),
@@ -706,18 +692,16 @@ def release_memory():
 # -----------------------------------------------------------------------------
 # the launcher: a server and N peers on one machine
 
-# One peer's peak memory, per model parameter: measured for SmolLM2-135M on the CPU with the CPU
-# defaults (3.2-3.3 GB, README "Memory"), with a little margin: 16 bytes a parameter are float32
-# weights, gradients and AdamW state, the rest runtime and activations. On CUDA and for other models
-# it is a rough guide, scaled by size.
+# One peer's peak memory per model parameter, measured for SmolLM2-135M with the CPU defaults (3.2-3.3 GB,
+# README "Memory") plus a margin: 16 bytes are float32 weights, gradients and AdamW state, the rest runtime
+# and activations. On CUDA and for other models a rough guide, scaled by size.
 PEER_BYTES_PER_PARAM = 26
 
 
 def launch(args, argv):
-    """Start a swarm server on a free loopback port, in this process, and args.peers peer processes; show
-    their progress together, from the metrics they post; stop them all on Ctrl-C (each saves its last
-    completed round). A peer that dies is reported and the others go on; the launcher then exits
-    non-zero, saying why where it can."""
+    """A swarm server on a free loopback port, in this process, and args.peers peer processes; their progress
+    together, from the metrics they post; on Ctrl-C all stop (each saves its last completed round). A peer
+    that dies is reported and the others go on; the launcher then exits non-zero, saying why."""
     if not args.resume and glob.glob(os.path.join(args.out, "*", "metrics.jsonl")):
         raise SystemExit(f"{args.out} already holds a run: pass --resume to continue it, or another --out")
     try:  # the model once, here: a first download or GGUF dequantisation must not run in every peer at once
@@ -742,8 +726,7 @@ def launch(args, argv):
             for n, proc in procs.items():
                 if n in last:
                     bars[n].n = int(last[n]["round"]) + 1
-                    bars[n].set_postfix(progress(last[n], args.rounds), refresh=False)
-                    bars[n].refresh()
+                    bars[n].set_postfix(progress(last[n], args.rounds))  # and redraw
                 if proc.poll() not in (None, 0) and n not in failed:
                     failed[n] = f"{n} {why_stopped(proc.returncode)}: see {args.out}/{n}/log.txt"
                     tqdm.write(failed[n] + "; the others go on")
@@ -770,8 +753,7 @@ def next_steps(args, argv):
 
 
 def without_token(argv):
-    """A command line without its --token: the token goes to a child in its environment, never on a
-    command line, where ps shows it."""
+    """A command line without its --token: a child gets the token in its environment (ps shows command lines)."""
     return [f for k, f in enumerate(argv) if not (f == "--token" or f.startswith("--token=")
                                                   or (k and argv[k - 1] == "--token"))]
 

@@ -258,8 +258,7 @@ def step(model, opt, rows, advantages, pad_id, stop_ids, micro_batch=16, inner_s
 
 
 # ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
-# The log-probs of the targets, chunk by chunk: what completion_logprobs computes without ever holding
-# the (tokens x vocabulary) logits at once.
+# The log-probs of the targets, chunk by chunk, never holding the (tokens x vocabulary) logits at once.
 
 
 def hidden_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=512):

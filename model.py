@@ -287,8 +287,7 @@ def read_safetensors(folder, device, dtype):
 
 
 # ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
-# Finding a model (a folder, the Hub), saving one, stop tokens, the config check, and the offline
-# fallback for the default model.
+# Finding a model (a folder, the Hub), saving one, stop tokens, the config check, the offline fallback.
 
 
 def read_json(path):
@@ -332,10 +331,9 @@ def stop_token_ids(folder, hf, tokenizer):
 
 
 def save_model(model: Transformer, tokenizer, folder, write_extra=None):
-    """Write a Hugging Face–format folder (config.json, model.safetensors, tokenizer files) that
-    transformers.AutoModelForCausalLM.from_pretrained loads with the same logits. Atomic: written to a
-    temporary folder beside `folder` (with whatever write_extra(temporary_folder) adds, such as a
-    trainer's state), then renamed over it; the previous folder stays as `folder`.old meanwhile."""
+    """A Hugging Face–format folder (config.json, model.safetensors, tokenizer files) that transformers loads
+    with the same logits. Atomic: written to a temporary folder beside `folder`, with whatever write_extra(it)
+    adds (a trainer's state), then renamed over it; the previous folder stays as `folder`.old meanwhile."""
     from safetensors.torch import save_file
     folder = os.path.abspath(folder)
     os.makedirs(os.path.dirname(folder), exist_ok=True)

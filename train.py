@@ -24,9 +24,8 @@ Peers never wait for each other: a peer trains on whatever external groups have 
 
 Defaults (parser, each declared once): I = 4 local and J = 4 external groups are the paper's best
 configuration (+94% cumulative reward over peers in silo, with 8 Qwen2.5-0.5B peers); its baseline in
-silo trains on 8/0, so a peer with J = 0 or no swarm takes I + J as I. The rest (G = 8, temperature 1,
-clip 0.2 / 0.28, no KL, DAPO's token-mean loss, 256 new tokens, one step a round) are common GRPO
-settings, chosen to match what the paper's code is described to do where we know it.
+silo trains on 8/0, so a peer with J = 0 or no swarm takes I + J as I. The rest are common GRPO
+settings, matching what the paper's code is described to do where we know it.
 
 Seeds: questions, sampling and external draws come from separate random streams of --seed (stream),
 so a swarm peer and a silo peer with the same seed get the same questions and sampling seeds: paired runs.
@@ -122,8 +121,7 @@ def parser(device):
       help="show one worked example of the task family as an earlier chat turn")
     # SAPO (the paper's best: I = 4, J = 4; its baseline in silo: I = 8, J = 0)
     a("--local", type=at_least(1),
-      help=f"I: local questions per round (default: {I}; {I + J} in silo, i.e. with J = 0, so that the silo "
-           "trains on as many groups as a swarm peer, as the paper's baseline does)")
+      help=f"I: local questions per round (default: {I}; {I + J} in silo, with J = 0, as in the paper's baseline)")
     a("--external", type=at_least(0),
       help=f"J: external groups trained on per round (default: {J} with --swarm or --peers, else 0: in silo)")
     a("--generations", type=at_least(2), default=4 if cpu else 8, help="G: completions per question, compared by GRPO")
@@ -523,18 +521,17 @@ class Peer(Algorithm1):
         self.name = peer_name(args, log)
         self.dir = os.path.join(args.out, self.name)
         self.device = torch.device(args.device)
-        ckpt = last_checkpoint(self.dir)
-        resuming = args.resume and ckpt is not None
+        ckpt = last_checkpoint(self.dir) if args.resume else None  # None: a fresh start
         if os.path.exists(os.path.join(self.dir, "metrics.jsonl")) and not args.resume:
             raise SystemExit(f"{self.dir} already holds a run: pass --resume to continue it, or another --out")
         os.makedirs(self.dir, exist_ok=True)
         torch.manual_seed(args.seed)
         settings = os.path.join(self.dir, "settings.json")
         try:
-            started = json.load(open(settings)).get("model") if resuming and args.beta > 0 else args.model
+            started = json.load(open(settings)).get("model") if ckpt and args.beta > 0 else args.model
             if started != args.model:
                 raise ValueError(f"{self.dir} started from --model {started} (the KL's reference): resume with it")
-            self.model, self.tok = M.load_model(ckpt["path"] if resuming else args.model, self.device, torch.float32, log=log)
+            self.model, self.tok = M.load_model(ckpt["path"] if ckpt else args.model, self.device, torch.float32, log=log)
             # beta > 0: the KL's reference is the initial model, --model, also after a resume (not the checkpoint)
             self.ref_model = M.load_model(args.model, self.device, torch.float32, log=log)[0] if args.beta > 0 else None
         except (OSError, ValueError, RuntimeError) as e:  # a model that cannot be found or read
@@ -550,7 +547,7 @@ class Peer(Algorithm1):
         self.external_rng = stream(args.seed, "external")  # questions and sampling have a stream per round
         self.pool = []  # usable external groups (Group) not yet trained on
         self.start_round = 0
-        if resuming:
+        if ckpt:
             self.load_state(ckpt)
         elif args.resume:
             log(f"{self.dir}: no checkpoint yet, starting from round 0")
@@ -570,10 +567,9 @@ class Peer(Algorithm1):
     # -- the loop over rounds, checkpoints and resume -------------------------------------------------
 
     def run(self):
-        """Rounds start_round to --rounds - 1, then a checkpoint of the last. Ctrl-C or SIGTERM (the
-        launcher's stop) abandons a round that is still sampling, when the model is as the last round left
-        it, and lets a round that is changing the model finish; either way the last completed round is
-        saved and --resume continues at the next. Returns whether it was stopped so."""
+        """Rounds start_round to --rounds - 1, then a checkpoint of the last. Ctrl-C or SIGTERM (the launcher's
+        stop) abandons a round still sampling (the model unchanged) and lets one changing the model finish;
+        either way the last completed round is saved, and --resume goes on at the next. Returns whether stopped."""
         args, done = self.args, self.start_round - 1  # done: the last completed round
         self.busy = self.stopping = False
         handlers = {sig: signal.signal(sig, self.interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -252,8 +252,7 @@ def step(model, opt, rows, advantages, pad_id, stop_ids, micro_batch=16, inner_s
         opt.step()
         opt.zero_grad(set_to_none=True)  # gradients live only during a step: between rounds, memory is free
     model.eval()
-    # the share of rows with no advantage, counted over the batch (grpo_loss's count, weighted by
-    # micro-batch, would change with micro_batch)
+    # the share of rows with no advantage over the whole batch (grpo_loss's would change with micro_batch)
     return dict(stats, grad_norm=float(grad_norm), zero_adv_frac=float((adv == 0).float().mean()))
 
 

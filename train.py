@@ -59,7 +59,6 @@ import functools
 import glob
 import hashlib
 import json
-import math
 import os
 import random
 import re
@@ -174,8 +173,7 @@ def example_turns(task_name):
 
 
 def prompt_ids(tokenizer, item, one_shot, system="default"):
-    """Token ids of the chat prompt: system prompt (reward.SYSTEM_PROMPTS[system]), [a worked example],
-    the question, assistant turn."""
+    """Token ids of the chat prompt: system prompt, [a worked example], the question, the assistant's turn."""
     messages = [{"role": "system", "content": reward.SYSTEM_PROMPTS[system]}]
     if one_shot:
         try:
@@ -606,8 +604,7 @@ class Peer(Algorithm1):
         return self.stopping
 
     def interrupt(self, signum, frame):
-        """Ctrl-C or SIGTERM during run(): stop now if the model is unchanged since the last round, else at
-        the end of this one."""
+        """Ctrl-C or SIGTERM in run(): stop now if the model is unchanged since the last round, else after this one."""
         self.stopping = True
         if not self.busy:
             raise KeyboardInterrupt
@@ -647,12 +644,9 @@ class Peer(Algorithm1):
 
 def last_checkpoint(folder):
     """folder/checkpoint.json (Peer.save) as a dict: round, checkpoint, metrics_bytes, path; None before any."""
-    try:
-        with open(os.path.join(folder, "checkpoint.json")) as f:
-            pointer = json.load(f)
-    except FileNotFoundError:
-        return None
-    return dict(pointer, path=os.path.join(folder, pointer["checkpoint"]))
+    path = os.path.join(folder, "checkpoint.json")  # replaced whole (os.replace), never removed
+    pointer = M.read_json(path) if os.path.exists(path) else None
+    return dict(pointer, path=os.path.join(folder, pointer["checkpoint"])) if pointer else None
 
 
 def peer_name(args, log):
@@ -800,13 +794,10 @@ def why_stopped(code):
 
 
 def count_params(folder):
-    """Parameters of a model folder, from its safetensors headers (no tensor is read)."""
-    n = 0
-    for path in glob.glob(os.path.join(glob.escape(folder), "*.safetensors")):
-        with open(path, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        n += sum(math.prod(t["shape"]) for key, t in header.items() if key != "__metadata__")
-    return n
+    """Parameters of a model folder, from its config.json: the model built on the meta device, no tensor read."""
+    with torch.device("meta"):
+        model = M.Transformer(M.config_from_hf(M.read_json(os.path.join(folder, "config.json"))))
+    return sum(p.numel() for p in model.parameters())
 
 
 def free_memory(device):

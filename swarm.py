@@ -1214,6 +1214,7 @@ class RedisClient(SwarmClient):
                                              q.get("seed", "0"), Limits.page_bytes)
                 return 200, {"groups": [_stored(*e) for e in found], "last": last}
             found = self.session.xrange(KEYS[1], f"{int(q.get('after', last)) + 1}-0", count=256)
+            last = int(self.session.get(KEYS[0]) or 0)  # again: a batch stored since may be in found
             return 200, {"groups": [_stored(*e) for e in found if e[1].get("peer") != q.get("exclude")], "last": last,
                          "next": int(found[-1][0][:-2]) if found else int(q.get("after", last)), "last_seq": last}
         except self.redis_error as e:

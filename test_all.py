@@ -2922,6 +2922,22 @@ def test_swarm_stores_two_peers_share_and_a_retry_is_stored_once(_sw_store, _sw_
     assert alice.flush(10) and [g["question"] for g in alice.fetch()] == [_sw_group(4)["question"]]
 
 
+def test_redis_a_cursor_read_that_races_a_publish_loses_no_group(_sw_redis, _sw_clients):
+    """A batch stored between a read's look at the seq counter and its read of the stream is in the page:
+    the page's last seq must count it too, or the client takes the page for a poisoned one and skips it."""
+    alice, bob = _sw_clients(_sw_redis.url(), "alice", cursor=0), _sw_clients(_sw_redis.url(), "bob")
+    get, raced = alice.session.get, []
+
+    def get_then_publish(key):  # the counter is read, then bob's batch lands, then the stream is read
+        value = get(key)
+        if not raced:
+            raced.append(_sw_publish(bob, 0, [_sw_group(1)]))
+        return value
+    alice.session.get = get_then_publish
+    assert alice.flush(10) and raced == [{"accepted": 1, "seq": 1}]
+    assert [g["seq"] for g in alice.fetch()] == [1]
+
+
 def test_swarm_stores_kill9_loses_no_acknowledged_batch(_sw_store, _sw_clients):
     """Both stores, kill -9 in the middle of four writers' runs: after a restart on the same folder every
     acknowledged batch is there under its seq (Redis: appendonly yes, appendfsync always)."""

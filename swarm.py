@@ -1078,6 +1078,8 @@ class SwarmClient(Client):
             reply = e
         finally:
             timer.cancel()
+            for sock in self.sockets:  # the duplicates _Adapter made
+                sock.close()
         if (late := time.monotonic() > deadline) or self.closing or isinstance(reply, OSError):  # (cut by the timer?)
             raise ConnectionError(f"server unreachable ({_reason(None if late else reply)})")
         if (r.status_code != 200 and not 400 <= r.status_code < 500) or r.status_code in (408, 429):
@@ -1107,11 +1109,12 @@ class _Adapter(requests.adapters.HTTPAdapter):
         pool, client = super().get_connection_with_tls_context(*args, **kwargs), self.client
         if "ConnectionCls" not in vars(pool):  # once per pool: its ConnectionCls makes every connection
             class Connection(pool.ConnectionCls):
-                def connect(self):
-                    super().connect()
-                    client.sockets.append(self.sock)
+                def _new_conn(self):  # the TCP socket before any TLS handshake (which takes the object over,
+                    sock = super()._new_conn()  # so a duplicate descriptor): a stalled handshake is cut too
+                    client.sockets.append(sock.dup())
                     if client.closing:
-                        _shut([self.sock])
+                        _shut(client.sockets)
+                    return sock
             pool.ConnectionCls = Connection
         return pool
 

@@ -2666,6 +2666,25 @@ def test_swarm_client_never_stalls_and_delivers_once_the_server_is_back(tmp_path
             server.shutdown()
 
 
+def test_swarm_client_close_ends_a_stalled_tls_handshake_at_once(_sw_clients):
+    """https:// to a server that accepts and never answers the TLS hello: close() ends the exchange at
+    once (the thread's socket is shut before its handshake), not after requests' 10 s read timeout."""
+    import socket
+    listener, accepted = socket.create_server(("127.0.0.1", 0)), []
+    threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True).start()
+    try:
+        client = _sw_clients(f"https://127.0.0.1:{listener.getsockname()[1]}", "alice")
+        client.publish(0, [_sw_group(1)])
+        deadline = time.time() + 10
+        while not accepted and time.time() < deadline:
+            time.sleep(0.05)
+        assert accepted and client.sockets  # the thread is in its handshake, its socket known
+        client.close()  # joins the thread for up to 5 s
+        assert not client.thread.is_alive()
+    finally:
+        listener.close()
+
+
 def test_swarm_client_queues_are_bounded_in_bytes(tmp_path, monkeypatch, _sw_clients):
     import socket
     monkeypatch.setattr(swarm.Limits, "outbox_bytes", 20_000)

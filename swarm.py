@@ -412,10 +412,11 @@ def _finite(text):  # JSON may spell numbers that cannot be served back as JSON:
     return x
 
 
-def parse_json(raw):
+def parse_json(raw, surrogates=False):
     """Strict UTF-8 JSON -> a Python value, or BadRequest: no NaN or Infinity, no lone surrogate ("\\ud800":
     no UTF-8 can store or serve it), nothing nested too deeply, at most Limits.json_values values (each
-    costs memory far beyond its bytes: an 8 MB body of {},{},... is 230 MB as Python objects)."""
+    costs memory far beyond its bytes: an 8 MB body of {},{},... is 230 MB as Python objects).
+    surrogates=True keeps lone surrogates: a client drops the one group that holds one, not its page."""
     try:
         text = raw.decode() if isinstance(raw, (bytes, bytearray)) else raw  # strict: no encoded surrogates
         if text.count(",") + text.count("{") + text.count("[") > Limits.json_values:  # then count outside strings
@@ -423,7 +424,7 @@ def parse_json(raw):
             _want(bare.count(",") + bare.count("{") + bare.count("[") <= Limits.json_values,
                   f"The JSON holds more than {Limits.json_values} values; send fewer at once.", 413)
         value = json.loads(text, parse_float=_finite, parse_constant=_finite)
-        if re.search(r"\\u[dD][89a-fA-F]", text):
+        if not surrogates and re.search(r"\\u[dD][89a-fA-F]", text):
             _dumps(value)  # raises UnicodeEncodeError on a lone surrogate
         return value
     except (ValueError, RecursionError) as e:  # JSONDecodeError, not UTF-8, a lone surrogate, 5000 digits, too deep
@@ -1087,7 +1088,7 @@ class SwarmClient(Client):
         try:
             _want(len(reply) <= Limits.reply_bytes, f"a reply of more than {Limits.reply_bytes} bytes")
             _want(sum(map(reply.count, b"{[,:")) <= Limits.reply_values, f"over {Limits.reply_values} JSON values")
-            reply = parse_json(reply)
+            reply = parse_json(reply, surrogates=True)
         except BadRequest:
             if r.status_code == 200:
                 raise

@@ -2826,7 +2826,7 @@ def test_swarm_client_speaks_through_requests_and_follows_redirects(_sw_server, 
 def test_swarm_client_takes_no_reply_that_would_hold_the_training_loop(monkeypatch, capsys, _sw_clients, _sw_fake):
     costs = []  # the JSON values in every reply the client parsed
 
-    def parse(raw):
+    def parse(raw, **kwargs):
         costs.append(sum(map(bytes(raw).count, b"{[,:")))
         return swarm.json.loads(raw)
 
@@ -2873,6 +2873,15 @@ def test_swarm_client_reads_on_past_a_reply_it_cannot_use(poison, capsys, _sw_cl
         assert resumed.flush(20)
         stored.append(_sw_stored(11))
         assert resumed.flush(20) and [g["seq"] for g in resumed.fetch()] == [11] and resumed.cursor == 11
+
+
+def test_swarm_client_drops_a_served_lone_surrogate_alone(capsys, _sw_clients, _sw_fake):
+    """A page whose third group's question is a lone surrogate ("\\ud800", which UTF-8 cannot carry):
+    that group is dropped, the four beside it in the same page are received."""
+    stored = [_sw_stored(seq, question="\ud800") if seq == 3 else _sw_stored(seq) for seq in range(1, 6)]
+    client = _sw_clients(_sw_fake(lambda method, path, body: _sw_honest(stored, method, path)), "victim", cursor=0)
+    assert client.flush(20) and [g["seq"] for g in client.fetch()] == [1, 2, 4, 5] and client.cursor == 5
+    assert "dropped 1 malformed groups" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("status, says", [(401, "token"), (403, "token"), (404, "proxy"), (200, "acknowledge")])

@@ -192,6 +192,17 @@ def verify_item(item, tasks=None):
         return False
 
 
+def _task_of(item):
+    """The Task of a well-formed item (a known task, a str question and answer, dict metadata), else None."""
+    if not (isinstance(item, dict) and all(isinstance(item.get(k), str) for k in ("task", "question", "answer"))
+            and isinstance(item.get("metadata"), dict)):
+        return None
+    try:
+        return get_task(item["task"])
+    except ValueError:
+        return None
+
+
 def solution(item):
     """A short worked solution: the family's line of working, then <answer>...</answer>."""
     work = get_task(item["task"]).working(item)
@@ -285,6 +296,18 @@ class BaseConversion(Task):
 TASKS["base_conversion"] = BaseConversion()
 
 
+_NUMBER_RE = re.compile(r"[+-]?(?:[0-9]{1,60}(?:\.[0-9]{0,60})?|\.[0-9]{1,60})(?:[eE][+-]?[0-9]{1,3})?")
+
+
+def _int_answer(s):
+    """An integer answer in any exact decimal spelling ("42", "42.0", "4.2e1"), else None. ASCII digits
+    only ("٤٢" is not a number here), exponent at most 3 digits (no "1e999999")."""
+    if not isinstance(s, str) or len(s) > 200 or not _NUMBER_RE.fullmatch(s.strip()):
+        return None
+    x = Fraction(s.strip())
+    return x.numerator if x.denominator == 1 else None
+
+
 class EasyTask(Task):
     """A very easy family, for small models: unseeded (its metadata is the values it drew), with a
     strict 0/1 reward for any exact spelling of the integer answer ("8", "8.0", "+8")."""
@@ -313,17 +336,6 @@ TASKS.update({name: Arithmetic(name, op, digits) for name, op, digits in [
     ("one_digit_addition", "+", 1), ("one_digit_multiplication", "*", 1), ("two_digit_addition", "+", 2)]})
 
 # ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
-
-
-def _task_of(item):
-    """The Task of a well-formed item (a known task, a str question and answer, dict metadata), else None."""
-    if not (isinstance(item, dict) and all(isinstance(item.get(k), str) for k in ("task", "question", "answer"))
-            and isinstance(item.get("metadata"), dict)):
-        return None
-    try:
-        return get_task(item["task"])
-    except ValueError:
-        return None
 
 
 # -----------------------------------------------------------------------------
@@ -860,18 +872,6 @@ class Arc1D(Task):
 
 # -----------------------------------------------------------------------------
 # the other easy families
-
-
-_NUMBER_RE = re.compile(r"[+-]?(?:[0-9]{1,60}(?:\.[0-9]{0,60})?|\.[0-9]{1,60})(?:[eE][+-]?[0-9]{1,3})?")
-
-
-def _int_answer(s):
-    """An integer answer in any exact decimal spelling ("42", "42.0", "4.2e1"), else None. ASCII digits
-    only ("٤٢" is not a number here), exponent at most 3 digits (no "1e999999")."""
-    if not isinstance(s, str) or len(s) > 200 or not _NUMBER_RE.fullmatch(s.strip()):
-        return None
-    x = Fraction(s.strip())
-    return x.numerator if x.denominator == 1 else None
 
 
 class RepeatNumber(EasyTask):

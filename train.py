@@ -291,15 +291,20 @@ class Algorithm1:
         return groups, sample_seconds
 
     def publish(self, r, groups):
-        """Step 3: the round's groups as decoded text, never rewards (--shared-logprobs: ids, log-probs to 1e-4)."""
+        """Step 3: the round's groups as decoded text, never rewards. Beyond the paper, --shared-logprobs
+        adds the sampled token ids and their log-probs (to 1e-4), for a receiver's off-policy correction."""
         if self.client is None:
             return
-        model = os.path.basename(str(self.args.model).rstrip("/"))
-        behaviour = lambda g: dict(token_ids=g.completions, tokenizer=tokenizer_fingerprint(self.tok),  # noqa: E731
-                                   logprobs=[[round(max(x, -1e4), 4) for x in lp] for lp in g.logprobs])
-        self.client.publish(r, [dict(task=g.item["task"], question=g.item["question"], answer=g.item["answer"],
-                                     metadata=g.item["metadata"], completions=g.texts, stopped=g.stopped, model=model,
-                                     **(behaviour(g) if self.args.shared_logprobs and g.logprobs else {})) for g in groups])
+        shared = []
+        for g in groups:
+            group = dict(task=g.item["task"], question=g.item["question"], answer=g.item["answer"],
+                         metadata=g.item["metadata"], completions=g.texts, stopped=g.stopped,
+                         model=os.path.basename(str(self.args.model).rstrip("/")))
+            if self.args.shared_logprobs and g.logprobs:
+                group.update(token_ids=g.completions, tokenizer=tokenizer_fingerprint(self.tok),
+                             logprobs=[[round(max(x, -1e4), 4) for x in lp] for lp in g.logprobs])
+            shared.append(group)
+        self.client.publish(r, shared)
 
     def choose_external(self, r):
         """Steps 4-5: take the swarm's sample, keep the usable groups (external_group), pool them with those

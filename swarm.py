@@ -265,7 +265,9 @@ def connect(url, peer, token=None, cursor=None, sample=None, seed=0):
 class Limits:
     """Every bound in one place (sizes in bytes): on what a sender may make the server hold, and a server a client."""
     body_bytes = 8 << 20        # one request body (413 beyond it); those over 1/8 of it are parsed one at a time
-    json_values = 1 << 20       # commas, objects and lists outside strings in one JSON text (413 beyond)
+    json_values = 1 << 20       # commas, objects and lists outside strings in one JSON text, counted before it
+                                # is parsed: a body (413 beyond) or a client's reply (parsing 2**20: ~45 ms)
+    group_tokens = 1 << 17      # token ids in one group, so that any reply of groups stays within json_values
     completion_tokens = 8192    # token ids (and log-probs) of one completion in a group
     page_bytes = 1 << 20        # one reply page of /rollouts or /metrics (a page holds at least one item)
     page_groups = 1024          # groups in one /rollouts page (?limit=, default 256)
@@ -284,7 +286,6 @@ class Limits:
     outbox_bytes = 64 << 20     # client: unsent batches and metrics; the oldest go first beyond it
     inbox_bytes = 64 << 20      # client: received groups not yet fetched; the oldest go first beyond it
     reply_bytes = body_bytes + (64 << 10)  # client: the largest reply read (a page of one group of at most a body)
-    reply_values = 1 << 19      # client: JSON values in a reply, counted before it is parsed (2**19: 30 ms)
     poll_seconds = 1.0          # client: how often it asks for new groups
     recent_groups = 64          # client: a new peer starts with the newest this many groups, not all history
     sample_groups = 256         # groups one sampled read may ask for (?sample=K)
@@ -389,7 +390,9 @@ ALSO = [(lambda g: len(g["stopped"]) == len(g["completions"]), "stopped must hol
          "token_ids, logprobs and tokenizer must come together, or none of them"),
         (lambda g: "token_ids" not in g or [len(c) for c in g["logprobs"]] == [len(c) for c in g["token_ids"]] and
          len(g["token_ids"]) == len(g["completions"]), "token_ids and logprobs must hold a list per completion, "
-         "one log-prob per token id")]
+         "one log-prob per token id"),
+        (lambda g: sum(map(len, g.get("token_ids", []))) <= Limits.group_tokens,
+         f"token_ids must hold at most {Limits.group_tokens} ids in all")]
 STORED = fields({**GROUP, "peer": PEER, "round": ROUND, "seq": SEQ, "time": TIME}, OPTIONAL, ALSO)  # as served
 PUBLISH = fields({"peer": PEER, "round": ROUND, "batch_id": BATCH_ID, "groups": items(256, fields(GROUP, OPTIONAL, ALSO))})
 BATCH = fields({"peer": PEER, "round": ROUND, "batch_id": BATCH_ID, "time": TIME, "groups": items(256, STORED)})
@@ -456,7 +459,7 @@ class RolloutStore(Store):
         self.peers = collections.OrderedDict()    # peer -> {"last_seen", "last_round", "groups"}, by recency
         self.metrics, self.metrics_bytes = [], 0  # (n, peer, row as a JSON line, row) per kept metrics row
         self.closed = self.metrics_cut = False    # metrics_cut: a failed write may have left half a line
-        self.folder_fd = None
+        self.folder_fd, self.doomed = None, []  # doomed: files retention deletes once pruned.json says so
         try:  # the folder itself is flocked (no lock file a stray `rm` could remove); files open relative to it
             os.makedirs(self.folder, exist_ok=True)
             self.folder_fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
@@ -489,7 +492,7 @@ class RolloutStore(Store):
         if self.kept_bytes <= self.keep_bytes or len(self.batches) < 2:
             return
         with self.lock:
-            doomed = []
+            doomed = self.doomed  # (with those a failed write of pruned.json left on disk)
             while self.kept_bytes > 0.9 * self.keep_bytes and len(self.batches) > 1:
                 name, peer, _, n, size = self.batches.popleft()
                 del self.index[:n]
@@ -504,8 +507,8 @@ class RolloutStore(Store):
             gone = [{"peer": p, "batch_id": b, **r} for (p, b), r in self.replies.items() if (p, b) not in kept]
         for name in self.copies:
             self._write_atomic(name, _dumps({"seq": self.pruned, "replies": gone}))
-        for name in doomed:
-            self._remove(name)
+        while doomed:
+            self._remove(doomed.pop())
 
     def _load(self):
         """Read the folder back: pruned.json, every batch file in seq order, metrics.jsonl. Whatever a file
@@ -615,11 +618,16 @@ class RolloutStore(Store):
         """Bytes to folder/name, so that a reader or a restart after kill -9 sees all or nothing: a temporary
         file, fsynced, renamed over the name (a link there is replaced, never followed), the rename fsynced."""
         try:
+            self._remove(".tmp-" + name)  # whatever is in the way: a FIFO, a link, an empty folder
             with self._open(".tmp-" + name, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(".tmp-" + name, name, src_dir_fd=self.folder_fd, dst_dir_fd=self.folder_fd)
+            try:
+                os.replace(".tmp-" + name, name, src_dir_fd=self.folder_fd, dst_dir_fd=self.folder_fd)
+            except IsADirectoryError:  # an empty folder in the way goes (a full one: the error stands)
+                os.rmdir(name, dir_fd=self.folder_fd)
+                os.replace(".tmp-" + name, name, src_dir_fd=self.folder_fd, dst_dir_fd=self.folder_fd)
             os.fsync(self.folder_fd)
         except OSError:
             self._remove(".tmp-" + name)
@@ -628,6 +636,9 @@ class RolloutStore(Store):
     def _remove(self, name):
         try:
             os.remove(name, dir_fd=self.folder_fd)  # a link is removed, not what it points to
+        except IsADirectoryError:
+            with contextlib.suppress(OSError):
+                os.rmdir(name, dir_fd=self.folder_fd)
         except FileNotFoundError:
             pass
         except OSError as e:  # pruned.json says it is deleted: the next start tries again
@@ -949,7 +960,7 @@ class SwarmClient(Client):
         self.cursor = self.read_up_to = cursor  # the seq fetch() has handed out / the thread has read up to
         self.newest = 0  # the server's newest seq as /health last said it: no page may claim far more
         self.sample, self.seeds, self.asked = sample, random.Random(seed), 0  # sampled mode: K, the seeds
-        self.seen = collections.deque(maxlen=Limits.seen_seqs)  # of its reads, the reads asked for, the seqs read
+        self.seen, self.said = collections.deque(maxlen=Limits.seen_seqs), None  # (seq, time)s read; the last bad said
         self.thread = threading.Thread(target=self._run, name=f"swarm-client-{peer}", daemon=True)
         self.thread.start()
 
@@ -969,11 +980,12 @@ class SwarmClient(Client):
             self.closing = True
             self.cond.notify_all()
         _shut(self.sockets)
+        self.session.close()  # (Redis: disconnects even the connection in use, ending its exchange)
         self.thread.join(5)
-        self.session.close()
 
-    def _log(self, message):
-        print(f"swarm client {self.peer}: {message}", file=sys.stderr, flush=True)
+    def _log(self, message):  # (a lone surrogate a reply carried is escaped: no stream may refuse the line)
+        print(f"swarm client {self.peer}: {message}".encode("utf-8", "backslashreplace").decode(), file=sys.stderr,
+              flush=True)
 
     def _sleep(self, seconds):  # until a publish, fetch or flush wakes it, except while it waits out trouble
         with self.cond:
@@ -1013,9 +1025,9 @@ class SwarmClient(Client):
                 after = max(0, self._newest() - Limits.recent_groups)
             try:
                 page = self._get(f"/rollouts?after={after}&exclude={self.peer}", PAGE)
-                if page["last"] > self.newest + Limits.scan_groups:  # more than an honest swarm adds in a poll
+                if page["last"] > self.newest:  # /health, asked after the page, says at least its last if honest
                     self._newest()
-                _want(after <= page["next"] <= page["last"] <= self.newest + Limits.scan_groups, f"its seqs (next "
+                _want(after <= page["next"] <= page["last"] <= self.newest, f"its seqs (next "
                       f"{page['next']}, last {page['last']}) do not fit ours ({after}) and /health's ({self.newest})")
             except BadRequest as e:
                 self.read_up_to = self._newest()
@@ -1027,12 +1039,13 @@ class SwarmClient(Client):
                 g = check(g, STORED, "a received group")
                 _want(self.sample or seq < g["seq"] <= page["next"], "its seq is out of order")  # (a page's: in order)
                 seq = g["seq"]
-                if g["peer"] != self.peer and not (self.sample and seq in self.seen):  # (sampled: never a seq twice)
-                    self.seen.append(seq)
+                if g["peer"] != self.peer and not (self.sample and (seq, g["time"]) in self.seen):  # (never twice)
+                    self.seen.append((seq, g["time"]))
                     groups.append((g, len(_dumps(g))))
             except (BadRequest, ValueError) as e:  # (ValueError: a lone surrogate, which UTF-8 cannot carry)
                 bad.append(getattr(e, "message", str(e)))
-        if bad:
+        if bad and bad[0] != self.said:  # (a sampled read may draw the same bad group again: said once)
+            self.said = bad[0]
             self._log(f"dropped {len(bad)} malformed groups from the server (the first: {bad[0][:200]})")
         with self.cond:
             self.inbox.extend(groups)
@@ -1054,14 +1067,15 @@ class SwarmClient(Client):
 
     def _get(self, path, fields):  # GET -> the reply, checked against fields; an error reply is BadRequest
         status, reply = self._request("GET", path)
-        _want(status == 200, f"HTTP {status}: {_said(reply)}")
+        if status != 200:  # a 400: the server lost our seq; a 413 or 422 (a proxy's) keeps our place
+            raise (BadRequest if status == 400 else ConnectionError)(f"HTTP {status}: {_said(reply)}")
         return check(reply, fields, f"the reply to {path.partition('?')[0]}")
 
     def _request(self, method, path, body=None):
         """One HTTP exchange -> (status, its JSON or None): 200, or 400, 413 or 422 (the request's own fault).
         Any other status (a wrong token or URL said naming the likely cause), or no whole reply within
         Limits.request_seconds (a timer shuts the socket, as close() does: requests bounds each read, not a
-        reply), is an OSError. A 200 is BadRequest unless it is JSON within Limits.reply_bytes and reply_values
+        reply), is an OSError. A 200 is BadRequest unless it is JSON within Limits.reply_bytes and json_values
         values: parsing holds the interpreter lock, and with it the training loop."""
         if self.closing:
             raise ConnectionError("the client is closing")
@@ -1087,7 +1101,6 @@ class SwarmClient(Client):
             raise ConnectionError(f"server unreachable (HTTP {r.status_code})")
         try:
             _want(len(reply) <= Limits.reply_bytes, f"a reply of more than {Limits.reply_bytes} bytes")
-            _want(sum(map(reply.count, b"{[,:")) <= Limits.reply_values, f"over {Limits.reply_values} JSON values")
             reply = parse_json(reply, surrogates=True)
         except BadRequest:
             if r.status_code == 200:
@@ -1136,8 +1149,9 @@ def _reason(e):  # the words that matter in requests' long messages ("Connection
     return "".join(found[-1]).strip() if found else type(e).__name__
 
 
-def _said(data):  # the one sentence of an error reply
-    return data.get("error") if isinstance(data, dict) else "(no message)"
+def _said(data):  # the one sentence of an error reply, short, any lone surrogate escaped
+    said = str(data.get("error"))[:200] if isinstance(data, dict) else "(no message)"
+    return said.encode("utf-8", "backslashreplace").decode()
 
 
 # -----------------------------------------------------------------------------
@@ -1195,8 +1209,9 @@ class RedisClient(SwarmClient):
             import redis
         except ImportError:
             raise ValueError("a redis:// swarm needs the redis package: pip install redis") from None
-        self.session, self.redis_error = redis.Redis.from_url(u.geturl(), password=token, decode_responses=True,
-                                                              socket_timeout=Limits.request_seconds), redis.RedisError
+        self.session, self.redis_error = redis.Redis.from_url(  # (bytes not UTF-8: lone surrogates, dropped per group)
+            u.geturl(), password=token, decode_responses=True, encoding_errors="surrogateescape",
+            socket_timeout=Limits.request_seconds), redis.RedisError
 
     def _request(self, method, path, body=b""):
         """The exchange SwarmClient's thread asks for, in Redis commands -> (200, the reply's JSON). Redis

@@ -2726,7 +2726,7 @@ def test_swarm_client_checks_every_group_it_receives(capsys, _sw_clients):
     class Hostile(BaseHTTPRequestHandler):
         def do_GET(self):
             fresh = self.path.startswith("/rollouts?after=0&")
-            body = json.dumps({"groups": groups if fresh else [], "next": 9, "last": 9}).encode()
+            body = json.dumps({"groups": groups if fresh else [], "next": 9, "last": 9, "last_seq": 9}).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -2826,22 +2826,24 @@ def test_swarm_client_speaks_through_requests_and_follows_redirects(_sw_server, 
 def test_swarm_client_takes_no_reply_that_would_hold_the_training_loop(monkeypatch, capsys, _sw_clients, _sw_fake):
     costs = []  # the JSON values in every reply the client parsed
 
-    def parse(raw, **kwargs):
-        costs.append(sum(map(bytes(raw).count, b"{[,:")))
-        return swarm.json.loads(raw)
+    def parse(raw, real=swarm.parse_json, **kwargs):
+        value = real(raw, **kwargs)  # (its count refuses what holds too many values before parsing)
+        costs.append(sum(map(bytes(raw).count, b"{[,")))
+        return value
 
     monkeypatch.setattr(swarm, "parse_json", parse)
     stored = [_sw_stored(seq) for seq in range(1, 6)]
-    bomb = b'{"groups":[' + b",".join([b"{}"] * (swarm.Limits.reply_values + 1000)) + b'],"next":5,"last":5}'
+    bomb = b'{"groups":[' + b",".join([b"{}"] * (swarm.Limits.json_values + 1000)) + b'],"next":5,"last":5}'
     fake = _sw_fake(lambda method, path, body: (200, bomb) if "after=0&" in path else _sw_honest(stored, method, path))
     client = _sw_clients(fake, "victim", cursor=0)
     assert client.flush(20)
     stored.append(_sw_stored(6))
     assert client.flush(20) and [g["seq"] for g in client.fetch()] == [6]  # it read on past what it could not use
-    assert costs and max(costs) <= swarm.Limits.reply_values  # the bomb was never parsed
+    assert costs and max(costs) <= swarm.Limits.json_values  # the bomb was never parsed
     assert swarm.Limits.reply_bytes <= swarm.Limits.body_bytes + (1 << 20)  # the largest page a server sends
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and "cannot use" in err[0] and "JSON values" in err[0] and "answers again" in err[1], err
+    assert len(err) == 2 and "cannot use" in err[0] and f"{swarm.Limits.json_values} values" in err[0], err
+    assert "answers again" in err[1], err
 
 
 @pytest.mark.parametrize("poison", ["cursor", "surrogate"])
@@ -2882,6 +2884,181 @@ def test_swarm_client_drops_a_served_lone_surrogate_alone(capsys, _sw_clients, _
     client = _sw_clients(_sw_fake(lambda method, path, body: _sw_honest(stored, method, path)), "victim", cursor=0)
     assert client.flush(20) and [g["seq"] for g in client.fetch()] == [1, 2, 4, 5] and client.cursor == 5
     assert "dropped 1 malformed groups" in capsys.readouterr().err
+
+
+def test_swarm_client_cursor_never_passes_the_servers_newest_seq(_sw_fake, _sw_clients):
+    """/health says the newest seq is 10 and the first page lies (next = last = 10,000, fewer than a page may
+    step over): the cursor that fetch() exposes, and a checkpoint saves, never passes 10."""
+    pages, checked = [], threading.Event()
+
+    def answer(method, path, body):
+        if path.startswith("/health"):
+            return 200, {"ok": True, "groups": 10, "peers": 1, "last_seq": 10}
+        pages.append(path)
+        if len(pages) == 2:
+            checked.wait(20)  # the client is inside its second read: what it made of the first is settled
+        after = int(re.search(r"after=(\d+)", path).group(1))
+        if after > 10:
+            return 400, {"error": "after is past the newest seq."}
+        lie = 10000 if len(pages) == 1 else 10
+        return 200, {"groups": [_sw_stored(s) for s in range(after + 1, 11)], "next": lie, "last": lie}
+
+    client = _sw_clients(_sw_fake(answer), "me", cursor=0)
+    deadline = time.time() + 20
+    while len(pages) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    client.fetch()
+    checked.set()
+    assert len(pages) >= 2 and client.cursor <= 10
+
+
+@pytest.mark.parametrize("status", [413, 422])
+def test_swarm_client_cursor_keeps_its_place_on_a_get_refused_413_or_422(_sw_fake, _sw_clients, status):
+    pages = []
+
+    def answer(method, path, body):  # one GET answered 413 or 422 (a proxy's), then an honest server
+        if path.startswith("/health"):
+            return 200, {"ok": True, "groups": 10, "peers": 1, "last_seq": 10}
+        pages.append(path)
+        if len(pages) == 1:
+            return status, {"error": "a proxy's refusal"}
+        after = int(re.search(r"after=(\d+)", path).group(1))
+        return 200, {"groups": [_sw_stored(s) for s in range(after + 1, 11)], "next": 10, "last": 10}
+
+    client = _sw_clients(_sw_fake(answer), "me", cursor=0)
+    assert client.flush(20)
+    assert [g["seq"] for g in client.fetch()] == list(range(1, 11))  # fails: [] (skipped to the newest)
+
+
+def test_swarm_redis_entry_not_utf8_costs_only_itself(_sw_redis, _sw_clients):
+    import redis
+    writer = _sw_clients(_sw_redis.url(), "alice", sample=8)
+    writer.publish(0, [_sw_group(0)])
+    assert writer.flush(20)
+    raw = redis.Redis.from_url(_sw_redis.url())  # any writer (a buggy one) stores one group that is not UTF-8
+    raw.eval(swarm.PUBLISH_LUA, 4, *swarm.KEYS, "sapo:reply:mallory:1", "mallory", 1, 1000, 600, 86400,
+             json.dumps(_sw_group(1)).replace("What", "\udcff").encode("utf-8", "surrogateescape"))
+    writer.publish(1, [_sw_group(2)])
+    assert writer.flush(20)
+    reader = _sw_clients(_sw_redis.url("reader"), "bob", cursor=0)
+    assert reader.flush(20)  # fails: UnicodeDecodeError on every read, the cursor never moves
+    assert [g["peer"] for g in reader.fetch()] == ["alice", "alice"]
+
+
+def test_swarm_client_sampled_reads_go_on_after_the_store_starts_over(tmp_path, _sw_clients):
+    server, url = swarm.start_server(str(tmp_path / "a"))
+    port = server.server_address[1]
+    _sw_post(url, "bob", 0, [_sw_group(i) for i in range(8)])
+    client = _sw_clients(url, "me", sample=16)
+    assert client.flush(20) and len(client.fetch()) == 8
+    server.shutdown()  # the store starts over (a wiped folder; a Redis without persistence): seqs 1, 2, ... again
+    server, _ = swarm.start_server(str(tmp_path / "b"), port=port)
+    try:
+        _sw_post(url, "carol", 0, [_sw_group(i) for i in range(8)])
+        got = []
+        for _ in range(3):
+            client.flush(20)
+            got += client.fetch()
+        assert len(got) == 8  # fails: 0, the new groups' seqs are in `seen`
+    finally:
+        server.shutdown()
+
+
+def test_swarm_client_survives_a_lone_surrogate_in_an_error_reply(capsys, _sw_fake, _sw_clients):
+    """capsys's stderr is strict UTF-8, as is any stream a host program wraps: the client's log line about
+    an error reply holding a lone surrogate must not raise there, and its thread must go on asking."""
+    asked = []
+
+    def answer(method, path, body):
+        asked.append(path)
+        return 409, b'{"error":"bad \\ud800 thing"}'
+    client = _sw_clients(_sw_fake(answer), "me", sample=4)
+    deadline = time.time() + 20
+    while len(asked) < 2 and time.time() < deadline:
+        client.flush(0.5)
+    assert len(asked) >= 2 and client.thread.is_alive()
+
+
+def test_swarm_client_logs_a_served_bad_group_once_in_sampled_mode(capsys, _sw_fake, _sw_clients):
+    bad = _sw_stored(99, completions=[])
+    url = _sw_fake(lambda method, path, body: (200, {"groups": [bad, _sw_stored(1)], "last": 99}))
+    client = _sw_clients(url, "me", sample=4)
+    for _ in range(4):
+        assert client.flush(20)
+        client.fetch()
+    assert capsys.readouterr().err.count("malformed") == 1  # fails: once per read
+
+
+def test_swarm_server_a_directory_at_a_batch_name_is_no_500(_sw_server):
+    server, url, folder = _sw_server
+    assert _sw_post(url, "a", 0, [_sw_group(0)]).status_code == 200
+    os.mkdir(os.path.join(folder, "batch-000000000003.json"))  # the next batch of 2 groups is named so
+    statuses = {_sw_post(url, "a", r, [_sw_group(0), _sw_group(1)]).status_code for r in range(1, 4)}
+    assert 500 not in statuses  # fails: a 500 for every batch of 2 groups, for ever
+
+
+def test_swarm_redis_close_ends_the_exchange_at_once(_sw_clients):
+    import socket
+    silent, held = socket.create_server(("127.0.0.1", 0)), []  # a Redis that never answers
+    threading.Thread(target=lambda: [held.append(silent.accept()[0]) for _ in range(100)], daemon=True).start()
+    client = swarm.connect(f"redis://u:p@127.0.0.1:{silent.getsockname()[1]}/0", "me", sample=4)
+    deadline = time.time() + 20
+    while not held and time.time() < deadline:  # a sampled read is now waiting for the silent server
+        client.flush(0.2)
+    client.close()
+    assert not client.thread.is_alive()  # fails: close() waited 5 s and the exchange went on (10 s)
+
+
+@pytest.mark.parametrize("mode", [{"cursor": 0}, {"sample": 16}])
+def test_swarm_one_stored_group_full_of_commas_does_not_blind_the_readers(_sw_server, _sw_clients, mode):
+    server, url, folder = _sw_server  # (commas inside strings: degenerate output, or a hostile peer's)
+    _sw_post(url, "bob", 0, [_sw_group(i) for i in range(4)])
+    assert _sw_post(url, "carol", 0, [_sw_group(9, n=20, completions=["," * 32_000] * 20)]).status_code == 200
+    _sw_post(url, "bob", 1, [_sw_group(i) for i in range(4)])
+    client, got = _sw_clients(url, "me", **mode), []
+    for _ in range(3):
+        client.flush(10)
+        got += client.fetch()
+    assert sorted(g["seq"] for g in got) == list(range(1, 10))  # fails: [] (every reply holding seq 5 is refused)
+
+
+@pytest.mark.parametrize("mode", [{"cursor": 0}, {"sample": 16}])
+def test_swarm_no_stored_group_holds_more_values_than_a_client_reads(_sw_server, _sw_clients, mode):
+    server, url, folder = _sw_server
+    n = 40  # 40 completions of 8192 token ids and as many log-probs: 655,360 values, well-formed
+    heavy = _sw_group(9, n=n, token_ids=[[0] * 8192] * n, logprobs=[[0] * 8192] * n, tokenizer="tok")
+    bob = [_sw_post(url, "bob", 0, [_sw_group(i) for i in range(4)]).json()["seq"]]
+    _sw_post(url, "mallory", 0, [heavy])  # refused (413), or stored and then readable: either will do
+    bob.append(_sw_post(url, "bob", 1, [_sw_group(i) for i in range(4)]).json()["seq"])
+    client, got = _sw_clients(url, "me", **mode), []
+    for _ in range(3):
+        client.flush(10)
+        got += client.fetch()
+    # fails: the server stores it (200) and no client can read a reply holding it: cursor readers skip bob's
+    # second batch, sampled readers receive nothing while mallory's batch is in the window (600 s)
+    assert sorted(g["seq"] for g in got if g["peer"] == "bob") == [*range(bob[0] - 3, bob[0] + 1),
+                                                                   *range(bob[1] - 3, bob[1] + 1)]
+
+
+def test_swarm_retention_that_fails_on_a_full_disk_deletes_its_files_later(tmp_path):
+    import errno
+    server, url = swarm.start_server(str(tmp_path / "s"), keep_bytes=60_000)
+    real, failed = server.store._write_atomic, []
+
+    def full_once(name, data):  # the disk is full just when retention writes pruned.json, once
+        if name.startswith("pruned") and not failed:
+            failed.append(name)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(name, data)
+
+    server.store._write_atomic = full_once
+    try:
+        statuses = [_sw_post(url, "a", r, [_sw_group(r, question="q" * 2000)] * 3).status_code for r in range(40)]
+        assert failed and 507 in statuses  # (the batch was stored all the same: its retry gets its seq)
+        files = {f for f in os.listdir(tmp_path / "s") if f.startswith("batch")}
+        assert files == {b[0] for b in server.store.batches}  # fails: 2 files on disk that nothing will delete
+    finally:
+        server.shutdown()
 
 
 @pytest.mark.parametrize("status, says", [(401, "token"), (403, "token"), (404, "proxy"), (200, "acknowledge")])

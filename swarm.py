@@ -565,10 +565,15 @@ class RolloutStore(Store):
             row = {"n": self.metrics[-1][0] + 1 if self.metrics else 1, "peer": peer, "round": round_,
                    "time": _now(), "metrics": metrics}
             line, self.metrics_cut = b"\n" * self.metrics_cut + _dumps(row) + b"\n", True  # never onto a cut line
-            with self._open("metrics.jsonl", "ab") as f:  # best effort: no fsync
-                f.write(line)
-                size = f.tell()
-            self.metrics_cut = False  # (written whole)
+            try:
+                with self._open("metrics.jsonl", "ab") as f:  # best effort: no fsync
+                    f.write(line)
+                    size = f.tell()
+            except OSError as e:  # a link, FIFO or folder in the way: the rewrite below replaces it
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                size = math.inf
+            self.metrics_cut = False  # (written whole, or rewritten whole below)
             with self.lock:
                 self._keep_metrics(row)
             if size > 2 * Limits.metrics_bytes:  # keep the file bounded too: rewrite it with the rows kept

@@ -3040,6 +3040,25 @@ def test_swarm_no_stored_group_holds_more_values_than_a_client_reads(_sw_server,
                                                                    *range(bob[1] - 3, bob[1] + 1)]
 
 
+@pytest.mark.parametrize("in_the_way", ["folder", "link", "fifo"])
+def test_swarm_something_in_the_way_of_metrics_jsonl_is_replaced(in_the_way, _sw_server, tmp_path):
+    """A folder, a link or a FIFO where metrics.jsonl goes: the row is kept and the file written anew
+    (never through the link), not a 500 on every POST /metrics."""
+    server, url, folder = _sw_server
+    path, target = os.path.join(folder, "metrics.jsonl"), tmp_path / "elsewhere"
+    target.write_text("untouched")
+    if os.path.exists(path):
+        os.remove(path)
+    {"folder": os.mkdir, "link": lambda p: os.symlink(target, p), "fifo": os.mkfifo}[in_the_way](path)
+    for r in range(2):
+        reply = requests.post(url + "/metrics", json={"peer": "a", "round": r, "metrics": {"x": r}}, timeout=10)
+        assert reply.status_code == 200, reply.text
+    assert [m["round"] for m in requests.get(url + "/metrics", timeout=10).json()["metrics"]] == [0, 1]
+    with open(path) as f:  # a regular file now, holding both rows
+        assert [json.loads(line)["round"] for line in f] == [0, 1]
+    assert target.read_text() == "untouched"
+
+
 def test_swarm_retention_that_fails_on_a_full_disk_deletes_its_files_later(tmp_path):
     import errno
     server, url = swarm.start_server(str(tmp_path / "s"), keep_bytes=60_000)

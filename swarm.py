@@ -1094,13 +1094,13 @@ class SwarmClient(Client):
                     reply += chunk
                     if len(reply) > Limits.reply_bytes:
                         break
-        except OSError as e:  # (requests' errors are OSErrors too)
+        except (OSError, ValueError) as e:  # (requests' errors are OSErrors too; a bad redirect's, ValueErrors)
             reply = e
         finally:
             timer.cancel()
             for sock in self.sockets:  # the duplicates _Adapter made
                 sock.close()
-        if (late := time.monotonic() > deadline) or self.closing or isinstance(reply, OSError):  # (cut by the timer?)
+        if (late := time.monotonic() > deadline) or self.closing or isinstance(reply, Exception):  # (cut by the timer?)
             raise ConnectionError(f"server unreachable ({_reason(None if late else reply)})")
         if (r.status_code != 200 and not 400 <= r.status_code < 500) or r.status_code in (408, 429):
             raise ConnectionError(f"server unreachable (HTTP {r.status_code})")
@@ -1150,7 +1150,7 @@ _REFUSED[404] = "is that the swarm server's URL, or does a proxy send it elsewhe
 
 def _reason(e):  # the words that matter in requests' long messages ("Connection refused"); no error: too late
     found = re.findall(r"\[Errno -?\d+\] ([^'\"()\[\]]+)|(Read timed out|Connection aborted)", str(e)) if \
-        isinstance(e, OSError) else [("no whole reply in time", "")]
+        e is not None else [("no whole reply in time", "")]
     return "".join(found[-1]).strip() if found else type(e).__name__
 
 

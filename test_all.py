@@ -3080,6 +3080,16 @@ def test_swarm_retention_that_fails_on_a_full_disk_deletes_its_files_later(tmp_p
         server.shutdown()
 
 
+def test_swarm_client_a_redirect_to_a_malformed_url_is_the_servers_trouble(capsys, _sw_clients, _sw_fake):
+    """A 307 to a URL that cannot be parsed: "server unreachable", said once, and the batch waits."""
+    client = _sw_clients(_sw_fake(lambda method, path, body: (307, b"", {"Location": "http://[::1"})), "me")
+    client.publish(0, [_sw_group(0)])
+    deadline = time.time() + 20
+    while "unreachable" not in (err := capsys.readouterr().err) and time.time() < deadline:
+        client.flush(0.2)
+    assert "server unreachable (" in err and "unexpected" not in err and len(client.outbox) == 1
+
+
 @pytest.mark.parametrize("status, says", [(401, "token"), (403, "token"), (404, "proxy"), (200, "acknowledge")])
 def test_swarm_client_keeps_a_batch_the_server_did_not_acknowledge(status, says, capsys, _sw_clients, _sw_fake):
     posts, honest = [], threading.Event()

@@ -303,7 +303,11 @@ class BadRequest(Exception):
     """What the other side got wrong, in one sentence, with the HTTP status that says so."""
     def __init__(self, message, status=400, headers=None):
         super().__init__(message)
-        self.message, self.reply = message, (status, JSON, _dumps({"error": message}), headers or {})  # as served
+        self.message, self.status, self.headers = message, status, headers or {}
+
+    @property
+    def reply(self):  # as the server sends it (made on use: a client's BadRequest may quote any text)
+        return self.status, JSON, _dumps({"error": self.message}), self.headers
 
 
 def _want(ok, message, status=400, headers=None):
@@ -1154,9 +1158,8 @@ def _reason(e):  # the words that matter in requests' long messages ("Connection
     return "".join(found[-1]).strip() if found else type(e).__name__
 
 
-def _said(data):  # the one sentence of an error reply, short, any lone surrogate escaped
-    said = str(data.get("error"))[:200] if isinstance(data, dict) else "(no message)"
-    return said.encode("utf-8", "backslashreplace").decode()
+def _said(data):  # the one sentence of an error reply, cut short (_log escapes any lone surrogate)
+    return str(data.get("error"))[:200] if isinstance(data, dict) else "(no message)"
 
 
 # -----------------------------------------------------------------------------

@@ -2979,6 +2979,20 @@ def test_swarm_client_survives_a_lone_surrogate_in_an_error_reply(capsys, _sw_fa
     assert len(asked) >= 2 and client.thread.is_alive()
 
 
+def test_swarm_client_reads_on_after_a_400_quoting_a_lone_surrogate(capsys, _sw_fake, _sw_clients):
+    """A 400 to the cursor ("the server lost our seq") whose message holds a lone surrogate is still a
+    400 to the client: it reads on from the server's newest group, and says so in a line it can print."""
+    stored = [_sw_stored(seq) for seq in range(1, 6)]
+
+    def answer(method, path, body):
+        if path.startswith("/rollouts?after=0&"):
+            return 400, b'{"error":"no seq 0 \\ud800 here"}'
+        return _sw_honest(stored, method, path)
+    client = _sw_clients(_sw_fake(answer), "me", cursor=0)
+    assert client.flush(20) and client.fetch() == [] and client.cursor == 5
+    assert "reading on from the server's newest group (5)" in capsys.readouterr().err
+
+
 def test_swarm_client_logs_a_served_bad_group_once_in_sampled_mode(capsys, _sw_fake, _sw_clients):
     bad = _sw_stored(99, completions=[])
     url = _sw_fake(lambda method, path, body: (200, {"groups": [bad, _sw_stored(1)], "last": 99}))

@@ -1235,13 +1235,14 @@ class RedisClient(SwarmClient):
                 return 200, json.loads(self.session.eval(PUBLISH_LUA, 4, *keys, b["peer"], b["round"],
                                                          Limits.stream_groups, Limits.window_seconds, 86400,
                                                          *map(_dumps, b["groups"])))
-            last = int(self.session.get(KEYS[0]) or 0)
             if "sample" in q:
                 found = self.session.eval_ro(SAMPLE_LUA, 2, *KEYS[1:], q["sample"], q.get("exclude", ""),
                                              q.get("seed", "0"), Limits.page_bytes)
+            else:  # ?after=SEQ: the page after it (/health asks for none)
+                found = self.session.xrange(KEYS[1], f"{int(q['after']) + 1}-0", count=256) if "after" in q else []
+            last = int(self.session.get(KEYS[0]) or 0)  # after the read, so no group found is newer than it
+            if "sample" in q:
                 return 200, {"groups": [_stored(*e) for e in found], "last": last}
-            found = self.session.xrange(KEYS[1], f"{int(q.get('after', last)) + 1}-0", count=256)
-            last = int(self.session.get(KEYS[0]) or 0)  # again: a batch stored since may be in found
             return 200, {"groups": [_stored(*e) for e in found if e[1].get("peer") != q.get("exclude")], "last": last,
                          "next": int(found[-1][0][:-2]) if found else int(q.get("after", last)), "last_seq": last}
         except self.redis_error as e:

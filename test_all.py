@@ -3171,19 +3171,27 @@ def test_swarm_stores_two_peers_share_and_a_retry_is_stored_once(_sw_store, _sw_
 
 
 def test_redis_a_cursor_read_that_races_a_publish_loses_no_group(_sw_redis, _sw_clients):
-    """A batch stored between a read's look at the seq counter and its read of the stream is in the page:
-    the page's last seq must count it too, or the client takes the page for a poisoned one and skips it."""
+    """A batch stored between a read's two looks at Redis, the seq counter and the stream (in either
+    order), must not make the page look poisoned: the client must not skip it."""
     alice, bob = _sw_clients(_sw_redis.url(), "alice", cursor=0), _sw_clients(_sw_redis.url(), "bob")
-    get, raced = alice.session.get, []
+    raced, fresh, request = [], [], alice._request
 
-    def get_then_publish(key):  # the counter is read, then bob's batch lands, then the stream is read
-        value = get(key)
-        if not raced:
-            raced.append(_sw_publish(bob, 0, [_sw_group(1)]))
-        return value
-    alice.session.get = get_then_publish
-    assert alice.flush(10) and raced == [{"accepted": 1, "seq": 1}]
-    assert [g["seq"] for g in alice.fetch()] == [1]
+    def then_publish(read):  # a read's first look is done, then bob's batch lands, then its second look
+        def wrapped(*args, **kwargs):
+            value = read(*args, **kwargs)
+            if fresh and not raced:
+                fresh.clear()
+                raced.append(_sw_publish(bob, 0, [_sw_group(1)]))
+            return value
+        return wrapped
+
+    def fresh_request(*args, **kwargs):  # (a read already under way when the test begins is left alone)
+        fresh[:] = [True]
+        return request(*args, **kwargs)
+    alice.session.get, alice.session.xrange = then_publish(alice.session.get), then_publish(alice.session.xrange)
+    alice._request = fresh_request
+    assert alice.flush(10) and raced == [{"accepted": 1, "seq": 1}]  # (the batch landed during that read:)
+    assert alice.flush(10) and [g["seq"] for g in alice.fetch()] == [1]  # a read begun after it has it
 
 
 def test_swarm_stores_kill9_loses_no_acknowledged_batch(_sw_store, _sw_clients):

@@ -2512,28 +2512,38 @@ def test_swarm_slow_connections_get_a_deadline_and_honest_ones_get_through(_sw_s
     assert closed == 62  # each got a JSON 408 once its deadline passed, not a 60 s wait per read
 
 
+def _sw_spawn_with_128_descriptors(tmp_path):
+    """python swarm.py under a descriptor limit of 128 -> (process, url)."""
+    import resource
+    return _sw_spawn(str(tmp_path / "s"), str(tmp_path / "log"),
+                     preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128)))
+
+
+def _sw_honest_requests(url, proc, most_descriptors=None):
+    """Six GET /health and six POST /rollouts, one after another -> how many got a 200. With
+    most_descriptors, the server must hold no more than that after each pair."""
+    ok = 0
+    for k in range(6):
+        try:
+            ok += requests.get(url + "/health", timeout=5).status_code == 200
+            ok += _sw_post(url, "honest", k, [_sw_group(k)]).status_code == 200
+        except requests.RequestException:
+            pass
+        if most_descriptors is not None:
+            assert len(os.listdir(f"/proc/{proc.pid}/fd")) <= most_descriptors
+    return ok
+
+
 def test_swarm_connection_cap_under_a_low_descriptor_limit(tmp_path):
     """With 128 descriptors, 150 idle connections must not lock honest clients out (no busy accept
     loop either: the longest-waiting connection is closed to make room)."""
-    import resource
     import socket
-
-    def low_limit():
-        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
-
-    proc, url = _sw_spawn(str(tmp_path / "s"), str(tmp_path / "log"), preexec_fn=low_limit)
+    proc, url = _sw_spawn_with_128_descriptors(tmp_path)
     u, idle = urlsplit(url), []
     try:
         for _ in range(150):
             idle.append(socket.create_connection((u.hostname, u.port), timeout=5))
-        ok = 0
-        for k in range(6):
-            try:
-                ok += requests.get(url + "/health", timeout=5).status_code == 200
-                ok += _sw_post(url, "honest", k, [_sw_group(k)]).status_code == 200
-            except requests.RequestException:
-                pass
-        assert ok == 12 and proc.poll() is None
+        assert _sw_honest_requests(url, proc) == 12 and proc.poll() is None
     finally:
         for s in idle:
             s.close()
@@ -2544,26 +2554,14 @@ def test_swarm_busy_connections_at_the_cap_never_lock_honest_ones_out(tmp_path):
     """With 128 descriptors (a cap of 64 connections), 200 connections opened in a burst that each send
     one byte of a request line and stop must not lock honest clients out (they prove nothing, so they
     go first), and the server never overshoots its cap: an honest POST can still open its batch file."""
-    import resource
     import socket
-
-    def low_limit():
-        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
-
-    proc, url = _sw_spawn(str(tmp_path / "s"), str(tmp_path / "log"), preexec_fn=low_limit)
-    u, busy, ok = urlsplit(url), [], 0
+    proc, url = _sw_spawn_with_128_descriptors(tmp_path)
+    u, busy = urlsplit(url), []
     try:
         for _ in range(200):
             busy.append(socket.create_connection((u.hostname, u.port), timeout=5))
             busy[-1].sendall(b"G")
-        for k in range(6):
-            try:
-                ok += requests.get(url + "/health", timeout=5).status_code == 200
-                ok += _sw_post(url, "honest", k, [_sw_group(k)]).status_code == 200
-            except requests.RequestException:
-                pass
-            assert len(os.listdir(f"/proc/{proc.pid}/fd")) <= 128 - 32
-        assert ok == 12 and proc.poll() is None
+        assert _sw_honest_requests(url, proc, most_descriptors=128 - 32) == 12 and proc.poll() is None
     finally:
         for s in busy:
             s.close()

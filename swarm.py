@@ -216,6 +216,8 @@ class Client:
             body = _dumps(sent)
         except (TypeError, ValueError, OverflowError, AttributeError) as e:
             return self._log(f"{what} cannot be sent ({e})")
+        if len(body) > Limits.body_bytes:  # a server would refuse it (413): never held, even while it is down
+            return self._log(f"{what} is {len(body)} bytes, over a request's {Limits.body_bytes}, so it is dropped")
         ack = {"accepted": len(sent["groups"])} if "groups" in sent else {"ok": True}  # what a reply must say
         with self.cond:
             self.outbox.append((path, body, what, ack))
@@ -238,7 +240,7 @@ class Client:
                     self._sleep(Limits.poll_seconds)
                 if self.down:
                     lost = f"; {self.dropped} older entries did not fit the outbox" if self.dropped else ""
-                    self._log(f"the server answers again, sending what waited{lost}")
+                    self._log(f"the server answers again{', sending what waited' * (entry is not None)}{lost}")
                     self.down, self.dropped = None, 0
                 backoff = 0.0
             except Exception as e:  # said once, however long it lasts; a bug must not end the thread either
@@ -599,11 +601,11 @@ class RolloutStore(Store):
         with self.lock:
             return (*_page(self.metrics, after, None, None), self.metrics[-1][0] if self.metrics else 0)
 
-    def snapshot(self):
+    def snapshot(self, metrics=False):  # (/health, which cursor readers ask often, walks no metrics rows)
         with self.lock:
             return {"groups": len(self.index), "first_seq": self.index[0][0] if self.index else 0,
                     "last_seq": self.last_seq, "peers": {p: dict(v) for p, v in self.peers.items()},
-                    "metrics": [m[3] for m in self.metrics]}
+                    "metrics": [m[3] for m in self.metrics] if metrics else []}
 
     def _open(self, name, mode="rb"):
         """A regular file of the locked folder (never through a link, never a FIFO). Writing, a 503 if the folder's
@@ -713,7 +715,8 @@ class SwarmServer:
                       for method in ("GET", "POST")}
         self.large = threading.Lock()        # held while a large body is answered: see Limits.body_bytes
         self.loop = asyncio.new_event_loop()
-        self.loop.set_exception_handler(lambda loop, context: _log(
+        self.loop.set_exception_handler(lambda loop, context: None if isinstance(  # (Python 3.11 at shutdown: a
+            context.get("exception"), asyncio.InvalidStateError) else _log(  # connection met a cancelled accept)
             f"{context['message']} {context.get('exception')!r:.200}"))
         self.accepting = self.loop.create_task(self._accept())
         self.thread = threading.Thread(target=self.loop.run_forever, name="swarm-server", daemon=True)
@@ -889,7 +892,7 @@ class SwarmServer:
             texts, next_seq, last_seq = self.store.read(_int_param(q, "after", 0, 0, 10**15), exclude,
                                                         _int_param(q, "limit", 256, 1, Limits.page_groups))
             return b'{"groups":[' + b",".join(texts) + b'],"next":%d,"last":%d}' % (next_seq, last_seq)
-        snap = self.store.snapshot()
+        snap = self.store.snapshot(metrics=path == "/")
         if path == "/health":
             return _dumps({"ok": True, "groups": snap["groups"], "peers": len(snap["peers"]),
                            "last_seq": snap["last_seq"]})

@@ -2473,6 +2473,42 @@ def test_swarm_hangups_are_not_logged(_sw_server, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_swarm_shutdown_race_is_not_logged_but_other_loop_errors_are(_sw_server, capsys):
+    """Python 3.11's sock_accept sets the result of an accept that shutdown() has just cancelled when a
+    connection arrives at that moment: an InvalidStateError in a loop callback, harmless, not logged.
+    Any other error in a loop callback still is."""
+    server, url, _ = _sw_server
+
+    def race(error):
+        future = server.loop.create_future()
+        future.cancel()
+        if error:
+            raise ValueError("a real bug")
+        future.set_result(None)  # raises InvalidStateError, as the race does
+    for error in (False, True):
+        server.loop.call_soon_threadsafe(race, error)
+    assert requests.get(url + "/health", timeout=5).status_code == 200  # (after both callbacks ran)
+    err = capsys.readouterr().err
+    assert "InvalidStateError" not in err and "a real bug" in err, err
+
+
+def test_swarm_health_walks_no_metrics_rows(_sw_server):
+    """/health, which cursor readers ask on every poll that finds groups, costs the same with 8 MB of
+    dashboard metrics kept as with none: it never walks their rows (the dashboard does)."""
+    server, url, _ = _sw_server
+    for r in range(3):
+        assert _sw_raw(url, "POST", "/metrics", json.dumps({"peer": "a", "round": r, "metrics": {"x": 1}}).encode(),
+                       {"Content-Type": "application/json"})[0] == 200
+
+    class Unwalkable(list):
+        def __iter__(self):
+            raise RuntimeError("walked the metrics rows")
+    server.store.metrics = Unwalkable(server.store.metrics)
+    health = requests.get(url + "/health", timeout=5)
+    assert health.status_code == 200 and health.json()["last_seq"] == 0
+    assert requests.get(url + "/", timeout=5).status_code == 500  # the dashboard does walk them (logged)
+
+
 def test_swarm_slow_connections_get_a_deadline_and_honest_ones_get_through(_sw_server, monkeypatch):
     import socket
     monkeypatch.setattr(swarm.Limits, "request_seconds", 1.0)
@@ -2705,6 +2741,38 @@ def test_swarm_client_queues_are_bounded_in_bytes(tmp_path, monkeypatch, _sw_cli
         assert bob.flush(20) and bob.inbox_bytes <= 20_000
         got = [g["round"] for g in bob.fetch()]
         assert got == rounds[-len(got):] and len(got) < len(rounds)  # the newest that fit
+    finally:
+        server.shutdown()
+
+
+def test_swarm_client_drops_at_once_a_batch_no_server_would_take(monkeypatch, capsys, _sw_clients):
+    """A batch over a request's byte limit is dropped when it is published, in one line: a server would
+    refuse it (413), and kept while the server is down it would hold the outbox past its bound."""
+    monkeypatch.setattr(swarm.Limits, "body_bytes", 5_000)
+    alice = _sw_clients(f"http://127.0.0.1:{_free_port()}", "alice")  # nobody listens there
+    alice.publish(0, [_sw_group(0, completions=["x" * 3000] * 2)])
+    alice.publish(1, [_sw_group(1)])
+    assert [what for _, _, what, _ in alice.outbox] == ["round 1's batch"]
+    assert "swarm client alice: round 0's batch is " in capsys.readouterr().err
+
+
+def test_swarm_client_back_online_says_whether_anything_waited(tmp_path, capsys, _sw_clients):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    reader, writer = _sw_clients(url, "reader", cursor=0), _sw_clients(url, "writer")
+    writer.publish(0, [_sw_group(0)])
+    deadline = time.time() + 10
+    while not (reader.down and writer.down) and time.time() < deadline:  # both found the server gone
+        time.sleep(0.05)
+    server, _ = swarm.start_server(str(tmp_path / "s"), port=port)
+    try:
+        assert reader.flush(20) and writer.flush(20)
+        err, deadline = "", time.time() + 10
+        while err.count("answers again") < 2 and time.time() < deadline:  # (said just after the exchange)
+            err += capsys.readouterr().err
+            time.sleep(0.05)
+        assert "swarm client reader: the server answers again\n" in err, err
+        assert "swarm client writer: the server answers again, sending what waited\n" in err, err
     finally:
         server.shutdown()
 

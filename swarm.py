@@ -687,6 +687,11 @@ async def _drop_input(reader, most=1 << 20):  # what a refused client still send
         most -= len(chunk)
 
 
+def _loop_error(loop, context):  # (Python 3.11 raises InvalidStateError when a connection meets an accept
+    if not isinstance(context.get("exception"), asyncio.InvalidStateError):  # cancelled at shutdown: harmless)
+        _log(f"{context['message']} {context.get('exception')!r:.200}")
+
+
 def _int_param(query, name, default, lowest, highest):
     value = query.get(name, [str(default)])[-1]
     _want(re.fullmatch(r"[0-9]{1,19}", value) and lowest <= int(value) <= highest,
@@ -715,9 +720,7 @@ class SwarmServer:
                       for method in ("GET", "POST")}
         self.large = threading.Lock()        # held while a large body is answered: see Limits.body_bytes
         self.loop = asyncio.new_event_loop()
-        self.loop.set_exception_handler(lambda loop, context: None if isinstance(  # (Python 3.11 at shutdown: a
-            context.get("exception"), asyncio.InvalidStateError) else _log(  # connection met a cancelled accept)
-            f"{context['message']} {context.get('exception')!r:.200}"))
+        self.loop.set_exception_handler(_loop_error)
         self.accepting = self.loop.create_task(self._accept())
         self.thread = threading.Thread(target=self.loop.run_forever, name="swarm-server", daemon=True)
         self.thread.start()

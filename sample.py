@@ -28,13 +28,14 @@ first row of its group (the strided view cache[:, :, ::G]), then copies its L sl
        row 3  prompt 1, sample 1    <- copy of row 2, slots 0..L-1
 
 The decode step reads the filled slots 0..t; on CUDA the same step with fixed shapes replays as a
-CUDA graph (GraphedDecode, below the marker line).
+CUDA graph (GraphedDecode, below the marker line; the eager step where it cannot be captured).
 
 The SAPO paper (arXiv 2509.08721) samples with Hugging Face transformers' generate(); this is a
 hand-written replacement with the same semantics (the tests compare greedy outputs token for token).
 """
 
 import random
+import sys
 
 import torch
 
@@ -122,7 +123,7 @@ def generate(model: Transformer, prompts, num_samples=1, max_new_tokens=256, tem
 
     def eager_step(tokens, t):  # read only the filled slots 0..t
         return decode_step(model, cache, tokens, torch.tensor(t, device=w.device), pads, t + 1)
-    step = GraphedDecode(model, cache, pads) if cuda_graph and w.device.type == "cuda" else eager_step
+    step = graphed_or_eager(model, cache, pads, eager_step) if cuda_graph and w.device.type == "cuda" else eager_step
     out = torch.zeros(B, max_new_tokens, dtype=torch.long, device=w.device)
     out_lp = torch.zeros(B, max_new_tokens, device=w.device)
     done = torch.zeros(B, dtype=torch.bool, device=w.device)
@@ -145,6 +146,17 @@ def generate(model: Transformer, prompts, num_samples=1, max_new_tokens=256, tem
 
 # ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
 # The decode step captured in a CUDA graph (a speed-up on a GPU; the eager step above is the reference).
+
+
+def graphed_or_eager(model, cache, pads, eager_step):
+    """GraphedDecode, or eager_step with one log line where capturing fails (an old driver, a memory
+    limit, an op that cannot be captured): a slower run, never a failed one."""
+    try:
+        return GraphedDecode(model, cache, pads)
+    except Exception as e:
+        why = f"{type(e).__name__}: " + (str(e).splitlines() or [""])[0][:200]  # one line, whatever it says
+        print(f"sample.py: the decode step runs eagerly: capturing it as a CUDA graph failed ({why})", file=sys.stderr)
+        return eager_step
 
 
 class GraphedDecode:

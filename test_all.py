@@ -14,6 +14,7 @@ Contents, in the README's reading order (search for "# <file>" to jump to a sect
   reproduce.py    a small swarm-against-silo run: its outputs, paired seeds, flags
 """
 
+import contextlib
 import http.client
 import json
 import math
@@ -798,6 +799,26 @@ def test_model_real_smollm2_from_pypi_matches_transformers():
     assert ours.stop_ids == [2]  # <|im_end|>
 
 
+def _fake_gpu(monkeypatch, native_bf16):
+    """torch.cuda answering as a GPU of compute capability 8.0+ (native_bf16) or an older one (a T4, a V100:
+    bfloat16 only emulated) would: is_bf16_supported is True with emulation, native_bf16 without it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation or native_bf16)
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_model_dtypes_are_ones_the_gpu_computes_natively(monkeypatch, native_bf16):
+    """Sampling in bfloat16 and autocast to it only where the GPU has it natively; on an older GPU a float16
+    sampling copy and float32 training (no autocast: float16 would need a gradient scaler); off CUDA
+    (a CPU, mps) float32 throughout."""
+    _fake_gpu(monkeypatch, native_bf16)
+    assert M.default_dtype("cuda") == (torch.bfloat16 if native_bf16 else torch.float16)
+    assert M.autocast_dtype(torch.device("cuda:1")) == (torch.bfloat16 if native_bf16 else None)
+    for device in ("cpu", torch.device("mps")):
+        assert (M.default_dtype(device), M.autocast_dtype(device)) == (torch.float32, None)
+
+
 # ===================================================================================================
 # sample.py
 # ===================================================================================================
@@ -901,6 +922,18 @@ def test_sample_top_p_and_top_k_log_probs_are_of_the_renormalised_distribution()
             tok, lp = sample.sample_token(logits, temperature, top_k, top_p, g, logprob=True)
             assert bool(kept.gather(1, tok[:, None]).all())
             assert torch.allclose(lp, want.gather(1, tok[:, None]).squeeze(1), atol=1e-5), (top_k, top_p)
+
+
+def test_sample_a_cuda_graph_that_cannot_be_captured_falls_back_to_the_eager_step(monkeypatch, capsys):
+    """Capturing the decode step can fail (an old driver, a memory limit, an op that cannot be captured):
+    generate then decodes with the eager step, after one log line, instead of failing."""
+    def cannot_capture(model, cache, pads):
+        raise RuntimeError("operation not permitted when stream is capturing\nCUDA kernel errors might be...")
+    monkeypatch.setattr(sample, "GraphedDecode", cannot_capture)
+    eager_step = lambda tokens, t: None  # noqa: E731
+    assert sample.graphed_or_eager(None, None, None, eager_step) is eager_step
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "RuntimeError: operation not permitted when stream is capturing" in err
 
 
 def test_sample_stop_token_ends_its_row_and_is_kept():

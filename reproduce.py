@@ -284,7 +284,7 @@ def pretrain_toy(model, tok, task_name, guess, known=0.0, steps=1000, batch=16, 
             item = task.generate(rng)
             answer = task.generate(rng)["answer"] if rng.random() < guess else belief(task, item, known)
             completion = tok(f"<answer> {answer} </answer>", add_special_tokens=False)["input_ids"]
-            rows.append((train.prompt_ids(tok, item, False), completion + [tok.eos_token_id]))
+            rows.append((reward.prompt_ids(tok, item, False), completion + [tok.eos_token_id]))
         ids, pos, mask = grpo.pad_rows(rows, tok.pad_token_id, [tok.eos_token_id])
         loss = -(grpo.completion_logprobs(model, ids, pos, 1.0) * mask).sum() / mask.sum()
         opt.zero_grad(set_to_none=True)
@@ -313,7 +313,7 @@ def initial_success(folder, task_name, one_shot=False, questions=256, G=8, max_n
     model, tok = M.load_model(folder, "cpu", torch.float32, log=lambda *a: None)
     rng = random.Random(seed)
     items = [reward.get_task(task_name).generate(rng) for _ in range(questions)]
-    outs = sample.generate(model, [train.prompt_ids(tok, it, one_shot) for it in items], num_samples=G,
+    outs = sample.generate(model, [reward.prompt_ids(tok, it, one_shot) for it in items], num_samples=G,
                            max_new_tokens=max_new_tokens, eos_token_ids=model.stop_ids or [tok.eos_token_id],
                            seed=seed)
     rewards = [reward.score(items[i // G], tok.decode(o, skip_special_tokens=True)) for i, o in enumerate(outs)]

@@ -1,7 +1,7 @@
 """
 The verifiable tasks of nanoSAPO: a question generator and a scorer per task family, the system
-prompts, answer extraction from the last <answer>...</answer> span, and `verify_item`, which lets a
-peer trust a question that another peer shared.
+prompts and the chat prompt (prompt_ids), answer extraction from the last <answer>...</answer> span,
+and `verify_item`, which lets a peer trust a question that another peer shared.
 
 SAPO (arXiv 2509.08721, §4.1) trains on nine ReasoningGym families (base_conversion, basic_arithmetic,
 arc_1d, bf, propositional_logic, fraction_simplification, decimal_arithmetic, calendar_arithmetic,
@@ -63,7 +63,7 @@ EASY_TASKS = ["one_digit_addition", "one_digit_multiplication", "two_digit_addit
 TASKS = {}  # name -> Task, filled as each family below is defined
 
 # -----------------------------------------------------------------------------
-# the contract: extract_answer, Task, score, verify_item, solution, get_task, task_names
+# the contract: extract_answer, Task, score, verify_item, solution, prompt_ids, get_task, task_names
 
 
 def extract_answer(text):
@@ -207,6 +207,26 @@ def solution(item):
     """A short worked solution: the family's line of working, then <answer>...</answer>."""
     work = get_task(item["task"]).working(item)
     return (work + "\n" if work else "") + f"<answer>{item['answer']}</answer>"
+
+
+def example_turns(task_name):
+    """A fixed worked example of the family (its solution), as a user turn and an assistant turn."""
+    item = get_task(task_name).generate(random.Random(f"one-shot example of {task_name}"))
+    return [{"role": "user", "content": item["question"]}, {"role": "assistant", "content": solution(item)}]
+
+
+def prompt_ids(tokenizer, item, one_shot, system="default"):
+    """Token ids of the chat prompt a peer samples and trains with: the system prompt, [a worked example],
+    the question, the assistant's turn (the tokenizer's chat template)."""
+    messages = [{"role": "system", "content": SYSTEM_PROMPTS[system]}]
+    if one_shot:
+        try:
+            messages += example_turns(item["task"])
+        except Exception:  # a family this peer cannot generate (e.g. rg: without reasoning_gym)
+            pass
+    messages.append({"role": "user", "content": item["question"]})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def get_task(name):

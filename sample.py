@@ -194,8 +194,7 @@ class GraphedDecode:
 
 def main(argv=None):
     import argparse
-    import reward
-    import train  # the prompt a peer trains with (imported here, as train imports this file)
+    import reward  # the tasks and the prompt a peer trains with
     p = argparse.ArgumentParser(description="Four completions of a question, rewarded if it is a --task item.")
     p.add_argument("model", help="a model folder, a checkpoint folder (RUN/PEER/checkpoint-N) or a Hub id")
     p.add_argument("question", nargs="?", help="the question (default: an item that --task makes)")
@@ -210,7 +209,7 @@ def main(argv=None):
         model, tok = load_model(a.model, "cuda" if torch.cuda.is_available() else "cpu")
     except (OSError, ValueError, RuntimeError) as e:
         raise SystemExit(f"sample.py: {e}") from None
-    prompt = train.prompt_ids(tok, item or {"task": None, "question": a.question}, item is not None)
+    prompt = reward.prompt_ids(tok, item or {"task": None, "question": a.question}, item is not None)
     outs = generate(model, [prompt], num_samples=4, max_new_tokens=min(256, model.cfg.max_seq_len - len(prompt)),
                     seed=a.seed, eos_token_ids=model.stop_ids or [tok.eos_token_id])
     print(f"question: {item['question'] if item else a.question}" + (f"\nanswer: {item['answer']}" if item else ""))

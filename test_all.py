@@ -131,6 +131,21 @@ def test_the_reading_path_fits_its_budget():
     assert max(r["longest"][1] for r in rows) <= bench.BUDGETS["function"], [r["longest"] for r in rows]
 
 
+def test_each_component_file_imports_only_files_before_it_in_the_reading_order():
+    """No import circle: reward, model, sample, grpo, swarm, train, each importing only earlier files (sample
+    model, and reward for its command line; model, grpo and swarm none of the project), inside functions too."""
+    import ast
+    allowed = {"reward": set(), "model": set(), "sample": {"model", "reward"}, "grpo": set(), "swarm": set(),
+               "train": {"reward", "model", "sample", "grpo", "swarm"}}
+    for name, ok in allowed.items():
+        tree = ast.parse(open(os.path.join(HERE, name + ".py"), encoding="utf-8").read())
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for alias in node.names}
+        imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and node.module and not node.level}
+        assert imported & set(allowed) <= ok, (name, sorted(imported & set(allowed) - ok))
+
+
 # ===================================================================================================
 # reward.py
 # ===================================================================================================
@@ -3779,7 +3794,7 @@ def format_model(tmp_path_factory):
             tagged = rng.random() < (1.0 if step < 250 else 0.3)
             text = f"<answer> {item['answer']} </answer>" if tagged else item["answer"]
             answer = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            rows.append((train.prompt_ids(tok, item, False), answer))
+            rows.append((reward.prompt_ids(tok, item, False), answer))
         ids, pos, mask = grpo.pad_rows(rows, tok.pad_token_id, [tok.eos_token_id])
         loss = -(grpo.completion_logprobs(ours, ids, pos, 1.0) * mask).sum() / mask.sum()
         opt.zero_grad()

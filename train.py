@@ -161,26 +161,7 @@ def stream(seed, *names):
 
 
 # -----------------------------------------------------------------------------
-# prompts and rollouts
-
-
-def example_turns(task_name):
-    """A fixed worked example of the family, as a user turn and an assistant turn."""
-    item = reward.get_task(task_name).generate(random.Random(f"one-shot example of {task_name}"))
-    return [{"role": "user", "content": item["question"]}, {"role": "assistant", "content": reward.solution(item)}]
-
-
-def prompt_ids(tokenizer, item, one_shot, system="default"):
-    """Token ids of the chat prompt: system prompt, [a worked example], the question, the assistant's turn."""
-    messages = [{"role": "system", "content": reward.SYSTEM_PROMPTS[system]}]
-    if one_shot:
-        try:
-            messages += example_turns(item["task"])
-        except Exception:  # a family this peer cannot generate (e.g. rg: without reasoning_gym)
-            pass
-    messages.append({"role": "user", "content": item["question"]})
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+# rollouts
 
 
 @dataclasses.dataclass
@@ -227,8 +208,8 @@ def external_group(tokenizer, g, stop_id, max_new_tokens, one_shot, log, system=
     rewards = [reward.score(g, text) for text in texts]
     if len(set(rewards)) < 2:
         return None
-    same = g.get("tokenizer") == tokenizer_fingerprint(tokenizer)  # then swarm.py checked token_ids and logprobs
-    return Group(g, prompt_ids(tokenizer, g, one_shot, system), ids, texts, stopped, rewards, logprobs=[  # sender's
+    same = g.get("tokenizer") == tokenizer_fingerprint(tokenizer)  # then swarm.py checked the sender's ids, log-probs
+    return Group(g, reward.prompt_ids(tokenizer, g, one_shot, system), ids, texts, stopped, rewards, logprobs=[
         g["logprobs"][k][:len(c)] if same and g["token_ids"][k][:len(c)] == c else None for k, c in enumerate(ids)])
 
 
@@ -277,7 +258,7 @@ class Algorithm1:
         and scored by the local verifier. Returns the groups and the seconds sampling took."""
         t0, args, G = time.time(), self.args, self.args.generations
         items = self.questions(r)
-        prompts = [prompt_ids(self.tok, it, args.one_shot, args.system_prompt) for it in items]
+        prompts = [reward.prompt_ids(self.tok, it, args.one_shot, args.system_prompt) for it in items]
         outs, logprobs = sample.generate(self.sampler, prompts, num_samples=G, max_new_tokens=args.max_new_tokens,
                                          temperature=args.temperature, eos_token_ids=self.stop_ids,
                                          seed=stream(args.seed, "sampling", r).getrandbits(63), logprobs=True)

@@ -3994,11 +3994,49 @@ def test_train_silo_trains_on_i_plus_j_local_groups(monkeypatch, capsys):
     assert train.parse_args(base + ["--peers", "2"]).local == 2
     assert train.parse_args(base + ["--local", "3"]).local == 3  # an explicit --local is kept
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # a GPU with native bf16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     gpu = base[:-2] + ["--device", "cuda"]
     assert (train.parse_args(gpu).local, train.parse_args(gpu + ["--swarm", "http://h:1"]).local) == (8, 4)
     with pytest.raises(SystemExit):
         train.parse_args(["--help"])
     assert "in silo" in capsys.readouterr().out
+
+
+def test_train_device_is_resolved_once_and_anything_but_cuda_gets_the_small_defaults(monkeypatch, capsys):
+    """--device, declared once, becomes a torch.device; a CPU and any device but a CUDA GPU (mps) get the
+    smaller defaults; --dtype defaults to what this machine would pick, and --help says which."""
+    assert re.findall(r'"--device"', open(os.path.join(HERE, "train.py")).read()) == ['"--device"']
+    small = lambda a: (a.local, a.external, a.generations, a.max_new_tokens, a.micro_batch, a.grad_checkpoint)  # noqa
+    cpu = train.parse_args(["--model", "some/model", "--device", "cpu", "--swarm", "http://h:1"])
+    mps = train.parse_args(["--model", "some/model", "--device", "mps", "--swarm", "http://h:1"])
+    assert mps.device == torch.device("mps") and small(mps) == small(cpu) == (2, 2, 4, 64, 4, True)
+    assert (cpu.dtype, mps.dtype) == ("float32", "float32")
+    assert train.parse_args(["--device", "cpu", "--dtype", "bfloat16"]).dtype == "bfloat16"  # still overrides
+    for native_bf16, dtype in ((True, "bfloat16"), (False, "float16")):
+        _fake_gpu(monkeypatch, native_bf16)
+        gpu = train.parse_args(["--model", "some/model", "--device", "cuda", "--swarm", "http://h:1"])
+        assert gpu.device == torch.device("cuda") and small(gpu) == (4, 4, 8, 256, 16, False) and gpu.dtype == dtype
+        with pytest.raises(SystemExit):
+            train.parse_args(["--help", "--device", "cuda"])
+        assert re.search(r"--dtype \{[a-z0-9,]+\}.*\(default: " + dtype + r"\)", " ".join(capsys.readouterr().out.split()))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv, says in [(["--device", "bogus"], "must be a device such as cuda, cuda:1, cpu or mps, not 'bogus'"),
+                       (["--device", "cuda:1"], "--device cuda:1 was asked for, but torch sees no CUDA GPU")]:
+        with pytest.raises(SystemExit) as e:
+            train.parse_args(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and says in err[-1] and "Traceback" not in "".join(err), argv
+
+
+def test_train_peer_samples_in_its_dtype_and_trains_with_the_machines_autocast(tiny, tmp_path):
+    """On the CPU the sampler is the float32 model itself and training has no autocast; --dtype makes the
+    sampler a copy in that dtype, refreshed after every step."""
+    peer = train.Peer(tiny_args(tmp_path, "--name", "a"), log=quiet)
+    assert peer.sampler is peer.model and peer.amp_dtype is None and peer.device == torch.device("cpu")
+    peer = train.Peer(tiny_args(tmp_path, "--name", "b", "--dtype", "bfloat16"), log=quiet)
+    assert peer.sampler is not peer.model and peer.sampler.lm_head.weight.dtype == torch.bfloat16
+    assert json.load(open(tmp_path / "run" / "b" / "settings.json"))["device"] == "cpu"
 
 
 def test_train_swarm_and_silo_peers_are_asked_the_same_questions(tiny, tmp_path, monkeypatch):
@@ -4319,7 +4357,7 @@ def test_train_help_shows_each_default_once_and_every_flag_has_help(capsys):
     flat = " ".join(out.split())
     assert all(flat.count(f"--{k} ") >= 1 for k in ("name", "dtype", "out", "loss-type"))
     assert re.search(r"--generations GENERATIONS G: completions per question, compared by GRPO \(default: 4\)", flat)
-    for action in train.parser("cpu")._actions:
+    for action in train.parser(torch.device("cpu"), 2, 2)._actions:
         assert action.help, action.dest
         text = " ".join(train.Help("x")._get_help_string(action).split())
         assert text.count("default:") <= 1, text

@@ -21,10 +21,10 @@ One round on one peer (Algorithm1.round, below, which says how a synchronous dri
      (and the last completed round at the end or on Ctrl-C: --resume goes on from it).
 Peers never wait for each other: a peer trains on whatever external groups have arrived.
 
-Defaults (parser, each declared once): I = 4 local and J = 4 external groups are the paper's best
-configuration (+94% cumulative reward over peers in silo, with 8 Qwen2.5-0.5B peers); its baseline in
-silo trains on 8/0, so a peer with J = 0 or no swarm takes I + J as I. The rest are common GRPO
-settings, matching what the paper's code is described to do where we know it.
+Defaults (parser, below the marker, each declared once): I = 4 local and J = 4 external groups are the
+paper's best configuration (+94% cumulative reward over peers in silo, with 8 Qwen2.5-0.5B peers); its
+baseline in silo trains on 8/0, so a peer with J = 0 or no swarm takes I + J as I. The rest are common
+GRPO settings, matching what the paper's code is described to do where we know it.
 
 Seeds: questions, sampling and external draws come from separate random streams of --seed (stream),
 so a swarm peer and a silo peer with the same seed get the same questions and sampling seeds: paired runs.
@@ -45,9 +45,9 @@ Deviations from the paper, and why:
   normalised advantages). Beyond the paper, --shared-logprobs makes it the sender's (grpo.py, README).
 - Trust: external groups whose answer does not follow from their question are dropped
   (reward.verify_item); the paper trusts the sender's ground truth.
-- Weights are trained in float32 (bfloat16 autocast on CUDA) and copied into a bfloat16 sampler each
-  round: pure-bf16 weights would round away updates of size 1e-6.
-- No GPU: smaller defaults (parser), so that a CPU run shows progress within minutes.
+- Weights are trained in float32 (autocast to bfloat16 where native: model.autocast_dtype) and copied into
+  a bfloat16 (older GPUs: float16) sampler each round: pure-bf16 weights would round away updates of 1e-6.
+- No CUDA GPU (a CPU, mps, ...): smaller defaults (small_defaults), so a CPU run shows progress within minutes.
 """
 
 import argparse
@@ -80,69 +80,7 @@ import sample
 import swarm
 
 # -----------------------------------------------------------------------------
-# settings: every knob of a run, with its meaning; saved as settings.json beside the checkpoints
-
-
-def swarm_size(device):  # the default (I, J): the paper's best, 4 and 4 groups a round; 2 and 2 on a CPU
-    return (2, 2) if device == "cpu" else (4, 4)
-
-
-def parser(device):
-    """Every flag, with its meaning and its default on `device`: on a CPU (~100x slower, several peers in
-    its memory) smaller I, J, G and completions, and micro-batches of 4 with recomputed activations."""
-    cpu, (I, J) = device == "cpu", swarm_size(device)
-    p = argparse.ArgumentParser(description="SAPO: swarm sampling policy optimization (arXiv 2509.08721)",
-                                formatter_class=Help, allow_abbrev=False,
-                                epilog=f"The defaults shown are this machine's ({device}): "
-                                       + ("smaller than a GPU's (4, 4, 8, 256, 16, off) for --local, --external, "
-                                          "--generations, --max-new-tokens, --micro-batch and --grad-checkpoint."
-                                          if cpu else "a CPU's are smaller, see the README."))
-    a = p.add_argument
-    # what to run
-    a("--peers", type=at_least(0), nargs="?", const=4, default=0, help="start a swarm of N peers on this machine (alone: 4)")
-    a("--swarm", type=matching(r"(https?|rediss?)://\S+", "a URL such as http://10.0.0.5:8000 or redis://USER@HOST:6379/0"),
-      help="URL of a swarm to join: its server (http://HOST:PORT) or a Redis store (redis://USER:PASSWORD@HOST:PORT/0, "
-           "rediss:// for TLS; the password may come from --token)")
-    a("--name", type=matching(r"[A-Za-z0-9_.-]{1,64}", "1-64 letters, digits, '_', '.' or '-'"),
-      help="this peer's name in the swarm (default: the host name and a random suffix)")
-    a("--token", default=argparse.SUPPRESS,  # never shown: --help would print the secret of $SWARM_TOKEN
-      help="bearer token of the swarm server, for reads and writes (default: $SWARM_TOKEN, which ps does not show)")
-    a("--plot", metavar="RUN_DIR", help="write RUN_DIR/reward.svg from its metrics and exit")
-    # model and tasks
-    a("--model", default=M.DEFAULT_MODEL, help="model folder or Hugging Face Hub id (Llama, Qwen2, Qwen3)")
-    a("--tasks", default="auto",
-      help="comma list of reward.py tasks, or 'paper' (the nine), 'rg:paper' (the nine from reasoning_gym), "
-           "'easy', 'auto' ('easy' for the default 135M model, 'paper' otherwise)")
-    a("--system-prompt", default="default", choices=list(reward.SYSTEM_PROMPTS),
-      help="the system prompt: ours, or 'rg', ReasoningGym's default one, which the paper used")
-    a("--one-shot", action=argparse.BooleanOptionalAction, default=True,
-      help="show one worked example of the task family as an earlier chat turn")
-    # SAPO (the paper's best: I = 4, J = 4; its baseline in silo: I = 8, J = 0)
-    a("--local", type=at_least(1),
-      help=f"I: local questions per round (default: {I}; {I + J} in silo, with J = 0, as in the paper's baseline)")
-    a("--external", type=at_least(0),
-      help=f"J: external groups trained on per round (default: {J} with --swarm or --peers, else 0: in silo)")
-    a("--generations", type=at_least(2), default=4 if cpu else 8, help="G: completions per question, compared by GRPO")
-    a("--rounds", type=at_least(1), default=2000, help="rounds to train")
-    a("--max-new-tokens", type=at_least(1), default=64 if cpu else 256, help="completion length limit in tokens")
-    a("--temperature", type=positive, default=1.0, help="sampling temperature")
-    # GRPO
-    a("--lr", type=positive, default=1e-5, help="AdamW learning rate (measured, see README)")
-    a("--epsilon", type=fraction, default=0.2, help="lower clip: ratio >= 1 - epsilon")
-    a("--epsilon-high", type=at_least(0.0, float), default=0.28, help="upper clip: ratio <= 1 + epsilon_high (DAPO)")
-    a("--beta", type=at_least(0.0, float), default=0.0, help="weight of the k3 KL penalty to the initial model")
-    a("--loss-type", default="token_mean", choices=["token_mean", "seq_mean", "constant"],
-      help="how token losses are averaged: DAPO's token mean, GRPO's per-sequence mean, or Dr. GRPO's constant")
-    a("--adv-scale", default="group", choices=["group", "batch", "none"], help="advantage normalisation")
-    a("--inner-steps", type=at_least(1), default=1, help="optimizer steps on each round's batch (1: one step per round)")
-    a("--max-grad-norm", type=positive, default=1.0, help="gradient clipping norm")
-    a("--micro-batch", type=at_least(1), default=4 if cpu else 16, help="completions per forward and backward pass")
-    a("--grad-checkpoint", action=argparse.BooleanOptionalAction, default=cpu,
-      help="recompute activations in the backward pass")
-    a("--shared-logprobs", action=argparse.BooleanOptionalAction, default=False,
-      help="publish sampling log-probs, and train shared completions against their sender's (off: the paper's rule)")
-    machinery_flags(a, device)
-    return p
+# random streams, and rollouts: a group, and another peer's group made this peer's
 
 
 POOL_ROUNDS = 2  # a pooled external group not drawn leaves the pool this many of the receiver's rounds after it came
@@ -158,10 +96,6 @@ def stream(seed, *names):
     """A random.Random of its own for one use of a peer's seed, e.g. stream(seed, "questions", r): what it
     draws depends on (seed, names) only, never on how much another stream drew."""
     return random.Random("/".join(map(str, (seed,) + names)))  # a str seed is hashed (SHA-512), not hash()
-
-
-# -----------------------------------------------------------------------------
-# rollouts
 
 
 @dataclasses.dataclass
@@ -225,8 +159,23 @@ def tokenizer_fingerprint(tokenizer):
 class Algorithm1:
     """One peer's SAPO round, Algorithm 1 of the paper: round(r) is collect(r) (steps 1-3) then learn(r, ...)
     (steps 4-7); a synchronous swarm calls collect on every peer, lets the groups reach the store, then
-    learn on every peer. Peer, below the marker line, adds the state these methods use (model, tokenizer,
-    optimizer, sampling copy, swarm client, random streams), the loop over rounds, and checkpoints."""
+    learn on every peer. Peer, below the marker line, loads what __init__ takes, connects the swarm client,
+    runs the loop over rounds and writes the checkpoints."""
+
+    def __init__(self, args, model, tok, opt, sampler, ref_model, folder, log=print):
+        self.args, self.log = args, log    # the run's settings (parse_args): I, J, G, ...; log: a line for the user
+        self.model = model                 # the policy: float32 weights, which update() trains
+        self.tok = tok                     # its tokenizer: prompts, decoding, re-tokenising shared text
+        self.opt = opt                     # AdamW over the model's parameters
+        self.sampler = sampler             # what samples: the model, or a lower-precision copy of it
+        self.ref_model = ref_model         # the frozen initial model of the KL penalty (beta > 0), else None
+        self.client = None                 # the swarm client (publish, fetch, post_metrics); None: no swarm
+        self.stop_ids = model.stop_ids or [tok.eos_token_id]  # the tokens that end a completion
+        self.stop_id = tok.eos_token_id if tok.eos_token_id in self.stop_ids else self.stop_ids[0]  # a shared one's
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.stop_id  # GRPO's padding (masked)
+        self.external_rng = stream(args.seed, "external")  # draws J of the pool (questions: a stream per round)
+        self.pool = []                     # usable external groups (Group) not drawn yet, for POOL_ROUNDS rounds
+        self.dir = folder                  # OUT/<name>/: metrics.jsonl, samples.jsonl, the checkpoints
 
     def round(self, r):
         """One SAPO round: sample and share this peer's rollouts, then learn from them and the swarm's."""
@@ -248,8 +197,9 @@ class Algorithm1:
         return self.log_round(r, collected, external, counts, stats, collected["seconds"] + time.time() - t0)
 
     def questions(self, r):
-        """Step 1: I items, each of a task family drawn uniformly, from round r's own random stream. The
-        first I items of round r are the same whatever I, J or the swarm: swarm and silo runs are paired."""
+        """Step 1: I items, each of a task family drawn uniformly, from round r's own random stream. I is
+        --local; in silo (J = 0) a peer takes I + J, as the paper's baseline 8/0 against its 4/4 (parse_args).
+        The first I items of round r are the same whatever I, J or the swarm: swarm and silo runs are paired."""
         rng = stream(self.args.seed, "questions", r)
         return [reward.get_task(rng.choice(self.args.task_list)).generate(rng) for _ in range(self.args.local)]
 
@@ -375,20 +325,26 @@ def mean(xs):
 
 
 # ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
-# The flags' checks, the peer's state, loop and checkpoints, the launcher, the plot and the command line.
+# The flags and their checks, the peer's loading, loop and checkpoints, the launcher, the plot, the command line.
 
 
 def parse_args(argv=None):
     """The run's settings: the flags, whose defaults are this machine's (parser), then the silo rule.
     A bad flag gets one sentence from argparse and exit status 2, before any model is loaded."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    device = argparse.ArgumentParser(add_help=False)
-    device.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p = parser(device.parse_known_args(argv)[0].device)  # the defaults depend on it: --help shows them
+    first = device_flag()  # the device first, resolved once: the other defaults depend on it, and --help shows them
+    value = first.parse_known_args(argv)[0].device
+    try:
+        device = torch.device(value)
+    except RuntimeError:  # torch's own sentence lists every device type it knows
+        first.error(f"argument --device: must be a device such as cuda, cuda:1, cpu or mps, not {value!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        first.error(f"--device {device} was asked for, but torch sees no CUDA GPU")
+    I, J = (2, 2) if small_defaults(device) else (4, 4)  # the paper's best, 4 and 4 groups a round; 2 and 2 if small
+    p = parser(device, I, J)
     args = p.parse_args(argv)
+    args.device = device
     args.token = getattr(args, "token", None) or os.environ.get("SWARM_TOKEN")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error(f"--device {args.device} was asked for, but torch sees no CUDA GPU")
     if args.resume and not args.out:
         p.error("--resume needs --out: the run folder to continue")
     try:
@@ -400,7 +356,6 @@ def parse_args(argv=None):
     if args.external and not (args.swarm or args.peers):  # explicit J > 0 with nothing to take groups from
         p.error("--external needs --swarm URL or --peers N; without a swarm leave it out (in silo I takes I + J)")
     # the silo rule: a peer with J = 0, or with no swarm to join, takes I + J as I (the paper's 8/0 against 4/4)
-    I, J = swarm_size(args.device)
     if args.external is None:
         args.external = J if args.swarm or args.peers else 0
     if args.local is None:
@@ -408,6 +363,76 @@ def parse_args(argv=None):
     check_resume(p, args)
     args.out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     return args
+
+
+def small_defaults(device):  # whether a torch.device gets the smaller defaults: a CPU, or anything but CUDA
+    return device.type != "cuda"
+
+
+def device_flag():  # --device alone, which parse_args reads first; parser takes it over as a parent
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cuda, cuda:1, cpu, mps, ... (any device but a CUDA GPU gets a CPU's smaller sizes)")
+    return p
+
+
+def parser(device, I, J):
+    """Every flag, with its meaning and its default on `device`, I and J among them. With the small
+    defaults (a CPU: ~100x slower, several peers in its memory) smaller I, J, G and completions, and
+    micro-batches of 4 with recomputed activations."""
+    cpu = small_defaults(device)  # a CPU's defaults, which any device but a CUDA GPU gets
+    p = argparse.ArgumentParser(description="SAPO: swarm sampling policy optimization (arXiv 2509.08721)",
+                                formatter_class=Help, allow_abbrev=False, parents=[device_flag()],
+                                epilog=f"The defaults shown are this machine's ({device}): "
+                                       + ("smaller than a GPU's (4, 4, 8, 256, 16, off) for --local, --external, "
+                                          "--generations, --max-new-tokens, --micro-batch and --grad-checkpoint."
+                                          if cpu else "a CPU's are smaller, see the README."))
+    a = p.add_argument
+    # what to run
+    a("--peers", type=at_least(0), nargs="?", const=4, default=0, help="start a swarm of N peers on this machine (alone: 4)")
+    a("--swarm", type=matching(r"(https?|rediss?)://\S+", "a URL such as http://10.0.0.5:8000 or redis://USER@HOST:6379/0"),
+      help="URL of a swarm to join: its server (http://HOST:PORT) or a Redis store (redis://USER:PASSWORD@HOST:PORT/0, "
+           "rediss:// for TLS; the password may come from --token)")
+    a("--name", type=matching(r"[A-Za-z0-9_.-]{1,64}", "1-64 letters, digits, '_', '.' or '-'"),
+      help="this peer's name in the swarm (default: the host name and a random suffix)")
+    a("--token", default=argparse.SUPPRESS,  # never shown: --help would print the secret of $SWARM_TOKEN
+      help="bearer token of the swarm server, for reads and writes (default: $SWARM_TOKEN, which ps does not show)")
+    a("--plot", metavar="RUN_DIR", help="write RUN_DIR/reward.svg from its metrics and exit")
+    # model and tasks
+    a("--model", default=M.DEFAULT_MODEL, help="model folder or Hugging Face Hub id (Llama, Qwen2, Qwen3)")
+    a("--tasks", default="auto",
+      help="comma list of reward.py tasks, or 'paper' (the nine), 'rg:paper' (the nine from reasoning_gym), "
+           "'easy', 'auto' ('easy' for the default 135M model, 'paper' otherwise)")
+    a("--system-prompt", default="default", choices=list(reward.SYSTEM_PROMPTS),
+      help="the system prompt: ours, or 'rg', ReasoningGym's default one, which the paper used")
+    a("--one-shot", action=argparse.BooleanOptionalAction, default=True,
+      help="show one worked example of the task family as an earlier chat turn")
+    # SAPO (the paper's best: I = 4, J = 4; its baseline in silo: I = 8, J = 0)
+    a("--local", type=at_least(1),
+      help=f"I: local questions per round (default: {I}; {I + J} in silo, with J = 0, as in the paper's baseline)")
+    a("--external", type=at_least(0),
+      help=f"J: external groups trained on per round (default: {J} with --swarm or --peers, else 0: in silo)")
+    a("--generations", type=at_least(2), default=4 if cpu else 8, help="G: completions per question, compared by GRPO")
+    a("--rounds", type=at_least(1), default=2000, help="rounds to train")
+    a("--max-new-tokens", type=at_least(1), default=64 if cpu else 256, help="completion length limit in tokens")
+    a("--temperature", type=positive, default=1.0, help="sampling temperature")
+    # GRPO
+    a("--lr", type=positive, default=1e-5, help="AdamW learning rate (measured, see README)")
+    a("--epsilon", type=fraction, default=0.2, help="lower clip: ratio >= 1 - epsilon")
+    a("--epsilon-high", type=at_least(0.0, float), default=0.28, help="upper clip: ratio <= 1 + epsilon_high (DAPO)")
+    a("--beta", type=at_least(0.0, float), default=0.0, help="weight of the k3 KL penalty to the initial model")
+    a("--loss-type", default="token_mean", choices=["token_mean", "seq_mean", "constant"],
+      help="how token losses are averaged: DAPO's token mean, GRPO's per-sequence mean, or Dr. GRPO's constant")
+    a("--adv-scale", default="group", choices=["group", "batch", "none"], help="advantage normalisation")
+    a("--inner-steps", type=at_least(1), default=1, help="optimizer steps on each round's batch (1: one step per round)")
+    a("--max-grad-norm", type=positive, default=1.0, help="gradient clipping norm")
+    a("--micro-batch", type=at_least(1), default=4 if cpu else 16, help="completions per forward and backward pass")
+    a("--grad-checkpoint", action=argparse.BooleanOptionalAction, default=cpu,
+      help="recompute activations in the backward pass")
+    a("--shared-logprobs", action=argparse.BooleanOptionalAction, default=False,
+      help="publish sampling log-probs, and train shared completions against their sender's (off: the paper's rule)")
+    machinery_flags(a, device)
+    return p
 
 
 class Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -479,9 +504,8 @@ def machinery_flags(a, device):
     """parser's flags that set where and how a run goes, not what it learns."""
     a("--seed", type=int, default=0,
       help="this peer's seed (questions, sampling, external draws, init); peer k of --peers gets peer_seed(seed, k)")
-    a("--device", default=device, help="cuda, cpu, cuda:1, ...")
-    a("--dtype", choices=["bfloat16", "float16", "float32"],
-      help="dtype of the sampling copy of the weights (default: bfloat16 on CUDA, float32 on CPU)")
+    a("--dtype", choices=["bfloat16", "float16", "float32"], default=str(M.default_dtype(device))[len("torch."):],
+      help="sampling copy's dtype (bfloat16 on a CUDA GPU that has it natively, else float16; float32 off CUDA)")
     a("--out", type=writable_folder, help="run folder (default: runs/<date-time>); each peer writes OUT/<name>/")
     a("--save-every", type=at_least(0), default=50, help="checkpoint every K rounds (0: only at the end or on a stop)")
     a("--sample-every", type=at_least(0), default=10, help="write some completions to samples.jsonl every K rounds")
@@ -494,40 +518,35 @@ def machinery_flags(a, device):
 
 
 class Peer(Algorithm1):
-    """One SAPO peer: its model, optimizer, swarm client and the loop over Algorithm1's rounds. client: one
+    """One SAPO peer: what Algorithm1 takes, loaded, its swarm client, the loop over rounds, checkpoints. client: one
     to use instead of --swarm's (a driver of several peers in one process passes its own; parse --swarm
     too, or parse_args takes the peer for one in silo and refuses --external J > 0)."""
 
     def __init__(self, args, log=print, client=None):
-        self.args, self.log = args, log
         self.name = peer_name(args, log)
-        self.dir = os.path.join(args.out, self.name)
+        folder = os.path.join(args.out, self.name)
         self.device = torch.device(args.device)
-        ckpt = last_checkpoint(self.dir) if args.resume else None  # None: a fresh start
-        if os.path.exists(os.path.join(self.dir, "metrics.jsonl")) and not args.resume:
-            raise SystemExit(f"{self.dir} already holds a run: pass --resume to continue it, or another --out")
-        os.makedirs(self.dir, exist_ok=True)
+        ckpt = last_checkpoint(folder) if args.resume else None  # None: a fresh start
+        if os.path.exists(os.path.join(folder, "metrics.jsonl")) and not args.resume:
+            raise SystemExit(f"{folder} already holds a run: pass --resume to continue it, or another --out")
+        os.makedirs(folder, exist_ok=True)
         torch.manual_seed(args.seed)
-        settings = os.path.join(self.dir, "settings.json")
+        settings = os.path.join(folder, "settings.json")
         try:
             started = M.read_json(settings).get("model") if ckpt and args.beta > 0 else args.model
             if started != args.model:
-                raise ValueError(f"{self.dir} started from --model {started} (the KL's reference): resume with it")
-            self.model, self.tok = M.load_model(ckpt["path"] if ckpt else args.model, self.device, torch.float32, log=log)
+                raise ValueError(f"{folder} started from --model {started} (the KL's reference): resume with it")
+            model, tok = M.load_model(ckpt["path"] if ckpt else args.model, self.device, torch.float32, log=log)
             # beta > 0: the KL's reference is the initial model, --model, also after a resume (not the checkpoint)
-            self.ref_model = M.load_model(args.model, self.device, torch.float32, log=log)[0] if args.beta > 0 else None
+            ref_model = M.load_model(args.model, self.device, torch.float32, log=log)[0] if args.beta > 0 else None
         except (OSError, ValueError, RuntimeError) as e:  # a model that cannot be found or read
             raise SystemExit(f"train.py: {e}") from None
-        self.model.grad_checkpoint = args.grad_checkpoint
-        self.stop_ids = self.model.stop_ids or [self.tok.eos_token_id]
-        self.stop_id = self.tok.eos_token_id if self.tok.eos_token_id in self.stop_ids else self.stop_ids[0]
-        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.stop_id
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
-        # sampling runs in bf16 on CUDA from a copy refreshed after every step; on the CPU it is the model
-        dtype = getattr(torch, args.dtype) if args.dtype else M.default_dtype(self.device)
-        self.sampler = self.model if dtype == torch.float32 else copy.deepcopy(self.model).to(dtype).eval()
-        self.external_rng = stream(args.seed, "external")  # questions and sampling have a stream per round
-        self.pool = []  # usable external groups (Group) not yet trained on
+        model.grad_checkpoint = args.grad_checkpoint
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        # sampling runs from a --dtype copy (model.default_dtype's pick) refreshed after every step; float32: the model
+        sampler = model if args.dtype == "float32" else copy.deepcopy(model).to(getattr(torch, args.dtype)).eval()
+        super().__init__(args, model, tok, opt, sampler, ref_model, folder, log)
+        self.amp_dtype = M.autocast_dtype(self.device)  # the training autocast: bfloat16 where native, else None
         self.start_round = 0
         if ckpt:
             self.load_state(ckpt)
@@ -544,7 +563,7 @@ class Peer(Algorithm1):
                 raise SystemExit(f"train.py: --swarm: {e}") from None
         with open(settings, "w") as f:  # never the token, nor a password in the URL: no secret goes to disk
             json.dump({k: re.sub(r"(://[^/@]*?):[^/@]*@", r"\1:***@", v) if k == "swarm" and v else v
-                       for k, v in vars(args).items() if k != "token"}, f, indent=2)
+                       for k, v in vars(args).items() if k != "token"}, f, indent=2, default=str)  # str: the device
 
     # -- the loop over rounds, checkpoints and resume -------------------------------------------------
 
@@ -741,7 +760,7 @@ def start_peer(args, argv, k, url, children):
              "--seed", str(peer_seed(args.seed, k)), "--out", args.out]
     os.makedirs(os.path.join(args.out, name), exist_ok=True)
     env = dict(os.environ, **({"SWARM_TOKEN": args.token} if args.token else {}))
-    if args.device == "cpu":  # share the cores instead of every peer fighting for all of them
+    if args.device.type == "cpu":  # share the cores instead of every peer fighting for all of them
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.peers)))
     proc = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), *flags],
                             stdout=open(os.path.join(args.out, name, "log.txt"), "a"), stderr=subprocess.STDOUT,
@@ -786,8 +805,8 @@ def count_params(folder):
 
 def free_memory(device):
     """Bytes free for new peers: GPU memory on CUDA, else MemAvailable from /proc/meminfo; None if unknown."""
-    if device.startswith("cuda"):
-        return torch.cuda.mem_get_info(torch.device(device))[0]
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
     try:
         with open("/proc/meminfo") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
@@ -802,7 +821,7 @@ def check_memory(peers, device, params):
     if free is None or peers * need <= free:
         return
     fits = int(free // need)
-    where = "GPU memory" if device.startswith("cuda") else "memory"
+    where = "GPU memory" if device.type == "cuda" else "memory"
     raise SystemExit(f"train.py: {peers} peers need about {peers * need / 1e9:.1f} GB of {where} "
                      f"({need / 1e9:.1f} GB each) but {free / 1e9:.1f} GB is free: "
                      + (f"try --peers {fits}." if fits else "not even one peer fits; free some memory first."))

@@ -1325,7 +1325,8 @@ def render_svg(series, title="reward per round", ylabel="reward", xlabel="round"
 
 def render_page(snap, groups=()):
     """The dashboard: local_reward per round of the 10 peers seen most recently, each one's newest completions
-    among `groups` (escaped), and a table. A peer that has finished round 0 shows last round 0, as its log."""
+    among `groups` (escaped), and a table, with the model each one's newest group names. A peer that has
+    finished round 0 shows last round 0, as its log."""
     series, last, drawn = {}, {}, list(snap["peers"])[-len(COLOURS):]
     for row in snap["metrics"]:  # later rows for the same round (after a resume) replace earlier ones
         if row["peer"] in drawn and row["metrics"].get("local_reward") is not None:
@@ -1336,13 +1337,14 @@ def render_page(snap, groups=()):
     said = "".join(f"<h3>{html.escape(p)}, round {g['round']}: {html.escape(g['question'][:300])}</h3>"
                    + "".join(f"<pre>{html.escape(c[:500])}</pre>" for c in g["completions"][:2])
                    for p, g in sorted(newest.items()))
-    rows = []
+    rows, models = [], {g["peer"]: g.get("model", "") for g in groups}
     for peer, info in sorted(snap["peers"].items()):
         m = last.get(peer, {})
         cells = "".join(f"<td>{'' if m.get(k) is None else f'{m[k]:.3f}'}</td>" for k in ("local_reward", "batch_reward"))
         seen = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(info["last_seen"]))
-        rows.append(f"<tr><td>{html.escape(peer)}</td><td>{m.get('round', '')}</td><td>{info['groups']}</td>{cells}"
-                    f"<td>{seen}</td></tr>")
+        model = html.escape(models.get(peer, ""))  # as its newest group names it
+        rows.append(f"<tr><td>{html.escape(peer)}</td><td>{model}</td><td>{m.get('round', '')}</td><td>{info['groups']}"
+                    f"</td>{cells}<td>{seen}</td></tr>")
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><meta http-equiv="refresh" content="5"><title>nanoSAPO swarm</title>
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}} h3{{font-size:1em}}
@@ -1351,7 +1353,7 @@ pre{{white-space:pre-wrap;background:#f4f4f4;padding:4px;margin:2px 0}}</style>
 </head><body><h1>nanoSAPO swarm</h1>
 <p>{snap['groups']} groups kept (seq {snap['first_seq']} to {snap['last_seq']}), {len(snap['peers'])} peers.</p>
 <div style="display:flex;gap:2em;align-items:flex-start">{chart}<div>{said or "no completions yet"}</div></div>
-<table><tr><th>peer</th><th>last round done</th><th>groups published</th><th>last local_reward</th>
+<table><tr><th>peer</th><th>model</th><th>last round done</th><th>groups published</th><th>last local_reward</th>
 <th>last batch_reward (the paper's training-batch figure)</th><th>last seen</th></tr>
 {"".join(rows)}
 </table></body></html>"""

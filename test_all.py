@@ -2475,20 +2475,22 @@ def test_swarm_dashboard_and_metrics(_sw_server, _sw_clients):
 
 def test_swarm_dashboard_shows_each_peers_newest_completions_escaped(_sw_server, _sw_clients):
     """Beside the chart: each peer's newest question and completions, escaped (they are text from
-    outside); the table counts rounds as the logs do (a peer that finished round 0 shows 0)."""
+    outside); the table names each peer's model and counts rounds as the logs do (a peer that finished
+    round 0 shows 0)."""
     server, url, folder = _sw_server
     eve, ann = _sw_clients(url, "eve"), _sw_clients(url, "ann")
     eve.publish(0, [_sw_group(completions=["old"], stopped=[True])])
     eve.publish(1, [_sw_group(question="<script>alert(1)</script>?", completions=["<b>bold</b> & <img src=x>"],
                               stopped=[True])])
-    ann.publish(1, [_sw_group(completions=["ann says 2"], stopped=[True])])  # round 1 started,
+    ann.publish(1, [_sw_group(completions=["ann says 2"], stopped=[True], model="ann's <i>model</i>")])  # round 1,
     ann.post_metrics(0, {"local_reward": 0.5, "round": 0})                   # round 0 done
     assert eve.flush(10) and ann.flush(10)
     page = requests.get(url + "/", timeout=5).text
     assert "<script>" not in page and "<img" not in page and "<b>bold" not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;?" in page and "&lt;b&gt;bold&lt;/b&gt; &amp; &lt;img src=x&gt;" in page
     assert "ann says 2" in page and ">old<" not in page  # the newest group of each peer
-    assert re.search(r"<td>ann</td><td>0</td>", page)
+    assert re.search(r"<td>ann</td><td>ann&#x27;s &lt;i&gt;model&lt;/i&gt;</td><td>0</td>", page)  # its model, escaped
+    assert re.search(r"<td>eve</td><td>tiny</td><td></td>", page)
 
 
 def test_swarm_full_disk_is_507_and_loses_nothing(_sw_server, monkeypatch, _sw_clients):
@@ -3980,6 +3982,28 @@ def test_train_launcher_exits_non_zero_when_a_peer_dies(tiny, tmp_path):
     assert "peer0 stopped with exit code 130" in stderr and "0 of 2 peers finished" in stdout
     time.sleep(0.5)
     assert _processes_mentioning(str(out)) == []
+
+
+# -- a mixed swarm: peers of different models and tokenizers --
+
+def test_train_launcher_gives_each_peer_its_model_in_turn_and_one_task_mix(monkeypatch):
+    """--model A,B with --peers 3: peer0 A, peer1 B, peer2 A, each as its own --model; --tasks auto is
+    resolved once by the launcher (the easy mix when the default model is among them), so peers of
+    different models draw the same task families and can use each other's groups."""
+    started = []
+    monkeypatch.setattr(train.subprocess, "Popen", lambda cmd, **kw: started.append(cmd))
+    for models, mix in ((f"{M.DEFAULT_MODEL},some/model", "easy"), ("some/model,other/model", "paper")):
+        argv = ["--model", models, "--peers", "3", "--device", "cpu"]
+        args = train.parse_args(argv + ["--out", "/tmp/launched"])
+        children = []
+        for k in range(3):
+            train.start_peer(args, argv, k, "http://127.0.0.1:9", [])
+            children.append(train.parse_args(started.pop()[3:]))
+        assert [c.model for c in children] == [models.split(",")[k % 2] for k in range(3)]
+        assert all(c.task_list == reward.task_names(mix) for c in children), models
+    one = train.parse_args(["--model", "some/model", "--peers", "2", "--device", "cpu", "--out", "/tmp/launched"])
+    train.start_peer(one, ["--model", "some/model", "--peers", "2"], 1, "http://127.0.0.1:9", [])
+    assert train.parse_args(started.pop()[3:]).tasks == "auto"  # one model: as before, the peer resolves it
 
 
 # -- issue 8: a fair comparison, honest external groups, metrics that say what they mean, memory --

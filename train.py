@@ -3,6 +3,7 @@ SAPO end to end: one peer's round loop (Algorithm 1 of arXiv 2509.08721) and a l
 
     python train.py                            # one peer in silo: the paper's baseline, I = 8, J = 0
     python train.py --peers 4                  # a swarm server + 4 peers on this machine's one GPU
+    python train.py --peers 4 --model A,B      # a mixed swarm: peer0 runs A, peer1 B, peer2 A, ...
     python train.py --swarm http://HOST:PORT --name alice   # join a swarm running elsewhere
     python train.py --plot runs/NAME           # local reward per round of every peer, as an SVG
 
@@ -57,6 +58,7 @@ import dataclasses
 import functools
 import glob
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -347,8 +349,10 @@ def parse_args(argv=None):
     args.token = getattr(args, "token", None) or os.environ.get("SWARM_TOKEN")
     if args.resume and not args.out:
         p.error("--resume needs --out: the run folder to continue")
+    if len(models(args)) > 1 and not args.peers:
+        p.error("--model takes a comma list only with --peers N, whose peers take the models in turn")
     try:
-        auto = "easy" if args.model == M.DEFAULT_MODEL else "paper"  # 'auto': the easy mix for the 135M default
+        auto = "easy" if M.DEFAULT_MODEL in models(args) else "paper"  # 'auto': the easy mix for the 135M default
         args.task_list = reward.task_names(auto if args.tasks == "auto" else args.tasks)  # a ValueError names them
         swarm.check_token(args.token)
     except ValueError as e:
@@ -363,6 +367,10 @@ def parse_args(argv=None):
     check_resume(p, args)
     args.out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     return args
+
+
+def models(args):  # --model as a list: peer k of the launcher runs models(args)[k % len]; a folder is one model
+    return [args.model] if os.path.isdir(args.model) else args.model.split(",")
 
 
 def small_defaults(device):  # whether a torch.device gets the smaller defaults: a CPU, or anything but CUDA
@@ -399,7 +407,7 @@ def parser(device, I, J):
       help="bearer token of the swarm server, for reads and writes (default: $SWARM_TOKEN, which ps does not show)")
     a("--plot", metavar="RUN_DIR", help="write RUN_DIR/reward.svg from its metrics and exit")
     # model and tasks
-    a("--model", default=M.DEFAULT_MODEL, help="model folder or Hugging Face Hub id (Llama, Qwen2, Qwen3)")
+    a("--model", default=M.DEFAULT_MODEL, help="model folder or Hub id (Llama, Qwen2, Qwen3); --peers: a comma list, in turn")
     a("--tasks", default="auto",
       help="comma list of reward.py tasks, or 'paper' (the nine), 'rg:paper' (the nine from reasoning_gym), "
            "'easy', 'auto' ('easy' for the default 135M model, 'paper' otherwise)")
@@ -697,8 +705,9 @@ def launch(args, argv):
     that dies is reported and the others go on; the launcher then exits non-zero, saying why."""
     if not args.resume and glob.glob(os.path.join(args.out, "*", "metrics.jsonl")):
         raise SystemExit(f"{args.out} already holds a run: pass --resume to continue it, or another --out")
-    try:  # the model once, here: a first download or GGUF dequantisation must not run in every peer at once
-        check_memory(args.peers, args.device, count_params(M.resolve(args.model)))
+    try:  # each model once, here: a first download or GGUF dequantisation must not run in every peer at once
+        sizes = {m: count_params(M.resolve(m)) for m in models(args)}
+        check_memory(args.device, [sizes[peer_model(args, k)] for k in range(args.peers)])
         os.makedirs(args.out, exist_ok=True)
         server, url = swarm.start_server(os.path.join(args.out, "swarm"), token=args.token)  # in this process
     except (OSError, ValueError, RuntimeError) as e:
@@ -709,8 +718,9 @@ def launch(args, argv):
     try:
         print(f"dashboard: {url}/ (open it in a browser to see each peer's reward and latest completions)")
         procs = {f"peer{k}": start_peer(args, argv, k, url, children) for k in range(args.peers)}
-        bars = {n: tqdm(total=args.rounds, desc=n, position=k, dynamic_ncols=True, bar_format=BAR)
-                for k, n in enumerate(procs)}
+        mixed = len(sizes) > 1  # then each bar names its peer's model
+        bars = {n: tqdm(total=args.rounds, desc=f"{n} ({label(peer_model(args, k))})" if mixed else n, position=k,
+                        dynamic_ncols=True, bar_format=BAR) for k, n in enumerate(procs)}
         seen, last = 0, {}  # the peers' metrics as the server got them: the newest row of each
         while len(failed) < len(procs) and any(p.poll() is None for p in procs.values()):
             time.sleep(1.0)
@@ -753,11 +763,13 @@ def without_token(argv):
 
 def start_peer(args, argv, k, url, children):
     """Peer k as a child process: this command line's flags (a later flag wins) with its own name, seed
-    (peer_seed), the server's URL and the run folder, and the token in its environment. It reads the
-    flags as the launcher did: the same machine, so the same defaults."""
-    name = f"peer{k}"
-    flags = [*without_token(argv), "--peers", "0", "--swarm", url, "--name", name, "--quiet",
-             "--seed", str(peer_seed(args.seed, k)), "--out", args.out]
+    (peer_seed), model (peer_model), the server's URL and the run folder, and the token in its environment.
+    It reads the flags as the launcher did: the same machine, so the same defaults; --tasks auto as the
+    launcher resolved it, so peers of different models draw from the same task families."""
+    name, mixed = f"peer{k}", args.tasks == "auto" and len(models(args)) > 1
+    tasks = ["--tasks", ",".join(args.task_list)] * mixed  # the mix 'auto' gave the launcher, for every model
+    flags = [*without_token(argv), "--peers", "0", "--swarm", url, "--name", name, "--quiet", *tasks,
+             "--seed", str(peer_seed(args.seed, k)), "--model", peer_model(args, k), "--out", args.out]
     os.makedirs(os.path.join(args.out, name), exist_ok=True)
     env = dict(os.environ, **({"SWARM_TOKEN": args.token} if args.token else {}))
     if args.device.type == "cpu":  # share the cores instead of every peer fighting for all of them
@@ -767,6 +779,14 @@ def start_peer(args, argv, k, url, children):
                             start_new_session=True, env=env)
     children.append(proc)
     return proc
+
+
+def peer_model(args, k):  # peer k's model: the models of --model in turn
+    return models(args)[k % len(models(args))]
+
+
+def label(model):  # a model in a legend or a table: its folder or Hub name, without the path
+    return os.path.basename(str(model).rstrip("/"))
 
 
 STOP_SECONDS = 120  # a stopped peer finishes a GRPO step and writes its checkpoint before it is killed
@@ -814,16 +834,18 @@ def free_memory(device):
         return None
 
 
-def check_memory(peers, device, params):
-    """Refuse, in one sentence, a --peers that does not fit in free memory: better than the kernel's OOM
-    killer taking a peer in round 3."""
-    need, free = params * PEER_BYTES_PER_PARAM, free_memory(device)
-    if free is None or peers * need <= free:
+def check_memory(device, params):
+    """Refuse, in one sentence, peers that do not fit in free memory (params: each peer's model's parameter
+    count): better than the kernel's OOM killer taking a peer in round 3."""
+    need, free = [n * PEER_BYTES_PER_PARAM for n in params], free_memory(device)
+    if free is None or sum(need) <= free:
         return
-    fits = int(free // need)
+    fits = sum(total <= free for total in itertools.accumulate(need))  # peers 0, 1, ... in turn
     where = "GPU memory" if device.type == "cuda" else "memory"
-    raise SystemExit(f"train.py: {peers} peers need about {peers * need / 1e9:.1f} GB of {where} "
-                     f"({need / 1e9:.1f} GB each) but {free / 1e9:.1f} GB is free: "
+    each = f"{max(need) / 1e9:.1f} GB each" if min(need) == max(need) else \
+        f"{min(need) / 1e9:.1f} to {max(need) / 1e9:.1f} GB each"
+    raise SystemExit(f"train.py: {len(need)} peers need about {sum(need) / 1e9:.1f} GB of {where} "
+                     f"({each}) but {free / 1e9:.1f} GB is free: "
                      + (f"try --peers {fits}." if fits else "not even one peer fits; free some memory first."))
 
 
@@ -831,7 +853,8 @@ def plot(run_dir, window=10):
     """RUN_DIR/reward.svg, every peer's reward per round (a running mean over `window` rounds): on top the
     local reward, the peer's skill; below it the batch reward, the paper's figure, which also counts the
     external groups trained on (always of mixed reward, so it reads higher). A run in silo trains on
-    its local groups only, where the two are the same: it gets the top chart alone. The charts are
+    its local groups only, where the two are the same: it gets the top chart alone. In a swarm of several
+    models each line is named by its peer and its model (settings.json). The charts are
     drawn by swarm.render_svg (swarm.py, the dashboard's, below its marker line)."""
     runs = {}
     for path in sorted(glob.glob(os.path.join(glob.escape(run_dir), "*", "metrics.jsonl"))):
@@ -839,6 +862,10 @@ def plot(run_dir, window=10):
             runs[os.path.basename(os.path.dirname(path))] = [json.loads(line) for line in f if line.strip()]
     if not runs:
         raise SystemExit(f"no <peer>/metrics.jsonl under {run_dir}: give the folder of a run")
+    settings = {n: os.path.join(run_dir, n, "settings.json") for n in runs}
+    ran = {n: label(M.read_json(f).get("model", "?")) if os.path.exists(f) else "?" for n, f in settings.items()}
+    if len(set(ran.values())) > 1:  # a mixed swarm: each line says its peer's model
+        runs = {f"{n} {ran[n]}": rows for n, rows in runs.items()}
     kinds = [("local_reward", "local reward (the skill)"),
              ("batch_reward", "batch reward (the paper's figure: the training batch, external groups too)")]
     if all(row["batch_reward"] == row["local_reward"] for rows in runs.values() for row in rows):

@@ -5,6 +5,7 @@ alone (in silo), at the same batch size, with the paper's table and figure for t
     python reproduce.py                  # --preset toy on a CPU (5 seeds), gpu on CUDA
     python reproduce.py --seeds 10       # more seeds: a tighter interval
     python reproduce.py --sweep          # where sharing helps: gain against initial success rate
+    python reproduce.py --mixed          # two toys of other sizes and tokenizers, each against its own silo
 
 The experiment (SAPO, arXiv 2509.08721, Sec. 4, Table 1 and Fig. 2). Each configuration I/J runs N
 peers (--peers, 8 as in the paper) for the same number of rounds. Every round every peer trains on
@@ -19,6 +20,8 @@ the same questions with the same sampling seeds (its first I questions of a roun
 I, J or what arrived). The ratio of a configuration to 8/0 is taken seed by seed, which removes most
 of the luck of the draw; results.json and table.md give it as mean +- standard error over seeds, its
 95% interval, and the seed-to-seed standard deviation (how far one seed's ratio may land from another's).
+The toy is part of the seed: seed s builds its own (weights and pre-training questions drawn with seed
+s; seed 0's is the toy every seed shared before), so the spread includes the toy's own variation.
 
 Why sharing can help, in plain words. GRPO learns only from a group whose completions got different
 rewards: if all 8 are wrong (or all right), every advantage is 0 and the group teaches nothing. When
@@ -40,7 +43,7 @@ fraction F of the questions already, which --sweep uses for toys where success i
 are found and learnt one by one, so informative groups stay rare all run long. Measured in the
 default run: a silo peer had 1.3 to 1.9 informative groups (mixed rewards) out of its 8 in every
 quarter of the run, and 12 to 25% of its rounds took no optimizer step at all; a 4/4 peer had 4.5 to
-5.0 informative groups of 8 and never missed a step. A toy with one skill (issue 11's pilot: the
+5.0 informative groups of 8 and never missed a step. A toy with one skill (an earlier pilot: the
 same kind of model taught to repeat a number, rarely inside the answer tags) shows the gain only at
 the start: every silo peer learns the one format bit within some dozens of rounds and then catches
 up. The toy's completions are the answer itself (--max-new-tokens 4 fits "<answer> 17 </answer>" and
@@ -55,6 +58,18 @@ A configuration named I/J+is (beyond the paper; 4/4+is is in the default table a
 train.py --shared-logprobs: senders publish their sampling log-probs, and a receiver trains each
 shared completion against them, bounded by a dual clip (grpo.py; README, "Off-policy sharing").
 
+A mixed swarm (--mixed; --model toy,chars). SAPO shares decoded text so that peers of different models
+and tokenizers can learn from each other. With --mixed peer k runs the k-th of two toys in turn: the
+word-level toy above and a larger one (3 layers of width 96, 269k parameters) whose tokenizer has one
+token per character, pre-trained the same way; "<answer> 17 </answer>" is 3 tokens to the first and 6
+(other ids) to the second, so --max-new-tokens becomes 8. A receiver re-tokenises the other kind's text
+and scores it with its own verifier. Each kind is measured against its own silo: its peers' cumulative
+local reward over the same peers' in 8/0 (the same model, seeds and questions), seed by seed; the table
+also counts, per round, the external groups each kind trained on, those the other model sent, and
+those trained against the sender's log-probs: under +is only a sender of the same tokenizer fingerprint
+has usable ones, so a group of the other kind trains by the paper's rule. The gpu preset runs a mixed
+swarm of any models with --model A,B.
+
 Deviations from the paper, and why:
 - Peers run in one process and trade through a real swarm.py server on loopback. By default they are
   synchronous, as in the paper's controlled runs: every peer samples and publishes, then every peer
@@ -62,7 +77,8 @@ Deviations from the paper, and why:
   the peers before it and the previous round's of those after it.
 - Scale: the toy has 26 facts, 8 peers and 150 rounds instead of nine task families and 2,000
   rounds. The gpu preset (the default model, 100 rounds of 8/0 and 4/4) has not yet run on a GPU,
-  so its size is a guess; it prints its own estimate first.
+  so its size is a guess; it prints its own estimate first (estimate_minutes: a short probe of every
+  configuration, run as the runs will be).
 - Reward: the toy's is strict 0/1 (alphabet_position is not a ReasoningGym family); the gpu preset
   scores with reward.py, which agrees with ReasoningGym (partial credit included).
 """
@@ -89,7 +105,7 @@ import train
 
 PRESETS = {
     # tiny models built here, on the CPU; the defaults took 7 minutes on 2 quiet cores (README)
-    "toy": dict(configs="8/0,6/2,4/4,4/4+is,2/6", peers=8, seeds=5, rounds=150, generations=8, max_new_tokens=4,
+    "toy": dict(configs="8/0,6/2,4/4,4/4+is,2/6", peers=8, seeds=5, rounds=150, generations=8, max_new_tokens=None,
                 lr=1e-3, micro_batch=64, model="toy", tasks="alphabet_position", guess=0.3, one_shot=False,
                 device="cpu"),
     # the default model (or --model) on one GPU; the size is a guess until measured: the estimate
@@ -98,6 +114,7 @@ PRESETS = {
                 lr=1e-5, micro_batch=16, model=M.DEFAULT_MODEL, tasks="auto", guess=None, one_shot=True,
                 device="cuda"),
 }
+MIXED_CONFIGS = "8/0,4/4,4/4+is"  # --mixed's default --configs
 # --sweep: toys from rare to common success, as (--guess, --known): success ~ guess / 26 + known
 SWEEP_TOYS = [(0.1, 0.0), (0.3, 0.0), (0.3, 0.25), (0.3, 0.5), (1.0, 0.0)]  # the last: uniform guesses alone
 SWEEP_CONFIGS = "8/0,4/4,4/4+is"  # --sweep's default --configs
@@ -120,7 +137,10 @@ def parse_args(argv=None):
     a("--generations", type=int, default=None, help="G: completions per question")
     a("--max-new-tokens", type=int, default=None, help="completion length limit in tokens")
     a("--lr", type=float, default=None, help="learning rate of every peer")
-    a("--model", default=None, help="gpu preset: model folder or Hub id (toy: built here)")
+    a("--model", default=None, help="model folder or Hub id, or a comma list whose models the peers take in turn; "
+      "toy preset: the toys built here, 'toy' (word-level) or 'toy,chars' (--mixed)")
+    a("--mixed", action="store_true", help="toy: a mixed swarm, the word-level toy and a larger character-level one "
+      f"in turn (--model toy,chars), each against its own silo (default --configs {MIXED_CONFIGS})")
     a("--tasks", default=None, help="gpu preset: train.py's --tasks")
     a("--micro-batch", type=int, default=None, help="completions per forward/backward (same result, less memory)")
     a("--guess", type=float, default=None, help="toy: fraction of pre-training answers that are uniform guesses")
@@ -142,9 +162,15 @@ def parse_args(argv=None):
         args.preset = "gpu" if torch.cuda.is_available() else "toy"
     if args.sweep and args.configs is None:
         args.configs = SWEEP_CONFIGS
+    if args.mixed:
+        args.model, args.configs = args.model or "toy,chars", args.configs or MIXED_CONFIGS
     for k, v in PRESETS[args.preset].items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
+    if args.preset == "toy" and not set(args.model.split(",")) <= set(TOYS):
+        p.error(f"the toy preset builds its models: --model is a comma list of {', '.join(TOYS)}")
+    if args.max_new_tokens is None:  # the toy's: its longest answer and the stop token
+        args.max_new_tokens = max(TOYS[kind]["max_new_tokens"] for kind in args.model.split(","))
     try:
         args.config_list = parse_configs(args.configs)
     except ValueError as e:
@@ -163,6 +189,10 @@ def parse_args(argv=None):
         p.error("--known must be a fraction from 0 to 1")
     if args.sweep and args.preset != "toy":
         p.error("--sweep varies the toy's pre-training: run it with --preset toy")
+    if args.mixed and args.preset != "toy":
+        p.error("--mixed builds two toys: with --preset gpu give --model A,B (the peers take them in turn)")
+    if args.sweep and "," in args.model:
+        p.error("--sweep varies one toy's pre-training: leave out --mixed")
     try:
         args.toys = [tuple(float(x) for x in t.split(":")) for t in args.sweep_toys.split(",")] if args.sweep_toys \
             else SWEEP_TOYS
@@ -241,10 +271,35 @@ def toy_tokenizer(tasks=("alphabet_position",)):
                                    unk_token="[UNK]", chat_template=CHAT_TEMPLATE)
 
 
+def chars_tokenizer(tasks=None):
+    """The second toy's tokenizer: one token per character (printable ASCII; anything else is [UNK]), with
+    <answer> and </answer> as single tokens and the same chat template. The same answer is other ids
+    than the word-level toy's: "<answer> 17 </answer>" is 6 tokens here (the spaces and each digit), 3
+    there. Text round-trips exactly (decoding joins the characters back)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {t: i for i, t in enumerate(SPECIALS + ["<answer>", "</answer>"] + [chr(c) for c in range(32, 127)])}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tk.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS])
+    tk.add_tokens([AddedToken("<answer>", special=False), AddedToken("</answer>", special=False)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<pad>", unk_token="[UNK]",
+                                   chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False)
+
+
+# the toys --model can name (toy preset): a tokenizer and a size each; "toy,chars" is a mixed swarm (--mixed)
+# and the completion length limit its answer needs ("<answer> 17 </answer>" and the stop token)
+TOYS = {"toy": dict(tokenizer=toy_tokenizer, dim=64, layers=2, max_new_tokens=4,  # 106k parameters
+                    what="word-level tokenizer, 2 layers of width 64"),
+        "chars": dict(tokenizer=chars_tokenizer, dim=96, layers=3, max_new_tokens=8,  # 269k parameters
+                      what="one token per character, 3 layers of width 96")}
+
+
 def toy_model(tok, dim=64, layers=2, seed=0):
-    """A Llama-family transformer for `tok` (~110k parameters for alphabet_position), weights N(0, 0.02),
-    output layer untied from the embedding (tied, the noise of rare-reward steps on the output rows
-    also moves the inputs, and the toy's answer format broke more often)."""
+    """A Llama-family transformer for `tok` (~110k parameters for alphabet_position at the defaults),
+    weights N(0, 0.02), output layer untied from the embedding (tied, the noise of rare-reward steps on
+    the output rows also moves the inputs, and the toy's answer format broke more often)."""
     hf = dict(model_type="llama", vocab_size=len(tok), hidden_size=dim, num_hidden_layers=layers,
               num_attention_heads=4, num_key_value_heads=2, intermediate_size=2 * dim, hidden_act="silu",
               max_position_embeddings=512, rope_theta=1000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -293,17 +348,53 @@ def pretrain_toy(model, tok, task_name, guess, known=0.0, steps=1000, batch=16, 
     return model.eval()
 
 
-def build_toy(folder, guess, known=0.0, task_name="alphabet_position", steps=1000, log=print):
-    """The toy model as a Hugging Face folder (built once; a folder already there is reused)."""
+def build_toy(folder, guess, known=0.0, task_name="alphabet_position", steps=1000, log=print, seed=0, kind="toy"):
+    """The toy model `kind` (TOYS) as a Hugging Face folder (built once; a folder already there is reused):
+    its weights drawn and its pre-training questions drawn with `seed`, so seed s of a run has a toy of
+    its own (seed 0's is the toy every seed shared before)."""
     if os.path.exists(os.path.join(folder, "config.json")):
         return folder
-    t0 = time.time()
-    tok = toy_tokenizer([task_name])
-    model = pretrain_toy(toy_model(tok), tok, task_name, guess, known, steps)
+    t0, toy = time.time(), TOYS[kind]
+    tok = toy["tokenizer"]([task_name])
+    model = toy_model(tok, toy["dim"], toy["layers"], seed)
+    model = pretrain_toy(model, tok, task_name, guess, known, steps, seed=seed)
     M.save_model(model, tok, folder)
     size = sum(p.numel() for p in model.parameters())
     log(f"built the toy model in {folder} ({size / 1e3:.0f}k parameters, {time.time() - t0:.0f} s)")
     return folder
+
+
+def toy_folder(root, base, seed):
+    """Where seed's toy goes: ROOT/BASE for seed 0 (e.g. toy-model), ROOT/BASE-seed1 for seed 1, ..."""
+    return os.path.join(root, base + (f"-seed{seed}" if seed else ""))
+
+
+def _build_job(job):
+    """One toy, built in a worker process with its share of the cores, and its success before training."""
+    folder, kind, guess, known, task_name, steps, seed, max_new_tokens, threads = job
+    torch.set_num_threads(threads)
+    t0 = time.time()
+    build_toy(folder, guess, known, task_name, steps, log=lambda *a: None, seed=seed, kind=kind)
+    return time.time() - t0, initial_success(folder, task_name, max_new_tokens=max_new_tokens)
+
+
+def build_toys(s, seeds, root, guess, known, base="toy", log=print):
+    """Every seed's toys, each built with that seed (its weights and its pre-training questions), s.jobs at
+    a time: seed s of a run trains on toys of its own, so a seed-to-seed spread includes the toy's. One
+    toy per kind of s.model ('toy', or 'toy,chars' for a mixed swarm). Returns {seed: [folder per kind]}
+    and {seed: [(success per completion, share of mixed groups) before training, per kind]}."""
+    kinds = s.model.split(",")
+    folders = {seed: [toy_folder(root, f"{base}-{'model' if kind == 'toy' else kind}", seed) for kind in kinds]
+               for seed in seeds}
+    threads = max(1, (os.cpu_count() or 1) // s.jobs)  # as in main: seed 0's toy is the one built before
+    jobs = [(folders[seed][i], kind, guess, known, s.tasks, s.pretrain_steps, seed, s.max_new_tokens, threads)
+            for seed in seeds for i, kind in enumerate(kinds)]
+    done = {}
+    for job, (seconds, success) in pool_map(_build_job, jobs, min(s.jobs, len(jobs))):
+        done[job[0]] = success
+        log(f"built the toy model in {job[0]} ({train.count_params(job[0]) / 1e3:.0f}k parameters, {seconds:.0f} s; "
+            f"before training {success[0]:.2%} of completions right, {success[1]:.0%} of groups mixed)")
+    return folders, {seed: [done[f] for f in folders[seed]] for seed in seeds}
 
 
 @torch.no_grad()
@@ -324,7 +415,21 @@ def initial_success(folder, task_name, one_shot=False, questions=256, G=8, max_n
 # --diagnose: what a shared completion does to its receiver (the stall question of issue 11)
 
 
-class DiagnosedPeer(train.Peer):
+class CountingPeer(train.Peer):
+    """A peer that also counts, each round, the external groups it trains on that another model sent
+    (the wire's `model` field is not its own) and those it trains against their sender's log-probs
+    (--shared-logprobs, where the sender's tokenizer is its own): self.counts, beside its metrics."""
+
+    def choose_external(self, r):
+        external, counts = super().choose_external(r)
+        own = train.label(self.args.model)
+        with_logprobs = [g for g in external if any(lp is not None for lp in g.logprobs or [])]
+        self.counts = dict(external_other_model=sum(g.item.get("model") != own for g in external),
+                           external_sender_logprobs=len(with_logprobs))
+        return external, counts
+
+
+class DiagnosedPeer(CountingPeer):
     """A peer that, before each GRPO step, also measures its batch split into its own groups and the
     shared ones: the mean log-prob per token of each under its current model (how off-policy shared
     text is), and the gradient norm each half alone would give (same normaliser as the whole batch, and
@@ -382,11 +487,13 @@ def peer_args(s, model, I, J, seed, k, folder, url, rule=None):
     return args
 
 
-def run(s, model, config, seed, folder):
-    """Train s.peers peers of configuration (I, J) for s.rounds rounds. Synchronous (s.sync): every peer
-    samples and publishes, then every peer fetches and trains. Otherwise round-robin: each peer does its
-    whole round in turn. Silo peers (J = 0) get no server. Returns per-peer lists of round metrics."""
+def run(s, models, config, seed, folder):
+    """Train s.peers peers of configuration (I, J) for s.rounds rounds, peer k on models[k % len(models)]
+    (a list of model folders, or one). Synchronous (s.sync): every peer samples and publishes, then every
+    peer fetches and trains. Otherwise round-robin: each peer does its whole round in turn. Silo peers
+    (J = 0) get no server. Returns per-peer lists of round metrics (CountingPeer's counts too)."""
     I, J, rule = (*config, None)[:3]
+    models = [models] if isinstance(models, str) else models
     os.makedirs(folder, exist_ok=True)
     server, url = swarm.start_server(os.path.join(folder, "swarm")) if J > 0 else (None, None)
     log_file = open(os.path.join(folder, "log.txt"), "a")
@@ -396,10 +503,10 @@ def run(s, model, config, seed, folder):
         if p.client is not None and not p.client.flush(timeout=60):
             print(f"round {r}: {p.name} did not catch up with the server in 60 s", file=log_file)
     try:
-        Peer = DiagnosedPeer if s.diagnose else train.Peer
+        Peer = DiagnosedPeer if s.diagnose else CountingPeer
         for k in range(s.peers):
             log = lambda *a, k=k: print(f"peer{k}:", *a, file=log_file, flush=True)  # noqa: E731
-            peers.append(Peer(peer_args(s, model, I, J, seed, k, folder, url, rule), log=log))
+            peers.append(Peer(peer_args(s, models[k % len(models)], I, J, seed, k, folder, url, rule), log=log))
         history, seconds = [[] for _ in peers], []
         for r in range(s.rounds):
             t = time.time()
@@ -411,12 +518,12 @@ def run(s, model, config, seed, folder):
                 for p in peers:  # then every peer reads the round's whole window
                     settle(p, r)
                 for k, p in enumerate(peers):
-                    history[k].append(dict(p.learn(r, collected[k]), **getattr(p, "diagnosis", {})))
+                    history[k].append(dict(p.learn(r, collected[k]), **p.counts, **getattr(p, "diagnosis", {})))
                 for p in peers:  # and the read each fetch() asked for ends before anyone samples again
                     settle(p, r)
             else:
                 for k, p in enumerate(peers):
-                    history[k].append(dict(p.round(r), **getattr(p, "diagnosis", {})))
+                    history[k].append(dict(p.round(r), **p.counts, **getattr(p, "diagnosis", {})))
             seconds.append(time.time() - t)
     finally:
         for p in peers:
@@ -431,32 +538,42 @@ def run(s, model, config, seed, folder):
 
 def _run_job(job):
     """One (configuration, seed) run in a worker process, with its share of the cores."""
-    s, model, config, seed, folder, threads = job
+    s, models, config, seed, folder, threads = job
     torch.set_num_threads(threads)
-    return config, seed, run(s, model, config, seed, folder)
+    return config, seed, run(s, models, config, seed, folder)
 
 
-def run_all(s, model, configs, seeds, folder, log=print):
-    """Every configuration for every seed, s.jobs runs at a time. Returns {(config, seed): run}."""
+def run_all(s, models, configs, seeds, folder, log=print):
+    """Every configuration for every seed, s.jobs runs at a time; seed's runs on models[seed] (a list of model
+    folders: peer k runs the k-th in turn). Returns {(config, seed): run}."""
     workers = min(s.jobs, len(configs) * len(seeds))
-    jobs = [(s, model, c, seed, os.path.join(folder, f"seed{seed}", name(c).replace("/", "-").replace("+", "-")),
+    jobs = [(s, models[seed], c, seed, os.path.join(folder, f"seed{seed}", name(c).replace("/", "-").replace("+", "-")),
              max(1, (os.cpu_count() or 1) // workers)) for seed in seeds for c in configs]
     results, t0 = {}, time.time()
 
     def report(config, seed, result):
         results[(config, seed)] = result
-        cum = sum(m["local_reward"] for peer in result["peers"] for m in peer)
+        cum, took = sum(m["local_reward"] for peer in result["peers"] for m in peer), (time.time() - t0) / 60
+        pace = sum(x["seconds"] for x in results.values()) / len(results) / 60  # minutes a run, so far
+        left = pace * (len(jobs) - len(results)) / workers  # runs still to finish, `workers` at a time
         log(f"  {name(config):>6} seed {seed}: cumulative local reward {cum:7.1f}  ({result['seconds']:.0f} s; "
-            f"{len(results)}/{len(jobs)} runs done, {(time.time() - t0) / 60:.1f} min)")
+            f"{len(results)}/{len(jobs)} runs done, {took:.1f} min, about {left:.0f} min left at this pace)")
+    for job, result in pool_map(_run_job, jobs, workers):
+        report(*result)
+    return results
+
+
+def pool_map(work, jobs, workers):
+    """(job, work(job)) for every job, in this process if workers is 1, else `workers` processes at a time
+    (in the order they finish)."""
     if workers == 1:
-        for job in jobs:
-            report(*_run_job(job))
-        return results
+        yield from ((job, work(job)) for job in jobs)
+        return
     # spawn, not fork: a forked child inherits the parent's OpenMP threads in an unusable state
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for future in concurrent.futures.as_completed([pool.submit(_run_job, j) for j in jobs]):
-            report(*future.result())
-    return results
+        futures = {pool.submit(work, job): job for job in jobs}
+        for future in concurrent.futures.as_completed(futures):
+            yield futures[future], future.result()
 
 # -----------------------------------------------------------------------------
 # statistics: the paper's cumulative reward, paired over seeds
@@ -531,6 +648,27 @@ def summarise(runs, configs, seeds, rounds):
             entry["diagnosis"] = diagnosis(runs, c, seeds, rounds)
         summary[name(c)] = entry
     return summary
+
+
+def by_kind(runs, configs, seeds, rounds, kinds):
+    """A mixed swarm, kind by kind (peer k runs kinds[k % len(kinds)]): summarise's figures for each kind's
+    peers alone, so each kind's ratios are to the same peers in 8/0, its own silo (the same model, seeds
+    and questions). Each configuration also gets: per round, the external groups another model sent
+    (external_other_model) and those trained against their sender's log-probs (external_sender_logprobs);
+    the local reward over the first and the last tenth of the run (start_reward, end_reward)."""
+    out, tenth = {}, max(1, rounds // 10)
+    for i, kind in enumerate(kinds):
+        mine = {key: dict(r, peers=r["peers"][i::len(kinds)]) for key, r in runs.items()}
+        summary = summarise(mine, configs, seeds, rounds)
+        for c in configs:
+            peers = [peer for seed in seeds for peer in mine[c, seed]["peers"]]
+            rows = [m for peer in peers for m in peer]
+            for key in ("external_other_model", "external_sender_logprobs"):
+                summary[name(c)][f"{key}_per_round"] = train.mean([m.get(key, 0) for m in rows])
+            summary[name(c)]["start_reward"] = train.mean([m["local_reward"] for peer in peers for m in peer[:tenth]])
+            summary[name(c)]["end_reward"] = train.mean([m["local_reward"] for peer in peers for m in peer[-tenth:]])
+        out[kind] = summary
+    return out
 
 
 DIAGNOSIS = ("reward_local", "reward_external", "lp_local", "lp_external", "grad_local", "grad_external",
@@ -609,11 +747,12 @@ def machine():
                 torch=torch.__version__, python=platform.python_version())
 
 
-def table_md(s, summary, seeds, sentence, minutes=None):
+def table_md(s, summary, seeds, sentence, minutes=None, estimated=None):
     """The paper's Table 1 for this run, then the per-seed values, the sentence and the settings."""
     m = machine()
     where = m["gpu"] or f"{m['cores']} CPU cores ({m['cpu']})"
-    took = f" in {minutes:.1f} minutes" if minutes is not None else ""
+    took = (f" in {minutes:.1f} minutes" if minutes is not None else "") + (
+        f" (estimated beforehand: {estimated:.1f})" if estimated is not None else "")
     lines = [f"# Swarm against silo: {s.peers} peers, {s.rounds} rounds, {len(seeds)} paired seeds "
              f"({s.preset} preset){took} on {where}", "",
              "| I/J | cumulative local reward | ratio to 8/0 | 95% interval | seed-to-seed sd | seeds above 1 | "
@@ -668,10 +807,16 @@ def table_md(s, summary, seeds, sentence, minutes=None):
     return "\n".join(lines) + "\n"
 
 
-def reward_svg(summary, rounds):
+def reward_svg(summary, rounds, kinds=None):
     """The paper's Fig. 2 for this run: per configuration, the peer-mean local reward (running mean) and
-    the band from the worst to the best peer."""
+    the band from the worst to the best peer. A mixed swarm (kinds, by_kind's): a line per configuration
+    and kind of peer, without bands."""
     window = max(1, rounds // 20)
+    if kinds:
+        lines = {f"{c} {kind}": list(enumerate(e["curve"]["mean"]))
+                 for kind, configs in kinds.items() for c, e in configs.items()}
+        return swarm.render_svg(lines, ylabel="local reward", title=f"local reward, running mean over {window} "
+                                "rounds: the mean of each kind's peers")
     lines = {c: list(enumerate(e["curve"]["mean"])) for c, e in summary.items()}
     bands = {c: [(r, lo, hi) for r, (lo, hi) in enumerate(zip(e["curve"]["min"], e["curve"]["max"]))]
              for c, e in summary.items()}
@@ -679,18 +824,63 @@ def reward_svg(summary, rounds):
                             f"{window} rounds: peer mean (line), worst to best peer (band)")
 
 
-def write_outputs(s, folder, summary, seeds, extra=None):
-    """results.json, table.md and reward.svg into folder; returns the closing sentence."""
-    sentence = closing_sentence(summary, seeds)
+def kinds_md(kinds, seeds, described):
+    """table.md's part for a mixed swarm: each kind of peer against its own silo (by_kind's figures)."""
+    lines = ["", "Each kind of peer against its own silo. Peer k runs the k-th model in turn; a kind's ratio is its "
+             "peers' cumulative local reward over the same peers' in 8/0 (the same model, seeds and questions), seed "
+             "by seed: mean ± s.e. and the seed-to-seed sd. External groups per round: trained on, of them sent by "
+             "the other model, and of them trained against the sender's log-probs (which only a sender with the "
+             "same tokenizer has). Local reward over the first and the last tenth of the run: start → end.", "",
+             "| kind | I/J | local reward, start → end | cumulative local reward | ratio to its silo | sd "
+             "| seeds above 1 | first half: ratio | sd | external groups per round | from the other model "
+             "| with the sender's log-probs | over I/J by the paper's rule | first half |", "|---" * 14 + "|"]
+    for kind, summary in kinds.items():
+        for c, e in summary.items():
+            w, h = e["whole"], e["first_half"]
+            r, rh = w["ratio_local_reward"], h["ratio_local_reward"]
+            ratios = "– | – | – | – | – |" if c == "8/0" else \
+                f"{pm(r)} | {fmt(r['sd'])} | {r['seeds_above_1']}/{len(seeds)} | {pm(rh)} | {fmt(rh['sd'])} |"
+            over = f"{pm(w['ratio_to_paper_rule'])} | {pm(h['ratio_to_paper_rule'])}" if "ratio_to_paper_rule" in w \
+                else "– | –"
+            lines.append(f"| {kind} | {c} | {e['start_reward']:.3f} → {e['end_reward']:.3f} | "
+                         f"{pm(w['cumulative_local_reward'], 1)} | {ratios} {e['external_groups_per_round']:.2f} | "
+                         f"{e['external_other_model_per_round']:.2f} | {e['external_sender_logprobs_per_round']:.2f} | "
+                         f"{over} |")
+    return lines + (["", "The kinds: " + "; ".join(f"{k}, {what}" for k, what in described.items()) + "."] if described
+                    else [])
+
+
+def kinds_sentence(kinds):
+    """' Kind by kind, ...: toy peers earned 1.30 times in 4/4 (95% interval ...), ...; chars peers ...'"""
+    said = []
+    for kind, summary in kinds.items():
+        parts = []
+        for c, e in summary.items():
+            r = e["whole"]["ratio_local_reward"]
+            if c != "8/0" and r["mean"] is not None:
+                ci = f" (95% interval {r['ci95'][0]:.2f}–{r['ci95'][1]:.2f})" if r["ci95"] else ""
+                parts.append(f"{r['mean']:.2f} times in {c}{ci}")
+        said.append(f"{kind} peers earned " + ", ".join(parts) if parts else f"{kind} peers earned nothing in silo")
+    return (" Kind by kind, against its own silo (cumulative local reward over the same peers' in 8/0): "
+            + "; ".join(said) + ".")
+
+
+def write_outputs(s, folder, summary, seeds, extra=None, kinds=None):
+    """results.json, table.md and reward.svg into folder; returns the closing sentence. kinds: by_kind's
+    figures of a mixed swarm (extra's `kinds` describes them)."""
+    extra = extra or {}
+    sentence = closing_sentence(summary, seeds) + (kinds_sentence(kinds) if kinds else "")
     results = dict(settings=settings(s), machine=machine(),
                    seeds=seeds, configurations=summary, sentence=sentence,
-                   paper_ratio={c: PAPER[c] / PAPER["8/0"] for c in PAPER}, **(extra or {}))
+                   paper_ratio={c: PAPER[c] / PAPER["8/0"] for c in PAPER}, **extra,
+                   **({"by_kind": kinds} if kinds else {}))
     with open(os.path.join(folder, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
+    table = table_md(s, summary, seeds, sentence, extra.get("minutes"), extra.get("estimated_minutes"))
     with open(os.path.join(folder, "table.md"), "w") as f:
-        f.write(table_md(s, summary, seeds, sentence, (extra or {}).get("minutes")))
+        f.write(table + ("\n".join(kinds_md(kinds, seeds, extra.get("kinds", {}))) + "\n" if kinds else ""))
     with open(os.path.join(folder, "reward.svg"), "w") as f:
-        f.write(reward_svg(summary, s.rounds))
+        f.write(reward_svg(summary, s.rounds, kinds))
     return sentence
 
 # -----------------------------------------------------------------------------
@@ -698,7 +888,8 @@ def write_outputs(s, folder, summary, seeds, extra=None):
 
 
 def sweep(s, log=print):
-    """For each toy of SWEEP_TOYS: build it, measure its success before training; for each swarm size,
+    """For each toy of SWEEP_TOYS: build it (one per seed), measure its success before training (the mean
+    over seeds); for each swarm size,
     run 8/0 and the other --configs (default SWEEP_CONFIGS) with paired seeds. A configuration's gain is
     its cumulative local reward over 8/0's, seed by seed; I/J+is also gets its gain over I/J. The toy
     pre-trained on uniform guesses alone (--guess 1) learnt nothing in silo in an earlier sweep, most
@@ -706,12 +897,12 @@ def sweep(s, log=print):
     seeds, configs, points = list(range(s.seeds)), s.config_list, []
     for guess, known in s.toys:
         toy = f"guess{guess}-known{known}"
-        model = build_toy(os.path.join(s.out, f"toy-{toy}"), guess, known, s.tasks, s.pretrain_steps, log)
-        success, mixed = initial_success(model, s.tasks, max_new_tokens=s.max_new_tokens)
+        models, before = build_toys(s, seeds, s.out, guess, known, f"toy-{toy}", log)
+        success, mixed = (sum(b[0][i] for b in before.values()) / len(seeds) for i in (0, 1))  # mean over seeds
         for peers in s.sizes:
-            log(f"{toy} (initial success {success:.2%}, mixed groups {mixed:.0%}), {peers} peers:")
+            log(f"{toy} (initial success {success:.2%}, mixed groups {mixed:.0%}, mean over seeds), {peers} peers:")
             t = argparse.Namespace(**dict(vars(s), peers=peers))
-            runs = run_all(t, model, configs, seeds, os.path.join(s.out, f"{toy}-peers{peers}"), log)
+            runs = run_all(t, models, configs, seeds, os.path.join(s.out, f"{toy}-peers{peers}"), log)
             summary = summarise(runs, configs, seeds, s.rounds)
             points.append(dict(guess=guess, known=known, initial_success=success, mixed_groups=mixed, peers=peers,
                                silo_reward=summary["8/0"]["whole"]["cumulative_local_reward"]["mean"]
@@ -754,12 +945,36 @@ def sweep(s, log=print):
 # main
 
 
-def estimate_minutes(s, model, configs, n_runs):
-    """Run 3 rounds of the last configuration (a swarm one, whose peers train every round) and scale the
-    time of its last 2 rounds to every run."""
-    trial = argparse.Namespace(**dict(vars(s), rounds=3))
-    seconds = run(trial, model, configs[-1], 0, os.path.join(s.out, "calibration"))["round_seconds"][1:]
-    return sum(seconds) / len(seconds) * s.rounds * n_runs / s.jobs / 60
+PROBE_ROUNDS = 4  # rounds of every configuration that the time estimate runs
+
+
+def estimate_minutes(s, models, configs, seeds):
+    """Minutes the runs will take on this machine, from a probe that runs as they will: every configuration
+    for PROBE_ROUNDS rounds on seed 0's models, in as many worker processes at a time as the runs get (so
+    the workers' start, the peers' loading and the runs' contention for the cores are in it). A run then
+    costs its probe's seconds plus its probe's mean round (after round 0) for every further round, and the
+    runs are laid out on the workers in the order run_all starts them. A machine that gets busier later
+    takes longer than this: run_all says, as runs finish, how long is left at the pace they went."""
+    workers = min(s.jobs, len(configs) * len(seeds))
+    copies = -(-workers // len(configs))  # probes of each configuration, so that every worker is busy
+    probe = argparse.Namespace(**dict(vars(s), rounds=PROBE_ROUNDS))
+    t0 = time.time()
+    runs = run_all(probe, {k: models[seeds[0]] for k in range(copies)}, configs, list(range(copies)),
+                   os.path.join(s.out, "probe"), log=lambda *a: None)
+    took = time.time() - t0
+    cost = {c: sum(r["seconds"] + sum(r["round_seconds"][1:]) / (PROBE_ROUNDS - 1) * (s.rounds - PROBE_ROUNDS)
+                   for (c2, _), r in runs.items() if c2 == c) / copies for c in configs}
+    start = took - layout([runs[c, k]["seconds"] for k in range(copies) for c in configs], workers)  # workers' start
+    return (max(0.0, start) + layout([cost[c] for _ in seeds for c in configs], workers)) / 60
+
+
+def layout(seconds, workers):
+    """The wall time of jobs of these seconds each on `workers` workers, each job started in turn on the
+    first worker free: layout([3, 1, 2], 2) is 3 (worker 1: 3; worker 2: 1 then 2)."""
+    free = [0.0] * workers
+    for x in seconds:
+        free[free.index(min(free))] += x
+    return max(free)
 
 
 def main(argv=None):
@@ -773,28 +988,34 @@ def main(argv=None):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // s.jobs))  # as each of the parallel runs will
     if s.sweep:
         return sweep(s)
-    seeds = list(range(s.seeds))
-    model = s.model
-    if s.preset == "toy":
-        model = build_toy(os.path.join(s.out, "toy-model"), s.guess, s.known, s.tasks, s.pretrain_steps)
-    extra = {}
-    if s.preset == "toy":
-        success, mixed = initial_success(model, s.tasks, max_new_tokens=s.max_new_tokens)
-        extra = dict(initial_success=success, initial_mixed_groups=mixed)
-        print(f"the toy model before training: {success:.2%} of completions right, {mixed:.0%} of groups mixed")
+    seeds, extra = list(range(s.seeds)), {}
+    models = {seed: s.model.split(",") for seed in seeds}
+    if s.preset == "toy":  # seed s trains on toys built with seed s
+        models, before = build_toys(s, seeds, s.out, s.guess, s.known)
+        extra = dict(initial_success=sum(b[0][0] for b in before.values()) / len(seeds),
+                     initial_mixed_groups=sum(b[0][1] for b in before.values()) / len(seeds),
+                     initial_per_seed={kind: [before[seed][i] for seed in seeds]
+                                       for i, kind in enumerate(s.model.split(","))})
+        extra["kinds"] = {kind: f"{TOYS[kind]['what']}, {train.count_params(models[0][i]) / 1e3:.0f}k parameters, "
+                          f"{train.mean([v[0] for v in values]):.2%} of completions right and "
+                          f"{train.mean([v[1] for v in values]):.0%} of groups mixed before training (mean over seeds)"
+                          for i, (kind, values) in enumerate(extra["initial_per_seed"].items())}
+        print("the toys: " + "; ".join(f"{kind}, {what}" for kind, what in extra["kinds"].items()))
     n_runs = len(s.config_list) * len(seeds)
-    about = f": about {estimate_minutes(s, model, s.config_list, n_runs):.0f} minutes here" if s.rounds >= 10 else ""
+    estimate = estimate_minutes(s, models, s.config_list, seeds) if s.rounds >= 10 else None
+    about = f": about {estimate:.0f} minutes here, from a probe of every configuration" if estimate else ""
     print(f"{n_runs} runs ({', '.join(map(name, s.config_list))} x {len(seeds)} seeds) of {s.peers} peers x "
-          f"{s.rounds} rounds, {s.jobs} at a time{about}")
+          f"{s.rounds} rounds, {min(s.jobs, n_runs)} at a time{about}")
     t0 = time.time()
-    runs = run_all(s, model, s.config_list, seeds, s.out)
+    runs = run_all(s, models, s.config_list, seeds, s.out)
     summary = summarise(runs, s.config_list, seeds, s.rounds)
-    sentence = write_outputs(s, s.out, summary, seeds, dict(extra, minutes=(time.time() - t0) / 60))
+    kinds = by_kind(runs, s.config_list, seeds, s.rounds, s.model.split(",")) if "," in s.model else None
+    sentence = write_outputs(s, s.out, summary, seeds, dict(extra, minutes=(time.time() - t0) / 60,
+                                                            estimated_minutes=estimate), kinds)
     print(open(os.path.join(s.out, "table.md")).read())
-    print(f"wrote {s.out}/results.json, table.md and reward.svg in {(time.time() - t0) / 60:.1f} minutes")
+    print(f"wrote {s.out}/results.json, table.md and reward.svg in {(time.time() - t0) / 60:.1f} minutes"
+          + (f" (estimated {estimate:.0f})" if estimate else ""))
     return sentence
-
-
 
 
 if __name__ == "__main__":

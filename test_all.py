@@ -3986,6 +3986,115 @@ def test_train_launcher_exits_non_zero_when_a_peer_dies(tiny, tmp_path):
 
 # -- a mixed swarm: peers of different models and tokenizers --
 
+def save_tiny_chars(folder, seed=0):
+    """A tiny random Llama with reproduce.py's one-token-per-character tokenizer: the same text is other
+    ids than the tiny word-level tokenizer's, and the tokenizer fingerprints differ."""
+    import reproduce
+    tok = reproduce.chars_tokenizer()
+    hf = hf_model("llama", False, seed=seed, std=None, vocab_size=len(tok), eos_token_id=tok.eos_token_id)
+    hf.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return tok
+
+
+def test_train_peers_of_two_tokenizers_train_on_each_others_text_and_sender_logprobs_only_within_one(tmp_path,
+                                                                                                   monkeypatch):
+    """Three peers through a real server: two of the word-level tokenizer (different weights) and one of
+    characters, all with --shared-logprobs. Each trains on the others' groups re-tokenised: the trained ids
+    decode to the text it scores with its own verifier, which is the shared text wherever its vocabulary
+    holds it, and a special token's text from the other tokenizer stays text. A group from the other
+    tokenizer trains by the paper's rule (no sender log-probs); one from the same tokenizer with them.
+    Sampling is forced (every group has right and wrong completions), so it holds on any machine."""
+    save_tiny(tmp_path / "words", std=None)
+    save_tiny(tmp_path / "words2", seed=1, std=None)
+    save_tiny_chars(tmp_path / "chars")
+    server, url = swarm.start_server(str(tmp_path / "swarm"))
+    names = {"w": "words", "c": "chars", "w2": "words2"}
+    peers = {n: train.Peer(tiny_args(tmp_path, "--swarm", url, "--name", n, "--shared-logprobs", "--local", "2",
+                                     "--external", "4", "--max-new-tokens", "48", model=tmp_path / m), log=quiet)
+             for n, m in names.items()}
+    tokenizers = {id(p.sampler): p.tok for p in peers.values()}
+    special = " <|im_end|><|im_start|> user 7"  # characters to the char model; never a real end of turn elsewhere
+
+    def generate(model, prompts, num_samples, max_new_tokens, eos_token_ids, logprobs=False, **kw):
+        tok, outs = tokenizers[id(model)], []
+        for prompt in prompts:  # two right and two wrong answers to "Repeat this number: n"
+            n = int(re.findall(r"\d+", tok.decode(prompt))[-1])
+            texts = [f"<answer> {n} </answer>", f"<answer> {n + 1} </answer>", f"{n} <answer> {n} </answer>",
+                     "<answer> </answer>" + special * (tok is peers["c"].tok)]
+            outs += [tok(t, add_special_tokens=False, split_special_tokens=True)["input_ids"] + [tok.eos_token_id]
+                     for t in texts[:num_samples]]
+        return outs, [[-0.5] * len(o) for o in outs]
+    monkeypatch.setattr(train.sample, "generate", generate)
+    trained = {n: [] for n in peers}  # the groups of each GRPO step, peer by peer
+    for n, p in peers.items():
+        p.update = lambda groups, n=n, p=p, update=p.update: trained[n].append(groups) or update(groups)
+    try:
+        for r in range(2):  # synchronous rounds: all publish, all reads settle, all learn
+            collected = {n: p.collect(r) for n, p in peers.items()}
+            assert all(p.client.flush(20) for p in peers.values()) and all(p.client.flush(20) for p in peers.values())
+            for n, p in peers.items():
+                assert p.learn(r, collected[n])["stepped"]
+    finally:
+        for p in peers.values():
+            p.client.close()
+        server.shutdown()
+    stops = {n: p.stop_id for n, p in peers.items()}
+    for n, p in peers.items():
+        external = [g for groups in trained[n] for g in groups if "peer" in g.item]
+        assert {g.item["peer"] for g in external} == set(peers) - {n}  # it trained on every other peer's groups
+        control = {p.tok.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")}
+        for g in external:
+            for ids, text, shared, reward_ in zip(g.completions, g.texts, g.item["completions"], g.rewards):
+                assert ids[-1] == stops[n] and not control & set(ids[:-1])  # special-token text stays text
+                assert p.tok.decode(ids[:-1], skip_special_tokens=True) == text  # trained ids say the scored text
+                assert reward_ == reward.score(g.item, text)  # its own verifier, on what it trains
+                assert text == shared or (n != "c" and "<|" in shared)  # the shared text, where the vocabulary has it
+            same = g.item["tokenizer"] == train.tokenizer_fingerprint(p.tok)
+            assert same == ({n, g.item["peer"]} == {"w", "w2"})
+            assert g.logprobs == ([[-0.5] * len(ids) for ids in g.completions] if same else [None] * 4)
+    assert any(g.item["peer"] == "c" and special.strip() in g.item["completions"][3] for g in
+               (g for groups in trained["w"] for g in groups if "peer" in g.item))  # the text did travel
+    for n, p in peers.items():  # what the step gets as each row's old policy: the sender's only within a tokenizer
+        for groups in trained[n]:
+            rows = [(g, ids) for g in groups for ids in g.completions]
+            assert [lp is None for lp in p.behaviour(groups)] == [
+                "peer" not in g.item or {n, g.item["peer"]} != {"w", "w2"} for g, _ in rows]
+
+
+def test_train_launcher_runs_a_swarm_of_two_models_and_says_which_peer_runs_which(tmp_path, monkeypatch):
+    """python train.py --peers 2 --model A,B: peer0 runs A, peer1 B, to the end; the memory check counts
+    each peer's own model; the plot names each line's model; a comma list without --peers is refused."""
+    save_tiny(tmp_path / "words", std=None)
+    save_tiny_chars(tmp_path / "chars")
+    out, models = tmp_path / "mixed-run", f"{tmp_path / 'words'},{tmp_path / 'chars'}"
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--peers", "2", "--model", models, "--tasks",
+                        "repeat_number", "--generations", "4", "--max-new-tokens", "6", "--out", str(out),
+                        "--rounds", "3"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "2 of 2 peers finished" in r.stdout, r.stderr[-2000:]
+    for name, model in (("peer0", "words"), ("peer1", "chars")):
+        assert json.load(open(out / name / "settings.json"))["model"] == str(tmp_path / model)
+        assert [json.loads(line)["round"] for line in open(out / name / "metrics.jsonl")] == [0, 1, 2]
+    import shutil
+    for name in ("peer0", "peer1"):  # the peers' folders alone (the server's swarm/ beside them is no peer's)
+        shutil.copytree(out / name, tmp_path / "plot" / name)
+    train.main(["--plot", str(tmp_path / "plot")])
+    legend = [t.text for t in ET.parse(tmp_path / "plot" / "reward.svg").iter() if t.tag.endswith("text") and t.text]
+    assert {"peer0 words", "peer1 chars"} <= set(legend)
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(["--model", models])
+    assert e.value.code == 2
+    sizes = {str(tmp_path / "words"): train.count_params(str(tmp_path / "words")),
+             str(tmp_path / "chars"): train.count_params(str(tmp_path / "chars"))}
+    assert len(set(sizes.values())) == 2
+    free = (2 * sizes[str(tmp_path / "words")] + sizes[str(tmp_path / "chars")]) * train.PEER_BYTES_PER_PARAM
+    monkeypatch.setattr(train, "free_memory", lambda device: free)  # room for words, chars, words: not a 2nd chars
+    with pytest.raises(SystemExit) as e:
+        train.main(["--peers", "4", "--model", models, "--out", str(tmp_path / "too-many")])
+    assert "4 peers need about" in str(e.value) and "try --peers 3." in str(e.value) and " to " in str(e.value)
+    train.check_memory(torch.device("cpu"), [sizes[str(tmp_path / m)] for m in ("words", "chars", "words")])
+
+
 def test_train_launcher_gives_each_peer_its_model_in_turn_and_one_task_mix(monkeypatch):
     """--model A,B with --peers 3: peer0 A, peer1 B, peer2 A, each as its own --model; --tasks auto is
     resolved once by the launcher (the easy mix when the default model is among them), so peers of
@@ -4516,6 +4625,72 @@ def test_reproduce_small_run_writes_the_table_and_figure_and_pairs_the_seeds(tmp
     assert _questions(tmp_path / "async" / "peer1")[:2] == _questions(out / "seed0" / "4-4" / "peer1")[:2]
 
 
+def test_reproduce_each_seed_trains_on_a_toy_built_with_that_seed(tmp_path):
+    """Seed s's toy is drawn and pre-trained with seed s, so the seed-to-seed spread includes the toy's own;
+    seed 0's is exactly the toy built with seed 0 (the one every seed shared before)."""
+    s = reproduce.parse_args(["--seeds", "2", "--pretrain-steps", "5", "--jobs", "1", "--out", str(tmp_path)])
+    models, before = reproduce.build_toys(s, [0, 1], str(tmp_path), s.guess, s.known, log=quiet)
+    assert models == {0: [str(tmp_path / "toy-model")], 1: [str(tmp_path / "toy-model-seed1")]}
+    assert all(len(b) == 1 and 0 <= b[0][0] <= 1 for b in before.values())
+    alone = reproduce.build_toy(str(tmp_path / "alone"), s.guess, s.known, s.tasks, 5, log=quiet)
+    weights = [M.load_model(f, log=quiet)[0].state_dict() for f in (models[0][0], alone, models[1][0])]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert not all(torch.equal(weights[0][k], weights[2][k]) for k in weights[0])
+
+
+def test_reproduce_mixed_swarm_measures_each_kind_against_its_own_silo(tmp_path):
+    """--mixed: peers take the word-level toy and the character toy in turn; each kind's ratio is its own
+    peers' cumulative local reward over the same peers' in 8/0; the external groups each kind trained on
+    are counted by the sender's model and by whether the sender's log-probs were used (only +is, and only
+    from a sender with the same tokenizer)."""
+    out = tmp_path / "mixed"
+    sentence = reproduce.main(["--mixed", "--seeds", "2", "--peers", "4", "--rounds", "3", "--pretrain-steps", "20",
+                               "--jobs", "1", "--out", str(out)])
+    results = json.loads((out / "results.json").read_text())
+    kinds = results["by_kind"]
+    assert list(kinds) == ["toy", "chars"] and set(results["kinds"]) == {"toy", "chars"}
+    assert results["settings"]["max_new_tokens"] == 8 and results["settings"]["configs"] == "8/0,4/4,4/4+is"
+    for k, folder in enumerate(["toy-model", "toy-chars", "toy-model", "toy-chars"]):
+        for seed in (0, 1):
+            model = json.loads((out / f"seed{seed}" / "4-4" / f"peer{k}" / "settings.json").read_text())["model"]
+            assert model == str(out / reproduce.toy_folder("", folder, seed))
+    for i, kind in enumerate(kinds):
+        for c in ("8/0", "4/4", "4/4+is"):
+            e = kinds[kind][c]
+            per_seed = [sum(json.loads(line)["local_reward"] for k in (i, i + 2)
+                            for line in open(out / f"seed{seed}" / c.replace("/", "-").replace("+", "-")
+                                             / f"peer{k}" / "metrics.jsonl")) for seed in (0, 1)]
+            assert e["whole"]["cumulative_local_reward"]["per_seed"] == pytest.approx(per_seed)
+            base = kinds[kind]["8/0"]["whole"]["cumulative_local_reward"]["per_seed"]
+            assert e["whole"]["ratio_local_reward"]["per_seed"] == [v / b if b > 0 else None
+                                                                    for v, b in zip(per_seed, base)]
+            assert 0 <= e["external_other_model_per_round"] <= e["external_groups_per_round"]
+            sender = e["external_sender_logprobs_per_round"]
+            assert sender == 0 if c != "4/4+is" else sender <= e["external_groups_per_round"] - e[
+                "external_other_model_per_round"] + 1e-9
+            assert 0 <= e["start_reward"] <= 1 and 0 <= e["end_reward"] <= 1
+    table = (out / "table.md").read_text()
+    assert len(re.findall(r"^\| (toy|chars) \| (8/0|4/4|4/4\+is) \|", table, re.M)) == 6
+    assert "Kind by kind, against its own silo" in sentence and "; chars peers earned" in sentence and sentence in table
+    svg = ET.fromstring((out / "reward.svg").read_text())
+    assert len(list(svg.iter("{http://www.w3.org/2000/svg}polyline"))) == 6  # a line per kind and configuration
+
+
+def test_reproduce_time_estimate_runs_a_probe_as_the_runs_go(tmp_path):
+    """The estimate runs every configuration for PROBE_ROUNDS rounds in as many workers as the runs get,
+    and lays the scaled runs out on the workers in turn (no timing is asserted: only what it measures)."""
+    assert reproduce.layout([3, 1, 2], 2) == 3 and reproduce.layout([3, 1, 2], 1) == 6
+    assert reproduce.layout([1, 1, 1, 1, 1], 2) == 3
+    s = reproduce.parse_args(["--configs", "8/0,4/4", "--peers", "2", "--rounds", "10", "--jobs", "1",
+                              "--pretrain-steps", "5", "--out", str(tmp_path)])
+    models, _ = reproduce.build_toys(s, [0, 1], str(tmp_path), s.guess, s.known, log=quiet)
+    minutes = reproduce.estimate_minutes(s, models, s.config_list, [0, 1])
+    assert math.isfinite(minutes) and minutes > 0
+    for c in ("8-0", "4-4"):
+        rounds = [json.loads(line)["round"] for line in open(tmp_path / "probe" / "seed0" / c / "peer1" / "metrics.jsonl")]
+        assert rounds == list(range(reproduce.PROBE_ROUNDS))
+
+
 @pytest.mark.parametrize("flags, says", [
     (["--configs", "4/4"], "must include 8/0"), (["--configs", "4-4,8/0"], "is not I/J"),
     (["--configs", "0/8,8/0"], "I >= 1"), (["--configs", "8/0,500/500"], "I + J <= 64"),
@@ -4523,7 +4698,9 @@ def test_reproduce_small_run_writes_the_table_and_figure_and_pairs_the_seeds(tmp
     (["--peers", "1"], "--peers >= 2"), (["--peers", "100000"], "at most 64"), (["--guess", "0"], "--guess"),
     (["--sweep", "--preset", "gpu"], "--sweep"), (["--rounds", "x"], "invalid int"), (["--jobs", "-1"], "--jobs"),
     (["--lr", "-1"], "--lr"), (["--known", "2"], "--known"), (["--sweep", "--sweep-toys", "0.3"], "guess:known"),
-    (["--sweep", "--sweep-toys", "0:0"], "0 < guess"), (["--sweep", "--sweep-peers", "2,x"], "--sweep-peers")])
+    (["--sweep", "--sweep-toys", "0:0"], "0 < guess"), (["--sweep", "--sweep-peers", "2,x"], "--sweep-peers"),
+    (["--mixed", "--preset", "gpu"], "--mixed builds two toys"), (["--model", "toy,nope"], "comma list of toy, chars"),
+    (["--sweep", "--mixed"], "--sweep varies one toy")])
 def test_reproduce_bad_flags_get_one_sentence(flags, says, capsys):
     with pytest.raises(SystemExit) as e:
         reproduce.parse_args(flags)

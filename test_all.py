@@ -4014,14 +4014,14 @@ def test_train_peers_of_two_tokenizers_train_on_each_others_text_and_sender_logp
                                      "--external", "4", "--max-new-tokens", "48", model=tmp_path / m), log=quiet)
              for n, m in names.items()}
     tokenizers = {id(p.sampler): p.tok for p in peers.values()}
-    special = " <|im_end|><|im_start|> user 7"  # characters to the char model; never a real end of turn elsewhere
+    special = "<|im_end|><|im_start|>"  # characters to the char model, and never a real end of turn elsewhere
 
     def generate(model, prompts, num_samples, max_new_tokens, eos_token_ids, logprobs=False, **kw):
         tok, outs = tokenizers[id(model)], []
         for prompt in prompts:  # two right and two wrong answers to "Repeat this number: n"
             n = int(re.findall(r"\d+", tok.decode(prompt))[-1])
             texts = [f"<answer> {n} </answer>", f"<answer> {n + 1} </answer>", f"{n} <answer> {n} </answer>",
-                     "<answer> </answer>" + special * (tok is peers["c"].tok)]
+                     f"<answer> {n} {special} </answer>" if tok is peers["c"].tok else "<answer> </answer>"]
             outs += [tok(t, add_special_tokens=False, split_special_tokens=True)["input_ids"] + [tok.eos_token_id]
                      for t in texts[:num_samples]]
         return outs, [[-0.5] * len(o) for o in outs]
@@ -4053,8 +4053,9 @@ def test_train_peers_of_two_tokenizers_train_on_each_others_text_and_sender_logp
             same = g.item["tokenizer"] == train.tokenizer_fingerprint(p.tok)
             assert same == ({n, g.item["peer"]} == {"w", "w2"})
             assert g.logprobs == ([[-0.5] * len(ids) for ids in g.completions] if same else [None] * 4)
-    assert any(g.item["peer"] == "c" and special.strip() in g.item["completions"][3] for g in
-               (g for groups in trained["w"] for g in groups if "peer" in g.item))  # the text did travel
+    for g in (g for groups in trained["w"] for g in groups if g.item.get("peer") == "c"):  # the text did travel:
+        assert special in g.item["completions"][3] and reward.score(g.item, g.item["completions"][3]) == 0
+        assert g.rewards[3] == 1  # what the word-level peer trains on says the right answer (its [UNK]s are dropped)
     for n, p in peers.items():  # what the step gets as each row's old policy: the sender's only within a tokenizer
         for groups in trained[n]:
             rows = [(g, ids) for g in groups for ids in g.completions]

@@ -171,6 +171,15 @@ def parse_args(argv=None):
         p.error(f"the toy preset builds its models: --model is a comma list of {', '.join(TOYS)}")
     if args.max_new_tokens is None:  # the toy's: its longest answer and the stop token
         args.max_new_tokens = max(TOYS[kind]["max_new_tokens"] for kind in args.model.split(","))
+    check_args(p, args)
+    args.jobs = args.jobs or ((os.cpu_count() or 1) if args.device == "cpu" else 1)
+    args.out = args.out or os.path.join("runs", time.strftime("reproduce-%Y%m%d-%H%M%S"))
+    return args
+
+
+def check_args(p, args):
+    """parse_args' checks of the settings (the preset's values filled in): one sentence from argparse for
+    what cannot run; the parsed --configs (config_list) and --sweep's toys and sizes into args."""
     try:
         args.config_list = parse_configs(args.configs)
     except ValueError as e:
@@ -206,9 +215,6 @@ def parse_args(argv=None):
         p.error("--sweep-toys needs 0 < guess <= 1 and 0 <= known <= 1, --sweep-peers sizes from 2 to 64")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--preset gpu needs a CUDA GPU; use --preset toy on a CPU")
-    args.jobs = args.jobs or ((os.cpu_count() or 1) if args.device == "cpu" else 1)
-    args.out = args.out or os.path.join("runs", time.strftime("reproduce-%Y%m%d-%H%M%S"))
-    return args
 
 
 def parse_configs(text):

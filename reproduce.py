@@ -675,8 +675,8 @@ def reward_svg(summary, rounds):
     lines = {c: list(enumerate(e["curve"]["mean"])) for c, e in summary.items()}
     bands = {c: [(r, lo, hi) for r, (lo, hi) in enumerate(zip(e["curve"]["min"], e["curve"]["max"]))]
              for c, e in summary.items()}
-    return swarm.render_svg(lines, bands=bands, ylabel="local reward", title=f"local reward, running mean over "
-                            f"{window} rounds: peer mean (line), worst to best peer (band)")
+    return swarm.render_svg(lines, bands=bands, mean_over=0, ylabel="local reward", title=f"local reward, running "
+                            f"mean over {window} rounds: peer mean (line), worst to best peer (band)")
 
 
 def write_outputs(s, folder, summary, seeds, extra=None):
@@ -745,7 +745,7 @@ def sweep(s, log=print):
     with open(os.path.join(s.out, "sweep.svg"), "w") as f:
         f.write(swarm.render_svg(gains, title="gain from sharing over 8/0, cumulative local reward",
                                  xlabel="log10 of the % of completions right before training (0: 1%, 1: 10%)",
-                                 ylabel="gain", hline=1.0))
+                                 ylabel="gain", hline=1.0, mean_over=0))
     print("\n".join(lines) + f"\nwrote {s.out}/results.json, table.md and sweep.svg")
     return points
 

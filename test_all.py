@@ -3483,6 +3483,35 @@ def test_swarm_render_svg_parses():
     assert any(x.get("stroke-dasharray") for x in root.iter("{http://www.w3.org/2000/svg}line"))
 
 
+def test_swarm_reward_chart_ticks_at_round_numbers_and_draws_points_and_their_running_mean(tmp_path):
+    """The dashboard's and --plot's chart: a faint dot per round and a line through the mean of the last 5
+    rounds (a reward that zigzags by 0.6 draws a line that moves far less), and ticks at round numbers."""
+    svg_ns = "{http://www.w3.org/2000/svg}"
+    zigzag = [(r, 0.1 if r % 2 else 0.9) for r in range(20)]
+
+    def drawn(svg):
+        root = ET.fromstring(svg)
+        dots = [float(c.get("cy")) for c in root.iter(svg_ns + "circle")]
+        line = [float(xy.split(",")[1]) for p in root.iter(svg_ns + "polyline") for xy in p.get("points").split()]
+        return root, dots, line
+    root, dots, line = drawn(swarm.render_svg({"peer0": zigzag}))
+    ticks = [t.text for t in root.iter(svg_ns + "text")][1:9]  # after the title: rounds, then rewards
+    assert ticks == ["0", "5", "10", "15", "0.2", "0.4", "0.6", "0.8"]
+    assert len(dots) == 20 and len(line) == 20 and max(line[4:]) - min(line[4:]) < 0.25 * (max(dots) - min(dots))
+    _, dots, line = drawn(swarm.render_svg({"peer0": zigzag}, mean_over=0))  # reproduce.py's own running means
+    assert dots == [] and max(line) - min(line) == pytest.approx(0.8 / 0.88 * 280, abs=0.2)
+    snap = dict(groups=0, first_seq=0, last_seq=0, peers={"peer0": dict(last_seen=0, groups=0)},
+                metrics=[dict(peer="peer0", round=r, metrics=dict(local_reward=y)) for r, y in zigzag])
+    _, dots, line = drawn(re.search(r"<svg.*?</svg>", swarm.render_page(snap), re.S).group(0))
+    assert len(dots) == 20 and len(line) == 20
+    (tmp_path / "peer0").mkdir()
+    (tmp_path / "peer0" / "metrics.jsonl").write_text("".join(json.dumps(dict(round=r, local_reward=y, batch_reward=y))
+                                                              + "\n" for r, y in zigzag))
+    train.plot(str(tmp_path))
+    _, dots, line = drawn((tmp_path / "reward.svg").read_text())
+    assert len(dots) == 20 and len(line) == 20 and max(line[4:]) - min(line[4:]) < 0.25 * (max(dots) - min(dots))
+
+
 def test_swarm_cli_bad_flags(tmp_path):
     a_file = tmp_path / "file"
     a_file.write_text("x")

@@ -827,12 +827,12 @@ def check_memory(peers, device, params):
                      + (f"try --peers {fits}." if fits else "not even one peer fits; free some memory first."))
 
 
-def plot(run_dir, window=10):
-    """RUN_DIR/reward.svg, every peer's reward per round (a running mean over `window` rounds): on top the
-    local reward, the peer's skill; below it the batch reward, the paper's figure, which also counts the
-    external groups trained on (always of mixed reward, so it reads higher). A run in silo trains on
-    its local groups only, where the two are the same: it gets the top chart alone. The charts are
-    drawn by swarm.render_svg (swarm.py, the dashboard's, below its marker line)."""
+def plot(run_dir):
+    """RUN_DIR/reward.svg, every peer's reward per round (a dot a round, a line through the running mean
+    of the last 5): on top the local reward, the peer's skill; below it the batch reward, the paper's figure,
+    which also counts the external groups trained on (always of mixed reward, so it reads higher). A run in
+    silo trains on its local groups only, where the two are the same: it gets the top chart alone. The
+    charts are drawn by swarm.render_svg (swarm.py, the dashboard's, below its marker line)."""
     runs = {}
     for path in sorted(glob.glob(os.path.join(glob.escape(run_dir), "*", "metrics.jsonl"))):
         with open(path) as f:
@@ -845,9 +845,8 @@ def plot(run_dir, window=10):
         kinds = kinds[:1]
     charts = []
     for k, (key, title) in enumerate(kinds):
-        series = {name: [(row["round"], mean([x[key] for x in rows[max(0, i + 1 - window):i + 1]]))
-                         for i, row in enumerate(rows)] for name, rows in runs.items()}
-        chart = swarm.render_svg(series, title=f"{title}, running mean over {window} rounds")
+        series = {name: [(row["round"], row[key]) for row in rows] for name, rows in runs.items()}
+        chart = swarm.render_svg(series, title=f"{title}: dots, mean of the last 5 rounds (lines)")
         charts.append(chart.replace("<svg ", f'<svg y="{360 * k}" ', 1))  # one above the other
     out = os.path.join(run_dir, "reward.svg")
     with open(out, "w") as f:

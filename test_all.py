@@ -2810,6 +2810,7 @@ def test_swarm_client_checks_every_group_it_receives(capsys, _sw_clients):
         assert [g["seq"] for g in got] == [1, 8] and all(isinstance(g["completions"], list) for g in got)
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "dropped 9 malformed groups" in err[0]
+        client.close()  # before its server goes: a client left running would log that it is unreachable
     finally:
         httpd.shutdown()
         httpd.server_close()
@@ -3338,14 +3339,18 @@ def test_swarm_redis_sampled_reads_are_bounded_by_k_and_fair_to_producers(_sw_re
     # fairness: "big" publishes 16 groups a batch, "b" and "c" one; each should get about a third
     fair = _SwRedis(_sw_redis.folder + "-fair")
     try:
-        client = _sw_clients(fair.url(), "x", sample=2)
+        on_fair = [_sw_clients(fair.url(), "x", sample=2)]
+        client = on_fair[0]
         for peer, n in (("big", 16), ("b", 1), ("c", 1)):
             for r in range(2):
-                _sw_publish(_sw_clients(fair.url(), peer), r, [_sw_group(j) for j in range(n)])
+                on_fair.append(_sw_clients(fair.url(), peer))
+                _sw_publish(on_fair[-1], r, [_sw_group(j) for j in range(n)])
         reads = [client._request("GET", f"/rollouts?sample=2&exclude=x&seed={seed}")[1]["groups"] for seed in range(60)]
         assert all(len({g["seq"] for g in groups}) == 2 for groups in reads)  # never one group twice in a read
         drawn = [g["peer"] for groups in reads for g in groups]
         assert len(drawn) == 120 and 0.2 < drawn.count("big") / 120 < 0.45, drawn.count("big")
+        for made in on_fair:  # before their server goes: a client left running would log that it is unreachable
+            made.close()
     finally:
         fair.kill()
 

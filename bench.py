@@ -1239,7 +1239,7 @@ def print_parity(n):
 
 COMPONENTS = ["reward.py", "model.py", "sample.py", "grpo.py", "swarm.py", "train.py"]  # the README's order
 MARKER = "# ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----"
-BUDGETS = dict(reading=1700, whole=3800, function=60)  # lines: the reading path, the six files, one function
+BUDGETS = dict(reading=1700, whole=4300, function=60, readme=250)  # lines: reading path, six files, a function, README
 
 
 def line_counts(folder=HERE):
@@ -1258,6 +1258,11 @@ def line_counts(folder=HERE):
     return rows
 
 
+def readme_lines(folder=HERE):
+    with open(os.path.join(folder, "README.md"), encoding="utf-8") as f:
+        return len(f.read().splitlines())
+
+
 def print_lines():
     rows = line_counts()
     print("| file | reading path | whole file | longest function |\n|---|---|---|---|")
@@ -1267,6 +1272,7 @@ def print_lines():
     longest = max(r["longest"][1] for r in rows)
     print(f"| all six | {reading} (budget {BUDGETS['reading']}) | {whole} (budget {BUDGETS['whole']}) | "
           f"{longest} (budget {BUDGETS['function']}) |")
+    print(f"| README.md | | {readme_lines()} (budget {BUDGETS['readme']}) | |")
     missing = [r["file"] for r in rows if r["markers"] != 1]
     if missing:
         print(f"no single marker line in: {', '.join(missing)}")

@@ -40,7 +40,7 @@ fraction F of the questions already, which --sweep uses for toys where success i
 are found and learnt one by one, so informative groups stay rare all run long. Measured in the
 default run: a silo peer had 1.3 to 1.9 informative groups (mixed rewards) out of its 8 in every
 quarter of the run, and 12 to 25% of its rounds took no optimizer step at all; a 4/4 peer had 4.5 to
-5.0 informative groups of 8 and never missed a step. A toy with one skill (issue 11's pilot: the
+5.0 informative groups of 8 and never missed a step. A toy with one skill (a pilot run: the
 same kind of model taught to repeat a number, rarely inside the answer tags) shows the gain only at
 the start: every silo peer learns the one format bit within some dozens of rounds and then catches
 up. The toy's completions are the answer itself (--max-new-tokens 4 fits "<answer> 17 </answer>" and
@@ -321,7 +321,7 @@ def initial_success(folder, task_name, one_shot=False, questions=256, G=8, max_n
     return sum(rewards) / len(rewards), sum(len(set(g)) > 1 for g in groups) / len(groups)
 
 # -----------------------------------------------------------------------------
-# --diagnose: what a shared completion does to its receiver (the stall question of issue 11)
+# --diagnose: what a shared completion does to its receiver (why swarm peers slow down mid-run)
 
 
 class DiagnosedPeer(train.Peer):

@@ -1271,9 +1271,9 @@ COLOURS = "#1f77b4 #ff7f0e #2ca02c #d62728 #9467bd #8c564b #e377c2 #7f7f7f #bcbd
 
 
 def _ticks(lo, hi, least=0):
-    """Round numbers from lo to hi, about five: multiples of 1, 2 or 5 times a power of ten, and of least."""
-    step = 10.0 ** math.floor(math.log10((hi - lo) / 6))
-    step = max(least, next(step * m for m in (1, 2, 5, 10) if (hi - lo) / (step * m) < 6))
+    """Round numbers from lo to hi, three to eight: multiples of 1, 2 or 5 times a power of ten, and of least."""
+    step = 10.0 ** math.floor(math.log10((hi - lo) / 8))
+    step = max(least, next(step * m for m in (1, 2, 5, 10) if (hi - lo) / (step * m) < 8))
     return [round(k * step, 9) for k in range(math.ceil(lo / step), math.floor(hi / step) + 1)]
 
 

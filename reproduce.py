@@ -50,10 +50,10 @@ shared completions.
 What sharing costs: a shared completion was sampled by another peer's model, so for the receiver it
 is off-policy, and the paper's rule does not correct for that: its receivers, like ours by default,
 take their own log-probs as the "old" policy, so the importance ratio is 1 and the PPO clip never
-acts. --diagnose measures it; README, "Reproducing the paper", has the table and what it explains.
+acts. --diagnose measures it; docs/reproduce.md has the table and what it explains.
 A configuration named I/J+is (beyond the paper; 4/4+is is in the default table and the sweep) runs
 train.py --shared-logprobs: senders publish their sampling log-probs, and a receiver trains each
-shared completion against them, bounded by a dual clip (grpo.py; README, "Off-policy sharing").
+shared completion against them, bounded by a dual clip (grpo.py; docs/offpolicy.md).
 
 Deviations from the paper, and why:
 - Peers run in one process and trade through a real swarm.py server on loopback. By default they are
@@ -88,7 +88,7 @@ import train
 # settings: what each preset runs; every value can be overridden by its flag
 
 PRESETS = {
-    # tiny models built here, on the CPU; the defaults took 7 minutes on 2 quiet cores (README)
+    # tiny models built here, on the CPU (4 configurations x 3 seeds took 7 minutes on 2 quiet cores)
     "toy": dict(configs="8/0,6/2,4/4,4/4+is,2/6", peers=8, seeds=5, rounds=150, generations=8, max_new_tokens=4,
                 lr=1e-3, micro_batch=64, model="toy", tasks="alphabet_position", guess=0.3, one_shot=False,
                 device="cpu"),

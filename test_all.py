@@ -1598,7 +1598,7 @@ user reader on >reader-pw ~sapo:* resetchannels -@all +@read +eval_ro +time +pin
 
 
 class _SwRedis:
-    """A real redis-server on a free loopback port, in its own folder, durable as the README says
+    """A real redis-server on a free loopback port, in its own folder, durable as docs/swarm.md says
     (appendonly yes, appendfsync always), with a writing and a read-only ACL user. kill() is kill -9;
     start() again restarts it on the same folder and port."""
 

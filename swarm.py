@@ -1270,9 +1270,17 @@ def _stored(seq, fields):  # a stream entry -> the group as served, or None (che
 COLOURS = "#1f77b4 #ff7f0e #2ca02c #d62728 #9467bd #8c564b #e377c2 #7f7f7f #bcbd22 #17becf".split()
 
 
+def _ticks(lo, hi, least=0):
+    """Round numbers from lo to hi, three to eight: multiples of 1, 2 or 5 times a power of ten, and of least."""
+    step = 10.0 ** math.floor(math.log10((hi - lo) / 8))
+    step = max(least, next(step * m for m in (1, 2, 5, 10) if (hi - lo) / (step * m) < 8))
+    return [round(k * step, 9) for k in range(math.ceil(lo / step), math.floor(hi / step) + 1)]
+
+
 def render_svg(series, title="reward per round", ylabel="reward", xlabel="round", width=760, height=360,
-               bands=None, hline=None):
-    """{name: [(round, value), ...]} -> a standalone SVG document (a string) with one line per name.
+               bands=None, hline=None, mean_over=5):
+    """{name: [(round, value), ...]} -> a standalone SVG document (a string) with one line per name: each
+    point a faint dot, and the line the running mean over `mean_over` points (0: the points themselves).
     bands: {name: [(round, low, high), ...]}, shaded in that line's colour; hline: a dashed level."""
     left, top, plot_w, plot_h = 60, 34, width - 230, height - 80  # margins for the axes and the legend
     lines = {name: sorted((x, y) for x, y in pts if _sane(x) and _sane(y)) for name, pts in sorted(series.items())}
@@ -1297,11 +1305,11 @@ def render_svg(series, title="reward per round", ylabel="reward", xlabel="round"
         return top + (y1 - y) / (y1 - y0) * plot_h
 
     out.append(f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#444"/>')
-    for xv in sorted({round(x0 + (x1 - x0) * k / 5) for k in range(6)}):  # rounds along the bottom
-        out.append(f'<text x="{px(xv):.1f}" y="{top + plot_h + 18}" text-anchor="middle">{xv}</text>')
-    for yv in (y0 + (y1 - y0) * k / 5 for k in range(6)):  # values up the side, with grid lines
+    for xv in _ticks(x0, x1, least=1 if all(x == int(x) for x in xs) else 0):  # rounds along the bottom (whole ones)
+        out.append(f'<text x="{px(xv):.1f}" y="{top + plot_h + 18}" text-anchor="middle">{xv:g}</text>')
+    for yv in _ticks(y0, y1):  # values up the side, with grid lines
         out.append(f'<line x1="{left}" y1="{py(yv):.1f}" x2="{left + plot_w}" y2="{py(yv):.1f}" stroke="#ddd"/>'
-                   f'<text x="{left - 6}" y="{py(yv) + 4:.1f}" text-anchor="end">{yv:.3g}</text>')
+                   f'<text x="{left - 6}" y="{py(yv) + 4:.1f}" text-anchor="end">{yv:g}</text>')
     out.append(f'<text x="{left + plot_w / 2}" y="{height - 8}" text-anchor="middle">{html.escape(xlabel)}</text>'
                f'<text x="16" y="{top + plot_h / 2}" text-anchor="middle" '
                f'transform="rotate(-90 16 {top + plot_h / 2})">{html.escape(ylabel)}</text>')
@@ -1314,6 +1322,11 @@ def render_svg(series, title="reward per round", ylabel="reward", xlabel="round"
         if edge:
             out.append(f'<polygon fill="{colour}" fill-opacity="0.15" stroke="none" points="'
                        + " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in edge) + '"/>')
+        if mean_over and len(pts) > 1:  # each point a dot, and the running mean through them
+            out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2" fill="{colour}" fill-opacity="0.5"/>'
+                    for x, y in pts[::max(1, len(pts) // 500)]]
+            pts = [(x, sum(y for _, y in pts[max(0, i + 1 - mean_over):i + 1]) / min(i + 1, mean_over))
+                   for i, (x, _) in enumerate(pts)]
         pts = pts[::max(1, len(pts) // 2000)]  # a chart needs no more than ~2000 points a line
         coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
         out.append(f'<circle cx="{px(pts[0][0]):.1f}" cy="{py(pts[0][1]):.1f}" r="3" fill="{colour}"/>' if len(pts) == 1
@@ -1331,7 +1344,8 @@ def render_page(snap, groups=()):
         if row["peer"] in drawn and row["metrics"].get("local_reward") is not None:
             series.setdefault(row["peer"], {})[row["round"]] = row["metrics"]["local_reward"]
         last.setdefault(row["peer"], {}).update(row["metrics"], round=row["round"])
-    chart = render_svg({p: sorted(s.items()) for p, s in series.items()}, title="local_reward per round")
+    chart = render_svg({p: sorted(s.items()) for p, s in series.items()},
+                       title="local_reward per round (dots), mean of the last 5 rounds (lines)")
     newest = {g["peer"]: g for g in groups if g["peer"] in drawn}  # the last group of each peer wins
     said = "".join(f"<h3>{html.escape(p)}, round {g['round']}: {html.escape(g['question'][:300])}</h3>"
                    + "".join(f"<pre>{html.escape(c[:500])}</pre>" for c in g["completions"][:2])

@@ -34,7 +34,7 @@ text inside one is just characters, and a completion is trained and scored only 
 
 Deviations from the paper, and why:
 - Learning rate: the paper's text says Adam at 0.001, its code 1e-5 or 1e-6. We use AdamW at
-  --lr 1e-5 with gradient clipping at 1.0: measured against 1e-6 on SmolLM2-135M (see README).
+  --lr 1e-5 with gradient clipping at 1.0: measured against 1e-6 on SmolLM2-135M (docs/learning-rate.md).
 - Tasks: the paper's nine ReasoningGYM families are rewritten from scratch in reward.py. With the
   default 135M model they give ~0 reward, so `--tasks auto` picks an easy mix for that model and
   the paper's nine for any other model.
@@ -42,7 +42,7 @@ Deviations from the paper, and why:
   task family as an earlier chat turn; without it a 135M model almost never uses the answer tags.
 - Old log-probs: the paper's peers share no probabilities, so "old" is the local model at the start of
   the round for external rollouts too: with --inner-steps 1 the ratio is 1 (REINFORCE with group-
-  normalised advantages). Beyond the paper, --shared-logprobs makes it the sender's (grpo.py, README).
+  normalised advantages). Beyond the paper, --shared-logprobs makes it the sender's (grpo.py, docs/offpolicy.md).
 - Trust: external groups whose answer does not follow from their question are dropped
   (reward.verify_item); the paper trusts the sender's ground truth.
 - Weights are trained in float32 (autocast to bfloat16 where native: model.autocast_dtype) and copied into
@@ -417,7 +417,7 @@ def parser(device, I, J):
     a("--max-new-tokens", type=at_least(1), default=64 if cpu else 256, help="completion length limit in tokens")
     a("--temperature", type=positive, default=1.0, help="sampling temperature")
     # GRPO
-    a("--lr", type=positive, default=1e-5, help="AdamW learning rate (measured, see README)")
+    a("--lr", type=positive, default=1e-5, help="AdamW learning rate (measured: docs/learning-rate.md)")
     a("--epsilon", type=fraction, default=0.2, help="lower clip: ratio >= 1 - epsilon")
     a("--epsilon-high", type=at_least(0.0, float), default=0.28, help="upper clip: ratio <= 1 + epsilon_high (DAPO)")
     a("--beta", type=at_least(0.0, float), default=0.0, help="weight of the k3 KL penalty to the initial model")
@@ -686,7 +686,7 @@ def release_memory():
 # the launcher: a server and N peers on one machine
 
 # One peer's peak memory per model parameter, measured for SmolLM2-135M with the CPU defaults (3.2-3.3 GB,
-# README "Memory") plus a margin: 16 bytes are float32 weights, gradients and AdamW state, the rest runtime
+# docs/performance.md) plus a margin: 16 bytes are float32 weights, gradients and AdamW state, the rest runtime
 # and activations. On CUDA and for other models a rough guide, scaled by size.
 PEER_BYTES_PER_PARAM = 26
 
@@ -827,12 +827,12 @@ def check_memory(peers, device, params):
                      + (f"try --peers {fits}." if fits else "not even one peer fits; free some memory first."))
 
 
-def plot(run_dir, window=10):
-    """RUN_DIR/reward.svg, every peer's reward per round (a running mean over `window` rounds): on top the
-    local reward, the peer's skill; below it the batch reward, the paper's figure, which also counts the
-    external groups trained on (always of mixed reward, so it reads higher). A run in silo trains on
-    its local groups only, where the two are the same: it gets the top chart alone. The charts are
-    drawn by swarm.render_svg (swarm.py, the dashboard's, below its marker line)."""
+def plot(run_dir):
+    """RUN_DIR/reward.svg, every peer's reward per round (a dot a round, a line through the running mean
+    of the last 5): on top the local reward, the peer's skill; below it the batch reward, the paper's figure,
+    which also counts the external groups trained on (always of mixed reward, so it reads higher). A run in
+    silo trains on its local groups only, where the two are the same: it gets the top chart alone. The
+    charts are drawn by swarm.render_svg (swarm.py, the dashboard's, below its marker line)."""
     runs = {}
     for path in sorted(glob.glob(os.path.join(glob.escape(run_dir), "*", "metrics.jsonl"))):
         with open(path) as f:
@@ -845,9 +845,8 @@ def plot(run_dir, window=10):
         kinds = kinds[:1]
     charts = []
     for k, (key, title) in enumerate(kinds):
-        series = {name: [(row["round"], mean([x[key] for x in rows[max(0, i + 1 - window):i + 1]]))
-                         for i, row in enumerate(rows)] for name, rows in runs.items()}
-        chart = swarm.render_svg(series, title=f"{title}, running mean over {window} rounds")
+        series = {name: [(row["round"], row[key]) for row in rows] for name, rows in runs.items()}
+        chart = swarm.render_svg(series, title=f"{title}: dots, mean of the last 5 rounds (lines)")
         charts.append(chart.replace("<svg ", f'<svg y="{360 * k}" ', 1))  # one above the other
     out = os.path.join(run_dir, "reward.svg")
     with open(out, "w") as f:

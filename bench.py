@@ -26,15 +26,16 @@ peak resident memory above the process's size after imports on the CPU; each sid
 process of its own, so neither sees the other's memory.
 
 Swarm: a server in a subprocess and --peers simulated peers (threads) that each publish one batch
-of groups and fetch the others' every round, for --rounds rounds: posts per second, p50/p99 sync and
-fetch latency (bench_swarm says which is which), acknowledged groups missing from a final full read,
-and groups a peer never received (both must be 0). Then both stores, the server and a durable
-redis-server, under --store-peers simulated peers (bench_stores): posts/s, reads everything after a
-cursor and sampled reads of 16 groups, bytes a peer reads a round, the store's CPU per post and read.
+of groups and fetch a sampled read of the others' every round, for --rounds rounds: posts per second,
+p50/p99 sync and read latency (bench_swarm says which is which), acknowledged groups missing from a final
+full read, and groups a peer received twice or of its own (all must be 0). Then both stores, the server
+and a durable redis-server, under --store-peers simulated peers (bench_stores): posts/s, sampled reads of
+16 groups (and, from the server, everything after a cursor, as a dashboard reads), bytes a peer reads a
+round, the store's CPU per post and read.
 
 Attack: a flood of slow connections, crafted hostile requests, kill -9 under concurrent writers, a
-client facing servers that misbehave (silent, trickling, garbage, a 32 MB reply, poisoned replies), and
-a server filled far past --keep-bytes (the attack_* functions).
+client facing servers that misbehave (silent, trickling, garbage, a 32 MB reply, a poisoned group, a Redis
+answering 16 MB or 200,000 entries), and a server filled far past --keep-bytes (the attack_* functions).
 
 Parity (needs reasoning_gym installed): for each of the paper's nine families, N of ReasoningGym's
 items with the paper's config and N of ours, each scored by both scorers on its reference answer and
@@ -269,13 +270,14 @@ def _end(proc, folder, stop=None, threads=()):
 
 
 def _groups(tag, n=4, completions=8, chars=600):
+    import swarm
     filler = "Let me think step by step. " * (chars // 27 + 1)
-    return [{"task": "basic_arithmetic", "question": f"{tag} question {i}", "answer": str(i), "metadata": {"i": i},
-             "completions": [(f"{j} " + filler)[:chars - 20] + f"<answer>{j}</answer>" for j in range(completions)],
-             "stopped": [True] * completions, "model": "bench"} for i in range(n)]
+    return [swarm.wire_group("basic_arithmetic", f"{tag} question {i}", str(i),
+                             [(f"{j} " + filler)[:chars - 20] + f"<answer>{j}</answer>" for j in range(completions)],
+                             [True] * completions, {"i": i}, "bench") for i in range(n)]
 
 
-def _read_all(url):
+def _read_all(url):  # every group a server holds, by GET /rollouts?after=SEQ (as a dashboard or an audit reads)
     import requests
     stored, after = [], 0
     while True:
@@ -291,42 +293,41 @@ def _pct(values, q):
     return round(values[min(len(values) - 1, int(len(values) * q))], 2) if values else None
 
 
-def bench_swarm(peers=32, rounds=20, groups_per_post=4):
-    """-> posts/s, publish()+fetch() time, sync time, page GET latency, groups lost and missed.
-    Each simulated peer (a thread with its own SwarmClient) does per round: publish() and fetch() (timed:
-    they only touch queues), flush() (timed as "sync": until its batch is acknowledged and its inbox has
-    caught up with the server), and one GET /rollouts of the page of groups that arrived since its last
-    round (timed as "fetch": the HTTP work the client's thread does per poll). posts_per_s counts
-    acknowledged posts over the whole run; groups_lost counts acknowledged groups missing from a final
-    full read, groups_missed those a peer did not receive (both must be 0)."""
+def bench_swarm(peers=32, rounds=20, groups_per_post=4, sample=16):
+    """-> posts/s, publish()+fetch() time, sync time, sampled-read GET latency, groups lost, received twice
+    or of the peer's own. Each simulated peer (a thread with its own client, reading `sample` groups a
+    read) does per round: publish() and fetch() (timed: they only touch queues), flush() (timed as "sync":
+    until its batch is acknowledged and a read begun after it is done), and one GET /rollouts?sample=K
+    (timed as "read": the HTTP work the client's thread does per read). posts_per_s counts acknowledged
+    posts over the whole run; groups_lost counts acknowledged groups missing from a final full read
+    (GET ?after=), received_twice and received_own what no peer may be handed (all must be 0)."""
     import requests
     import swarm
     proc, url, folder = _server()
     try:
-        acked, got = [[] for _ in range(peers)], [set() for _ in range(peers)]
+        acked, got = [[] for _ in range(peers)], [[] for _ in range(peers)]
         call_ms, sync_ms, fetch_ms = [], [], []
-        start, end = threading.Barrier(peers + 1), threading.Barrier(peers)
+        start = threading.Barrier(peers + 1)
 
         def peer(k):
-            client, session = swarm.SwarmClient(url, f"peer{k:03d}", cursor=0), requests.Session()
+            client, session = swarm.connect(url, f"peer{k:03d}", sample), requests.Session()
             start.wait()
             for r in range(rounds):
                 groups = _groups(f"peer {k} round {r}", groups_per_post)
                 t = time.perf_counter()
                 client.publish(r, groups)
-                got[k].update(g["question"] for g in client.fetch())
+                got[k] += [(g["peer"], g["seq"]) for g in client.fetch()]
                 call_ms.append(1000 * (time.perf_counter() - t))
-                before = client.cursor or 0
                 t = time.perf_counter()
                 if client.flush(120):
                     acked[k] += [(client.peer, r, g["question"]) for g in groups]
                 sync_ms.append(1000 * (time.perf_counter() - t))
                 t = time.perf_counter()
-                session.get(url + "/rollouts", params={"after": before, "exclude": client.peer}, timeout=30).json()
+                session.get(url + "/rollouts", params={"sample": sample, "exclude": client.peer, "seed": r},
+                            timeout=30).json()
                 fetch_ms.append(1000 * (time.perf_counter() - t))
-            end.wait()  # everyone has published: now each must receive all the others' groups
             client.flush(120)
-            got[k].update(g["question"] for g in client.fetch())
+            got[k] += [(g["peer"], g["seq"]) for g in client.fetch()]
             client.close()
 
         threads = [threading.Thread(target=peer, args=(k,)) for k in range(peers)]
@@ -339,13 +340,14 @@ def bench_swarm(peers=32, rounds=20, groups_per_post=4):
         wall = time.perf_counter() - t0
         stored = {(g["peer"], g["round"], g["question"]) for g in _read_all(url)}
         posted = [key for keys in acked for key in keys]
-        others = [{q for _, _, q in stored} - {q for _, _, q in acked[k]} for k in range(peers)]
         return {"posts_per_s": round(len(posted) / groups_per_post / wall, 1),
                 "calls_max_ms": round(max(call_ms), 3), "sync_p50_ms": _pct(sync_ms, 0.5),
-                "sync_p99_ms": _pct(sync_ms, 0.99), "fetch_p50_ms": _pct(fetch_ms, 0.5),
-                "fetch_p99_ms": _pct(fetch_ms, 0.99), "groups_posted": len(posted),
+                "sync_p99_ms": _pct(sync_ms, 0.99), "read_p50_ms": _pct(fetch_ms, 0.5),
+                "read_p99_ms": _pct(fetch_ms, 0.99), "groups_posted": len(posted),
                 "groups_lost": sum(key not in stored for key in posted),
-                "groups_missed": sum(len(others[k] - got[k]) for k in range(peers))}
+                "groups_received_per_round": round(sum(map(len, got)) / peers / rounds, 1),
+                "received_twice": sum(len(g) - len(set(g)) for g in got),
+                "received_own": sum(p == f"peer{k:03d}" for k, g in enumerate(got) for p, _ in g)}
     finally:
         _end(proc, folder)
 
@@ -372,11 +374,12 @@ def _redis_server(folder):
 def bench_stores(peers=200, rounds=3, local=4, sample=16, workers=8):
     """Both stores in one run, the embedded server (a swarm.py process) and a durable redis-server, under
     `peers` simulated peers in this process: each round every peer publishes `local` groups, then reads
-    once: everything after its cursor ("cursor", up to 250 peers: beyond, it moves peers^2 x local groups
-    a round) or a sampled read of `sample` groups ("sampled"). The peers' exchanges are those of
-    swarm's clients (client._request, without their threads), from `workers` threads. -> per store:
-    posts/s, read p50/p99 ms, bytes read per peer per round, the server's CPU ms per post and per read
-    (from /proc), and its memory."""
+    once: a sampled read of `sample` groups ("sampled"), or, from the embedded server, everything after its
+    cursor with GET /rollouts?after= as a dashboard reads ("cursor", up to 250 peers: beyond, it moves
+    peers^2 x local groups a round). The peers' exchanges are those of the client's transports (one per
+    peer, without a client's thread), from `workers` threads. -> per store: posts/s, read p50/p99 ms, bytes
+    read per peer per round, the server's CPU ms per post and per read (from /proc), and its memory."""
+    import requests
     import swarm
     from concurrent.futures import ThreadPoolExecutor
     folder, out = tempfile.mkdtemp(prefix="swarm-bench-"), {}
@@ -386,36 +389,30 @@ def bench_stores(peers=200, rounds=3, local=4, sample=16, workers=8):
             os.makedirs(os.path.join(folder, store))
             proc, url = _server(os.path.join(folder, store))[:2] if store == "http" else \
                 _redis_server(os.path.join(folder, store))
-            clients = [swarm.connect(url, f"worker{k}", cursor=0) for k in range(workers)]
-            for c in clients:  # only its exchanges are used, on behalf of the simulated peers: its thread
-                c.close()      # stops, and its _request works again
-                c.closing = False
-            local_clients = threading.local()
-
-            def client():
-                if not hasattr(local_clients, "c"):
-                    local_clients.c = clients.pop()
-                return local_clients.c
+            kind = swarm.HttpTransport if store == "http" else swarm.RedisTransport
+            transports, sessions = [kind(url, f"peer{k:05d}", None) for k in range(peers)], threading.local()
 
             def post(k, r):
-                body = swarm._dumps({"peer": f"peer{k:05d}", "round": r, "batch_id": f"peer{k:05d}-{r}",
-                                     "groups": _groups(f"peer {k} round {r}", local)})
-                assert client()._request("POST", "/rollouts", body)[0] == 200
+                groups = [swarm._dumps(g) for g in _groups(f"peer {k} round {r}", local)]
+                assert transports[k].publish(r, groups, f"peer{k:05d}-{r}")["accepted"] == local
 
             def read(k, query):
                 t, size, after = time.perf_counter(), 0, position[k]
-                while True:  # a cursor read takes pages until it is level; a sampled read is one
-                    q = query.format(after=after, k=k, seed=random.getrandbits(63))
-                    status, page = client()._request("GET", f"/rollouts?{q}&exclude=peer{k:05d}")
+                if query == "sampled":
+                    size = sum(n for _, n in transports[k].sample(sample, random.getrandbits(63)))
+                    return 1000 * (time.perf_counter() - t), size
+                sessions.s = getattr(sessions, "s", None) or requests.Session()
+                while True:  # a cursor read takes pages until it is level
+                    page = sessions.s.get(f"{url}/rollouts?after={after}&exclude=peer{k:05d}", timeout=60).json()
                     size += len(swarm._dumps(page["groups"]))
-                    if "after" not in query or page["next"] in (after, page["last"]):
-                        position[k] = page.get("next", after)
+                    if page["next"] in (after, page["last"]):
+                        position[k] = page["next"]
                         return 1000 * (time.perf_counter() - t), size
                     after = page["next"]
 
             r = {"bytes_per_group": bytes_per_group}
             position, cpu0, t0 = [0] * peers, _cpu_seconds(proc.pid), time.perf_counter()
-            modes = [("cursor", "after={after}")] * (peers <= 250) + [("sampled", f"sample={sample}&seed={{seed}}")]
+            modes = [("cursor", "cursor")] * (peers <= 250 and store == "http") + [("sampled", "sampled")]
             with ThreadPoolExecutor(workers) as pool:
                 for mode, query in modes:
                     post_s = cpu_post = cpu_read = 0.0
@@ -425,13 +422,9 @@ def bench_stores(peers=200, rounds=3, local=4, sample=16, workers=8):
                         list(pool.map(post, range(peers), [rnd + 10 * (mode == "sampled")] * peers))
                         post_s, cpu_post = post_s + time.perf_counter() - t, cpu_post + _cpu_seconds(proc.pid) - cpu
                         cpu = _cpu_seconds(proc.pid)
-                        reads += list(pool.map(read, range(peers), [query] * peers)) if query else [(0, 0)] * peers
+                        reads += list(pool.map(read, range(peers), [query] * peers))
                         cpu_read += (_cpu_seconds(proc.pid) - cpu) * (rnd > 0)
                     ms = [m for m, _ in reads[peers:]]  # the first round's reads include the history
-                    if not query:
-                        r.update({f"{mode}_posts_per_s": peers * rounds / post_s,
-                                  f"{mode}_cpu_ms_per_post": 1000 * cpu_post / peers / rounds})
-                        continue
                     r.update({f"{mode}_cpu_ms_per_read": 1000 * cpu_read / len(ms),
                               f"{mode}_posts_per_s": peers * rounds / post_s, f"{mode}_cpu_ms_per_post":
                               1000 * cpu_post / peers / rounds, f"{mode}_read_p50_ms": _pct(ms, 0.5),
@@ -443,6 +436,8 @@ def bench_stores(peers=200, rounds=3, local=4, sample=16, workers=8):
                 import redis
                 r["redis_used_memory_mb"] = redis.Redis.from_url(url).info("memory")["used_memory"] / 2**20
             out[store] = {k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}
+            for transport in transports:
+                transport.close()
             proc.kill()
             proc.wait()
     finally:
@@ -874,7 +869,7 @@ def attack_kill9(cycles=10, writers=16):
 
 
 def attack_client(calls=50):
-    """A SwarmClient against a black hole (accepts, never answers), a trickle (a byte every 2 s), a server
+    """A client against a black hole (accepts, never answers), a trickle (a byte every 2 s), a server
     answering 500s and garbage, and a port nobody listens on: the slowest publish()/fetch()/post_metrics()
     call; then a real server comes up on the same port and everything queued must arrive once."""
     import socket
@@ -916,7 +911,7 @@ def attack_client(calls=50):
         if kind in ("trickle", "500 or garbage"):
             threading.Thread(target=hostile, args=(kind, s), daemon=True).start()
         socks[kind] = s
-    clients = {kind: swarm.SwarmClient(f"http://127.0.0.1:{s.getsockname()[1]}", f"p{k}") for k, (kind, s) in
+    clients = {kind: swarm.connect(f"http://127.0.0.1:{s.getsockname()[1]}", f"p{k}", 4) for k, (kind, s) in
                enumerate(socks.items())}
     try:
         slowest = {kind: 0.0 for kind in kinds}
@@ -970,6 +965,20 @@ def _fake_server(answer):
     return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
 
 
+def _longest_stall(seconds, client=None):
+    """The training thread: short steps of work, asking the client for a read (fetch(), which never
+    waits) every 0.1 s, as a round would -> the longest it stood still, in seconds."""
+    stall, asked = 0.0, 0.0
+    last = t0 = time.perf_counter()
+    while (now := time.perf_counter()) < t0 + seconds:
+        stall, last = max(stall, now - last), now
+        if client is not None and now > asked + 0.1:
+            client.fetch()
+            asked = now
+        sum(range(2000))
+    return stall
+
+
 def attack_large_reply(mb=32, seconds=10, closes=5):
     """A server answering every read with `mb` MB of tiny JSON objects, {"groups":[{},{},...]}: the
     longest the training thread stood still while the client's thread took the reply (parsing holds the
@@ -977,33 +986,26 @@ def attack_large_reply(mb=32, seconds=10, closes=5):
     import contextlib
     import io
     import swarm
-    body = b'{"groups":[' + b",".join([b"{}"] * ((mb << 20) // 3)) + b'],"next":1,"last":1}'
+    body = b'{"groups":[' + b",".join([b"{}"] * ((mb << 20) // 3)) + b'],"last":1}'
     sent = threading.Event()
 
     def answer(path):
         sent.set()
-        return 200, body if path.startswith("/rollouts") else b'{"ok":true,"groups":1,"peers":1,"last_seq":1}'
+        return 200, body
 
     httpd, url = _fake_server(answer)
     log = io.StringIO()
     try:
         with contextlib.redirect_stderr(log):
-            def longest_stall(seconds):  # the training thread: short steps of work
-                stall = 0.0
-                last = t0 = time.perf_counter()
-                while (now := time.perf_counter()) < t0 + seconds:
-                    stall, last = max(stall, now - last), now
-                    sum(range(2000))
-                return stall
-
-            alone = longest_stall(seconds / 2)  # what the machine's load alone costs
-            client = swarm.SwarmClient(url, "victim", cursor=0)
-            stall = longest_stall(seconds)
+            alone = _longest_stall(seconds / 2)  # what the machine's load alone costs
+            client = swarm.connect(url, "victim", 16)
+            stall = _longest_stall(seconds, client)
             client.close()
             slowest_close = 0.0
             for k in range(closes):  # at 0.05, 0.3, 0.55, ... s after a reply went out
                 sent.clear()
-                client = swarm.SwarmClient(url, "victim", cursor=0)
+                client = swarm.connect(url, "victim", 16)
+                client.fetch()  # (asks for a read)
                 sent.wait(30)
                 time.sleep(0.05 + 0.25 * k)  # the reply is on its way: close() while the client's thread takes it
                 t = time.perf_counter()
@@ -1017,58 +1019,100 @@ def attack_large_reply(mb=32, seconds=10, closes=5):
 
 
 def attack_poisoned_reads(groups=40, seconds=8):
-    """A server that poisons its replies, one way per run: 'cursor' answers the first read with next and
-    last = 10**15 (and, as the real server does, a 400 to a read after a seq it does not have); 'surrogate'
-    serves a group whose question is a lone surrogate ("\\ud800"). Groups keep arriving at 5 a second:
-    how many of those published after the poison the client received, the largest cursor it would have
-    saved in a checkpoint, and the lines it logged."""
+    """A server that serves, among the groups arriving at 5 a second, one whose question is a lone
+    surrogate ("\\ud800", which UTF-8 cannot carry): how many of those published after it the client
+    received, and the lines it logged."""
     import contextlib
     import io
     import swarm
-    results = {}
-    for kind in ("cursor", "surrogate"):
-        stored, poisoned = [], []
+    stored = []
 
-        def answer(path):
-            if path.startswith("/health"):
-                return 200, json.dumps({"ok": True, "groups": len(stored), "peers": 1, "last_seq": len(stored)}).encode()
-            after = int(re.search(r"after=(\d+)", path).group(1))
-            if after > len(stored):
-                return 400, b'{"error":"after is beyond the newest group."}'
-            page = {"groups": stored[after:], "next": len(stored), "last": len(stored)}
-            if kind == "cursor" and not poisoned and stored:
-                poisoned.append(len(stored))
-                page.update(next=10**15, last=10**15)
-            return 200, json.dumps(page).encode()
+    def answer(path):  # every sampled read: all the groups so far (the client hands out none twice)
+        return 200, json.dumps({"groups": stored, "last": len(stored)}).encode()
 
-        def group(seq):
-            g = {**_groups(seq, 1, 2, 80)[0], "peer": "other", "round": seq, "seq": seq, "time": 1.7e9}
-            if kind == "surrogate" and seq == 3:
-                poisoned.append(seq)
-                g["question"] = "\ud800"
-            return g
-
-        httpd, url = _fake_server(answer)
-        log, got, largest_cursor = io.StringIO(), [], 0
-        try:
-            with contextlib.redirect_stderr(log):
-                client = swarm.SwarmClient(url, "victim", cursor=0)
-                for seq in range(1, groups + 1):
-                    stored.append(group(seq))
-                    time.sleep(seconds / groups)
-                    got += [g["seq"] for g in client.fetch()]
-                    largest_cursor = max(largest_cursor, client.cursor or 0)
-                client.flush(10)
+    httpd, url = _fake_server(answer)
+    log, got = io.StringIO(), []
+    try:
+        with contextlib.redirect_stderr(log):
+            client = swarm.connect(url, "victim", swarm.Limits.sample_groups)
+            for seq in range(1, groups + 1):
+                stored.append({**_groups(seq, 1, 2, 80)[0], "peer": "other", "round": seq, "seq": seq, "time": 1.7e9})
+                stored[-1]["question"] = "\ud800" if seq == 3 else stored[-1]["question"]
+                time.sleep(seconds / groups)
                 got += [g["seq"] for g in client.fetch()]
-                largest_cursor = max(largest_cursor, client.cursor or 0)
+            client.flush(10)
+            got += [g["seq"] for g in client.fetch()]
+            client.close()
+        return {"surrogate": {"published_after_the_poison": groups - 3, "received_of_those": len(set(got) - {1, 2}),
+                              "log_lines": log.getvalue().count("swarm client")}}
+    finally:
+        httpd.shutdown()
+
+
+def _fake_redis(answer):
+    """A Redis-speaking server in a subprocess (so that what it sends is not this process's memory): +OK to
+    every command but EVAL and EVAL_RO, answered by `answer`, Python source of a function (name, calls of it
+    so far, send) -> None. -> (process, port)."""
+    source = f"""import collections, socket, threading
+{answer}
+def serve(conn):
+    f, calls = conn.makefile("rb"), collections.Counter()
+    try:
+        while (line := f.readline()):
+            args = [f.read(int(f.readline()[1:]) + 2)[:-2] for _ in range(int(line[1:]))]
+            name = args[0].upper().decode()
+            calls[name] += 1
+            answer(name, calls[name], conn.sendall) if name in ("EVAL", "EVAL_RO") else conn.sendall(b"+OK\\r\\n")
+    except (OSError, ValueError):
+        pass
+listener = socket.create_server(("127.0.0.1", 0))
+print(listener.getsockname()[1], flush=True)
+while True:
+    threading.Thread(target=serve, args=(listener.accept()[0],), daemon=True).start()
+"""
+    proc = subprocess.Popen([sys.executable, "-c", source], stdout=subprocess.PIPE, text=True)
+    return proc, int(proc.stdout.readline())
+
+
+def attack_redis_reply(mb=16, entries=200_000, seconds=6):
+    """A Redis answering every publish with `mb` MB of [{},{},...], then every read with `entries` entries:
+    the longest the training thread stood still, and this process's resident memory after each, against
+    the machine alone and the memory before (the client refuses both replies past its bounds, and drops
+    the connection). Run it alone (--only Redis): other attacks leave this process larger."""
+    import contextlib
+    import io
+    import swarm
+    n, crlf = (mb << 20) // 3, b"\r\n"  # the bulk [{},{},...] holds n objects: 3n + 1 bytes
+    head, tail, count = b"$%d" % (3 * n + 1) + crlf + b"[", b"{}]" + crlf, b"*%d" % entries + crlf
+    fields = b"".join(b"$%d" % len(x) + crlf + x + crlf for x in b"peer p round 0 time 1.0 group {}".split())
+    thousand = (b"*2" + crlf + b"$3" + crlf + b"1-0" + crlf + b"*8" + crlf + fields) * 1000  # stream entries
+    answer = f"""def answer(name, calls, send):
+    if name == "EVAL":
+        send({head!r})
+        for k in range(0, {n - 1}, 20000):
+            send(b"{{}}," * min(20000, {n - 1} - k))
+        send({tail!r})
+    else:
+        send({count!r})
+        for _ in range({entries // 1000}):
+            send({thousand!r})
+"""
+    proc, port = _fake_redis(answer)
+    log, results = io.StringIO(), {"rss_before_mb": round(_rss_mb(os.getpid()), 1)}
+    try:
+        with contextlib.redirect_stderr(log):
+            results["same_without_a_client_ms"] = round(1000 * _longest_stall(seconds / 2), 1)
+            for what in ("publish", "read"):
+                client = swarm.connect(f"redis://u:p@127.0.0.1:{port}/0", "victim", 16)
+                client.publish(0, _groups(0, 1)) if what == "publish" else None
+                results[f"{what}_longest_stall_ms"] = round(1000 * _longest_stall(seconds, client), 1)
                 client.close()
-            after = [seq for seq in range(poisoned[0] + 1, groups + 1)] if poisoned else []
-            results[kind] = {"published_after_the_poison": len(after),
-                             "received_of_those": len(set(after) & set(got)),
-                             "largest_cursor_saved": largest_cursor, "log_lines": log.getvalue().count("swarm client")}
-        finally:
-            httpd.shutdown()
-    return results
+                results[f"{what}_rss_after_mb"] = round(_rss_mb(os.getpid()), 1)
+        results["log_lines"] = log.getvalue().count("swarm client")
+        return results
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def attack_memory(keep_mb=64, post_mb=256, writers=4, largest=False):
@@ -1109,7 +1153,8 @@ def bench_attack(args):
                "busy connections at the cap": attack_busy_cap, "stalled bodies without the token": attack_stalled_bodies,
                "parse bombs": attack_parse_bombs, "kill -9 cycles": lambda: attack_kill9(args.cycles),
                "client vs bad servers": attack_client, "client vs a large reply": attack_large_reply,
-               "client vs poisoned reads": attack_poisoned_reads, "memory and disk": attack_memory,
+               "client vs poisoned reads": attack_poisoned_reads, "client vs large Redis replies": attack_redis_reply,
+               "memory and disk": attack_memory,
                "memory and disk, largest bodies": lambda: attack_memory(256, 512, 16, largest=True)}
     for name, fn in attacks.items():
         if args.only and not any(word in name for word in args.only):

@@ -16,8 +16,8 @@ sharing; what follows it makes the same thing durable, bounded and safe against 
 - Client, a peer's side: its training loop only touches two queues (publish() into the outbox, fetch()
   out of the inbox) and one thread does the talking, so training never waits for the network. With
   the store down a peer trains in silo (the paper's baseline) and catches up when it returns.
-- connect(url) picks the store: an HTTP server (SwarmClient), or Redis Streams (RedisClient, for a
-  swarm one Python server cannot carry, with Redis's ACL users in the token's place).
+- connect(url) picks the store's transport: an HTTP server (HttpTransport), or Redis (RedisTransport,
+  for a swarm one Python server cannot carry, with one Redis ACL user per peer in the token's place).
 - Below the marker: RolloutStore (the Store on disk) and SwarmServer, the HTTP around it (`python
   swarm.py --dir swarm_data --port 8000`, standard library only, built so that slow or hostile clients
   cannot take it down), the transports, a dashboard (GET /) and the command line.
@@ -58,9 +58,10 @@ import stat
 import sys
 import threading
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import requests
 
@@ -164,99 +165,113 @@ def _page(entries, after, limit, exclude):
 
 class Client:
     """One peer's view of the swarm. The training loop's calls only touch two queues, bounded in bytes
-    (beyond the bound the oldest entry goes: SAPO wants fresh rollouts); a daemon thread (_run) does all
-    the talking, one exchange at a time (_send and _read: SwarmClient's over HTTP, RedisClient's over Redis):
+    (beyond the bound the oldest entry goes: SAPO wants fresh rollouts); a daemon thread does all the
+    talking, one exchange at a time (_send, _read), through a transport: HttpTransport or RedisTransport.
 
-        publish(round, groups) -> outbox --(POST, oldest first, until acknowledged)--> server
-        fetch() <- inbox <--(GET /rollouts?sample=K, once per fetch() or flush())-- server      (sample=K)
-        fetch() <- inbox <--(GET /rollouts?after=read_up_to, every Limits.poll_seconds)-- server (cursor)
+        publish(round, groups) -> outbox --(oldest first, until acknowledged)--> store
+        fetch() <- inbox <--(a sampled read of K groups, once per fetch() or flush())-- store
 
-    A retried batch is stored once (it carries a batch_id). sample=K, a peer's way, reads K recent groups a
-    round however large the swarm (seeded from random.Random(seed)), never a seq twice; cursor mode reads
-    every group after `cursor`, the last seq fetch() handed out (None: the newest Limits.recent_groups)."""
+    A retried batch is stored once (it carries a batch_id). A read is K recent groups, every producer
+    alike, however large the swarm, and no group is handed out twice."""
+
+    def __init__(self, peer, transport, sample, seed=0):
+        self.peer = peer                  # this peer's name: the store leaves its groups out of its reads
+        self.transport = transport        # the store's side of publish, post_metrics and sample
+        self.sample = sample              # K: the groups one read asks for
+        self.seeds = random.Random(seed)  # the read state: a seed for each read's draw, and the (seq,
+        self.seen = collections.deque(maxlen=Limits.seen_seqs)  # time) of the groups handed out
+        self.cond = threading.Condition()  # guards all that follows; notified when the thread gets somewhere
+        self.outbox, self.outbox_bytes = collections.deque(), 0  # (what, send, arguments, bytes), oldest first
+        self.inbox, self.inbox_bytes = collections.deque(), 0    # (group, bytes) received, oldest first
+        self.asked = 0                     # reads fetch() or flush() asked for and not done yet (at most 2)
+        self.reads_begun = self.reads_done = 0  # reads numbered as they begin; the number of the last done
+        self.wake = self.closing = False   # there is something to do; close() was called
+        self.down, self.dropped = None, 0  # while the store does not answer: why; entries the outbox let go
+        self.thread = threading.Thread(target=_talk, args=(self,), name=f"swarm-client-{peer}", daemon=True)
+        self.thread.start()  # (_talk: the thread's loop, with its back-off and log lines, below the marker)
 
     def publish(self, round, groups):
         """Queue this round's groups for the swarm; returns at once."""
         if groups:
-            self._queue("/rollouts", f"round {round}'s batch", lambda: {
-                "peer": self.peer, "round": int(round), "groups": list(groups),
-                "batch_id": f"{self.peer}-{int(round)}-{os.urandom(6).hex()}"})
+            _enqueue(self, f"round {round}'s batch", self.transport.publish, lambda: (
+                int(round), [_dumps(g) for g in groups], f"{self.peer}-{int(round)}-{os.urandom(6).hex()}"))
 
     def post_metrics(self, round, metrics):
         """Queue per-round numbers for the dashboard (best effort); what is not a sane number goes as null."""
-        self._queue("/metrics", f"round {round}'s metrics", lambda: {"peer": self.peer, "round": int(round),
-                    "metrics": {str(k)[:64]: float(v) if _sane(v) else None for k, v in list(metrics.items())[:64]}})
+        _enqueue(self, f"round {round}'s metrics", self.transport.post_metrics, lambda: (int(round), [_dumps(
+            {str(k)[:64]: float(v) if _sane(v) else None for k, v in list(metrics.items())[:64]})]))
 
     def fetch(self):
-        """Other peers' checked groups received since the last call, oldest first; asks for a read, never waits."""
+        """Other peers' checked groups received since the last call; asks for the next read, never waits."""
         with self.cond:
-            groups = [g for g, _ in self.inbox]
+            groups, self.inbox_bytes = [g for g, _ in self.inbox], 0
             self.inbox.clear()
-            self.inbox_bytes = 0
-            self.cursor = self.read_up_to
             self._ask()
             return groups
 
     def flush(self, timeout=10.0):
-        """Wait until the outbox is empty and a read begun after this call is done (sample=K: one sampled
-        read; else a poll level with the server) -> True, or False if that took over timeout seconds."""
+        """Wait until the outbox is empty and a read begun after this call is done -> True, or False if
+        that took over timeout seconds."""
         with self.cond:
-            begun = self.polls_begun
+            begun = self.reads_begun
             self._ask()
-            return self.cond.wait_for(lambda: not self.outbox and self.caught_up > begun, timeout)
+            return self.cond.wait_for(lambda: not self.outbox and self.reads_done > begun, timeout)
 
-    def _ask(self):  # (self.cond held) wake the thread for a read; sampled mode: one more, at most 2 waiting
-        self.asked, self.wake = min(2, self.asked + 1) if self.sample else 0, True
+    def close(self):
+        """Stop the thread: it ends its current exchange at once and sends nothing more."""
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+        self.transport.close()
+        self.thread.join(5)
+
+    def _ask(self):  # (self.cond held) wake the thread for one more read, at most 2 waiting
+        self.asked, self.wake = min(2, self.asked + 1), True
         self.cond.notify_all()
 
-    def _queue(self, path, what, make_body):
-        """Put make_body() as JSON at the end of the outbox; what cannot be JSON is logged, never raised."""
+    def _send(self, entry):
+        """Deliver the oldest outbox entry. It leaves the outbox once the store acknowledged it, or refused
+        it as malformed (Refused: the same bytes would be refused again); other trouble keeps it for later."""
+        what, send, args, size = entry
         try:
-            sent = make_body()
-            body = _dumps(sent)
-        except (TypeError, ValueError, OverflowError, AttributeError) as e:
-            return self._log(f"{what} cannot be sent ({e})")
-        if len(body) > Limits.body_bytes:  # a server would refuse it (413): never held, even while it is down
-            return self._log(f"{what} is {len(body)} bytes, over a request's {Limits.body_bytes}, so it is dropped")
-        ack = {"accepted": len(sent["groups"])} if "groups" in sent else {"ok": True}  # what a reply must say
+            send(*args)
+        except Refused as e:
+            _say(self.peer, f"the server refused {what}, so it is dropped: {e}")
         with self.cond:
-            self.outbox.append((path, body, what, ack))
-            self.outbox_bytes += len(body)
-            while self.outbox_bytes > Limits.outbox_bytes and len(self.outbox) > 1:
-                self.outbox_bytes -= len(self.outbox.popleft()[1])
-                self.dropped += 1
-            self.wake = True
+            if self.outbox and self.outbox[0] is entry:  # (a full outbox may have dropped it meanwhile)
+                self.outbox.popleft()
+                self.outbox_bytes -= size
+                self.cond.notify_all()
+
+    def _read(self):
+        """The read fetch() or flush() asked for, into the inbox -> True if no read is asked for now. The
+        transport hands back the groups it could check; none of this peer's, none handed out before."""
+        with self.cond:
+            if not self.asked:
+                return True
+            self.reads_begun += 1
+            read, seed = self.reads_begun, self.seeds.getrandbits(63)
+        fresh = []
+        for g, size in self.transport.sample(self.sample, seed):
+            if g["peer"].lower() != self.peer.lower() and (g["seq"], g["time"]) not in self.seen:
+                self.seen.append((g["seq"], g["time"]))
+                fresh.append((g, size))
+        with self.cond:
+            self.inbox.extend(fresh)
+            self.inbox_bytes += sum(size for _, size in fresh)
+            while self.inbox_bytes > Limits.inbox_bytes:  # beyond the bound the oldest go
+                self.inbox_bytes -= self.inbox.popleft()[1]
+            self.asked, self.reads_done = self.asked - 1, read
             self.cond.notify_all()
-
-    def _run(self):
-        backoff = 0.0
-        while not self.closing:
-            with self.cond:
-                entry = self.outbox[0] if self.outbox else None
-            try:
-                if entry is not None:
-                    self._send(entry)
-                elif self._read():  # nothing more to read for now: wait for the next poll, a publish or a fetch
-                    self._sleep(Limits.poll_seconds)
-                if self.down:
-                    lost = f"; {self.dropped} older entries did not fit the outbox" if self.dropped else ""
-                    self._log(f"the server answers again{', sending what waited' * (entry is not None)}{lost}")
-                    self.down, self.dropped = None, 0
-                backoff = 0.0
-            except Exception as e:  # said once, however long it lasts; a bug must not end the thread either
-                if not self.down and not self.closing:
-                    cause = e if isinstance(e, (OSError, BadRequest)) else f"unexpected error {e!r:.200}"
-                    self._log(f"{cause}; training goes on, and what is unsent waits in the outbox (up to "
-                              f"{Limits.outbox_bytes >> 20} MB) until the server answers")
-                self.down, backoff = str(e) or type(e).__name__, min(5.0, max(0.25, 2 * backoff))
-                self._sleep(backoff)
+            return not self.asked
 
 
-def connect(url, peer, token=None, cursor=None, sample=None, seed=0):
-    """The client for the store a URL names: RedisClient for redis:// or rediss://, else SwarmClient."""
-    if str(url).startswith(("redis://", "rediss://")):
-        return RedisClient(url, peer, token, cursor, sample, seed)
-    return SwarmClient(url, peer, token, cursor, sample, seed)
+def connect(url, peer, sample, token=None, seed=0):
+    """A started Client of the store a URL names: a Redis server for redis:// or rediss://, else a swarm.py
+    server. sample: K; token: the store's credential (None: $SWARM_TOKEN); seed: the reads' seeds' seed."""
+    _check_client(peer, sample)
+    kind = RedisTransport if str(url).lower().startswith(("redis://", "rediss://")) else HttpTransport
+    return Client(peer, kind(str(url), peer, os.environ.get("SWARM_TOKEN") if token is None else token), sample, seed)
 
 
 # ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
@@ -288,13 +303,14 @@ class Limits:
     outbox_bytes = 64 << 20     # client: unsent batches and metrics; the oldest go first beyond it
     inbox_bytes = 64 << 20      # client: received groups not yet fetched; the oldest go first beyond it
     reply_bytes = body_bytes + (64 << 10)  # client: the largest reply read (a page of one group of at most a body)
-    poll_seconds = 1.0          # client: how often it asks for new groups
-    recent_groups = 64          # client: a new peer starts with the newest this many groups, not all history
+    poll_seconds = 1.0          # client: the longest its thread idles before it looks at its queues again
     sample_groups = 256         # groups one sampled read may ask for (?sample=K)
     window_batches = 2          # a sampled read draws from each producer's newest this many batches,
     window_seconds = 600        # of the producers whose newest batch arrived within this many seconds
-    seen_seqs = 4096            # client, sampled reads: the seqs it remembers, so it hands out none twice
-    stream_groups = 128 << 10   # Redis: groups its stream keeps (XADD MAXLEN ~): two rounds of 16,000 peers at I = 4
+    seen_seqs = 4096            # client: the seqs it remembers, so it hands out none twice
+    batch_groups = 256          # Redis: groups one batch may hold (the server's rule for a POST)
+    reply_seconds = 86400       # Redis: how long a batch's reply is kept, so that a retry is stored once
+    metrics_rows = 1 << 16      # Redis: metrics rows its stream keeps (XADD MAXLEN ~)
 
 
 # -----------------------------------------------------------------------------
@@ -399,6 +415,19 @@ ALSO = [(lambda g: len(g["stopped"]) == len(g["completions"]), "stopped must hol
          "one log-prob per token id"),
         (lambda g: sum(map(len, g.get("token_ids", []))) <= Limits.group_tokens,
          f"token_ids must hold at most {Limits.group_tokens} ids in all")]
+
+
+def wire_group(task, question, answer, completions, stopped, metadata=None, model="", token_ids=None,
+               logprobs=None, tokenizer=None):
+    """A rollout group as a peer publishes it, with GROUP's fields. The last three, beyond the paper, come
+    together or not at all: a completion's sampled token ids, their log-probs, the tokenizer's fingerprint."""
+    group = dict(task=task, question=question, answer=answer, metadata={} if metadata is None else metadata,
+                 completions=list(completions), stopped=list(stopped), model=model)
+    if token_ids is not None:
+        group.update(token_ids=token_ids, logprobs=logprobs, tokenizer=tokenizer)
+    return group
+
+
 STORED = fields({**GROUP, "peer": PEER, "round": ROUND, "seq": SEQ, "time": TIME}, OPTIONAL, ALSO)  # as served
 PUBLISH = fields({"peer": PEER, "round": ROUND, "batch_id": BATCH_ID, "groups": items(256, fields(GROUP, OPTIONAL, ALSO))})
 BATCH = fields({"peer": PEER, "round": ROUND, "batch_id": BATCH_ID, "time": TIME, "groups": items(256, STORED)})
@@ -410,9 +439,7 @@ NUMBERS = rule(lambda v: isinstance(v, dict) and len(v) <= 64 and all(0 < len(k)
                lambda v, where: {k: None if x is None else float(x) for k, x in v.items()})
 METRICS = fields({"peer": PEER, "round": ROUND, "metrics": NUMBERS})
 ROW = fields({"n": SEQ, "peer": PEER, "round": ROUND, "time": TIME, "metrics": NUMBERS})  # a metrics.jsonl line
-PAGE = fields({"groups": items(math.inf), "next": SEQ, "last": SEQ})  # a GET /rollouts reply
-SAMPLE = fields({"groups": items(math.inf), "last": SEQ})  # ... of ?sample=K
-HEALTH = fields({"last_seq": SEQ})
+SAMPLE = fields({"groups": items(math.inf), "last": SEQ})  # a GET /rollouts?sample=K reply
 
 
 def _finite(text):  # JSON may spell numbers that cannot be served back as JSON: NaN, Infinity, 1e999
@@ -429,15 +456,19 @@ def parse_json(raw, surrogates=False):
     try:
         text = raw.decode() if isinstance(raw, (bytes, bytearray)) else raw  # strict: no encoded surrogates
         if text.count(",") + text.count("{") + text.count("[") > Limits.json_values:  # then count outside strings
-            bare = re.sub(r'"[^"]*"', "", text.replace("\\\\", "").replace('\\"', ""))  # linear: no backtracking
-            _want(bare.count(",") + bare.count("{") + bare.count("[") <= Limits.json_values,
-                  f"The JSON holds more than {Limits.json_values} values; send fewer at once.", 413)
+            _want(_values(text) <= Limits.json_values, f"The JSON holds more than {Limits.json_values} values; "
+                  "send fewer at once.", 413)
         value = json.loads(text, parse_float=_finite, parse_constant=_finite)
         if not surrogates and re.search(r"\\u[dD][89a-fA-F]", text):
             _dumps(value)  # raises UnicodeEncodeError on a lone surrogate
         return value
     except (ValueError, RecursionError) as e:  # JSONDecodeError, not UTF-8, a lone surrogate, 5000 digits, too deep
         raise BadRequest(f"The body is not valid JSON: {str(e)[:120]}.") from None
+
+
+def _values(text):  # what parsing a JSON text costs: its commas, objects and lists outside strings (linear)
+    bare = re.sub(r'"[^"]*"', "", text.replace("\\\\", "").replace('\\"', ""))
+    return bare.count(",") + bare.count("{") + bare.count("[")
 
 
 def _log(message):
@@ -954,172 +985,183 @@ def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.ke
 
 
 # -----------------------------------------------------------------------------
-# Client: what a peer's training loop uses. It never raises and never waits for the network.
+# Client: the thread's loop, and its transports: publish(round, JSON texts, batch_id) -> the acknowledgement,
+# post_metrics(round, [JSON text]), sample(k, seed) -> [(checked group, bytes)], close() (ends an exchange at
+# once). An OSError or BadRequest: "no usable answer now, try later"; Refused: "malformed, drop it".
 
-class SwarmClient(Client):
-    """Client over HTTP: the thread's exchanges through requests, under a deadline, and what it checks of
-    every reply. Any error in an exchange means "no usable answer now: try again later"."""
+class Refused(Exception):
+    """The store refused an outbox entry as malformed: the same bytes would be refused again."""
 
-    def __init__(self, url, peer, token=None, cursor=None, sample=None, seed=0):
-        if not isinstance(peer, str) or not NAME.fullmatch(peer):
-            raise ValueError("peer must be 1 to 64 characters from A-Z, a-z, 0-9, '_', '.' and '-'.")
-        if sample is not None and not (isinstance(sample, int) and 1 <= sample <= Limits.sample_groups):
-            raise ValueError(f"sample must be None or a whole number from 1 to {Limits.sample_groups}.")
-        self.peer = peer
-        self._connect(urlsplit(str(url)), token if token is not None else os.environ.get("SWARM_TOKEN"))
-        self.cond = threading.Condition()  # guards all that follows; notified when the thread gets somewhere
-        self.outbox, self.outbox_bytes = collections.deque(), 0  # (path, body, what, acknowledgement), oldest first
-        self.inbox, self.inbox_bytes = collections.deque(), 0    # (group, bytes), oldest first
-        self.polls_begun = self.caught_up = 0  # reads begun / the number of the last one that caught up
-        self.down, self.dropped, self.wake, self.closing, self.sockets = None, 0, False, False, []
-        self.cursor = self.read_up_to = cursor  # the seq fetch() has handed out / the thread has read up to
-        self.newest = 0  # the server's newest seq as /health last said it: no page may claim far more
-        self.sample, self.seeds, self.asked = sample, random.Random(seed), 0  # sampled mode: K, the seeds
-        self.seen, self.said = collections.deque(maxlen=Limits.seen_seqs), None  # (seq, time)s read; the last bad said
-        self.thread = threading.Thread(target=self._run, name=f"swarm-client-{peer}", daemon=True)
-        self.thread.start()
 
-    def _connect(self, u, token):  # the transport, self.session: HTTP through requests here (RedisClient: Redis)
+def _say(peer, message):  # a client's log line (a lone surrogate a reply carried is escaped: no stream refuses it)
+    print(f"swarm client {peer}: {message}".encode("utf-8", "backslashreplace").decode(), file=sys.stderr, flush=True)
+
+
+def _check_client(peer, sample):
+    if not isinstance(peer, str) or not NAME.fullmatch(peer):
+        raise ValueError(f"peer must be a name matching {NAME.pattern}.")
+    if type(sample) is not int or not 1 <= sample <= Limits.sample_groups:
+        raise ValueError(f"sample must be a whole number from 1 to {Limits.sample_groups}.")
+
+
+def _enqueue(client, what, send, make):
+    """make() -> (round, JSON texts, ...), send's arguments, at the end of the outbox; or a log line."""
+    try:
+        args = make()
+    except (TypeError, ValueError, OverflowError, AttributeError) as e:
+        return _say(client.peer, f"{what} cannot be sent ({e})")
+    size = sum(len(text) + 1 for text in args[1]) + 256  # (and room for what a request wraps them in)
+    if size > Limits.body_bytes:  # a server would refuse it (413): never held, even while it is down
+        return _say(client.peer, f"{what} is {size} bytes, over a request's {Limits.body_bytes}, so it is dropped")
+    with client.cond:
+        client.outbox.append((what, send, args, size))
+        client.outbox_bytes += size
+        while client.outbox_bytes > Limits.outbox_bytes and len(client.outbox) > 1:
+            client.outbox_bytes -= client.outbox.popleft()[3]
+            client.dropped += 1
+        client.wake = True
+        client.cond.notify_all()
+
+
+def _talk(client):
+    """The client's thread: the oldest outbox entry first, else the read asked for, else idle until a
+    publish, fetch or flush. Trouble is said once, however long it lasts, and waited out (0.25 s to 5 s)."""
+    backoff = 0.0
+    while not client.closing:
+        with client.cond:
+            entry = client.outbox[0] if client.outbox else None
+        try:
+            if entry is not None:
+                client._send(entry)
+            elif client._read():
+                _idle(client, Limits.poll_seconds)
+            if client.down:
+                lost = f"; {client.dropped} older entries did not fit the outbox" if client.dropped else ""
+                _say(client.peer, f"the server answers again{', sending what waited' * (entry is not None)}{lost}")
+                client.down, client.dropped = None, 0
+            backoff = 0.0
+        except Exception as e:  # (a bug must not end the thread either)
+            if not client.down and not client.closing:
+                cause = e if isinstance(e, (OSError, BadRequest)) else f"unexpected error {e!r:.200}"
+                _say(client.peer, f"{cause}; training goes on, and what is unsent waits in the outbox (up to "
+                                  f"{Limits.outbox_bytes >> 20} MB) until the server answers")
+            client.down, backoff = str(e) or type(e).__name__, min(5.0, max(0.25, 2 * backoff))
+            _idle(client, backoff)
+
+
+def _idle(client, seconds):  # until a publish, fetch or flush wakes it, except while it waits out trouble
+    with client.cond:
+        client.cond.wait_for(lambda: client.closing or (client.wake and not client.down), seconds)
+        client.wake = False
+
+
+class _Transport:
+    """What both transports share: the peer's name (lower-cased: `name`), and the checks of what a store says."""
+    def __init__(self, peer):
+        self.peer, self.name, self.said, self.closed = peer, peer.lower(), None, False
+
+    def _received(self, groups):
+        """Groups as a store sent them -> [(clean group, bytes)]; a bad one is dropped alone, said once."""
+        good, bad = [], []
+        for g in groups:
+            try:
+                g = check(g, STORED, "a received group")
+                good.append((g, len(_dumps(g))))
+            except (BadRequest, ValueError) as e:  # (ValueError: a lone surrogate, which UTF-8 cannot carry)
+                bad.append(getattr(e, "message", str(e)))
+        if bad and bad[0] != self.said:
+            self.said = bad[0]
+            _say(self.peer, f"dropped {len(bad)} malformed groups from the server (the first: {bad[0][:200]})")
+        return good
+
+
+def _acknowledged(reply, groups, where):  # a reply to a publish -> it, if it says all groups were stored
+    _want(isinstance(reply, dict) and reply.get("accepted") == groups, f"{where} acknowledges nothing")
+    return check(reply, fields({"accepted": number(groups), "seq": SEQ}), where)
+
+
+class HttpTransport(_Transport):
+    """A swarm.py server's side of the exchanges, through requests, under a deadline, every reply checked.
+    It sends only where it was told: no redirect is followed (a 3xx is the server's trouble), no credential
+    but its token goes (requests' trust in the environment is off: no ~/.netrc), and of the environment
+    only the proxies (HTTP_PROXY, HTTPS_PROXY, NO_PROXY) and a REQUESTS_CA_BUNDLE count."""
+
+    def __init__(self, url, peer, token):
+        super().__init__(peer)
+        u = urlsplit(url)
         if u.scheme not in ("http", "https") or not u.hostname:
-            raise ValueError(f"the swarm URL must look like http://HOST:PORT, not {u.geturl()[:80]!r}.")
-        token = check_token(token)
+            raise ValueError(f"the swarm URL must look like http://HOST:PORT, not {url[:80]!r}.")
+        token, self.sockets = check_token(token), []
         self.url, self.session = u.geturl().rstrip("/"), requests.Session()
+        self.session.trust_env, self.session.proxies = False, requests.utils.get_environ_proxies(self.url)
+        self.session.verify = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
         self.session.headers.update({"Content-Type": JSON, "Connection": "close", "Accept-Encoding": "identity",
                                      **({"Authorization": f"Bearer {token}"} if token else {})})
         for scheme in ("http://", "https://"):
             self.session.mount(scheme, _Adapter(self))
 
+    def publish(self, round_, texts, batch_id):
+        reply = self._post("/rollouts", b'{"peer":%s,"round":%d,"batch_id":%s,"groups":[%s]}' % (
+            _dumps(self.peer), round_, _dumps(batch_id), b",".join(texts)))
+        return _acknowledged(reply, len(texts), "a reply to /rollouts")
+
+    def post_metrics(self, round_, texts):
+        reply = self._post("/metrics", b'{"peer":%s,"round":%d,"metrics":%s}' % (_dumps(self.peer), round_, texts[0]))
+        _want(isinstance(reply, dict) and reply.get("ok") is True, "a reply to /metrics acknowledges nothing")
+
+    def sample(self, k, seed):
+        status, reply = self._request("GET", f"/rollouts?sample={k}&exclude={self.peer}&seed={seed}")
+        if status != 200:
+            raise ConnectionError(f"HTTP {status}: {_said(reply)}")
+        return self._received(check(reply, SAMPLE, "the reply to /rollouts")["groups"][:k])
+
     def close(self):
-        """Stop the thread: it ends its current exchange at once and sends nothing more."""
-        with self.cond:
-            self.closing = True
-            self.cond.notify_all()
+        self.closed = True
         _shut(self.sockets)
-        self.session.close()  # (Redis: disconnects even the connection in use, ending its exchange)
-        self.thread.join(5)
+        self.session.close()
 
-    def _log(self, message):  # (a lone surrogate a reply carried is escaped: no stream may refuse the line)
-        print(f"swarm client {self.peer}: {message}".encode("utf-8", "backslashreplace").decode(), file=sys.stderr,
-              flush=True)
-
-    def _sleep(self, seconds):  # until a publish, fetch or flush wakes it, except while it waits out trouble
-        with self.cond:
-            self.cond.wait_for(lambda: self.closing or (self.wake and not self.down), seconds)
-            self.wake = False
-
-    def _send(self, entry):
-        """POST the oldest outbox entry. It leaves the outbox once the server acknowledged it, or refused it
-        as malformed; a wrong token, a wrong URL or a 200 that acknowledges nothing keep it for later."""
-        path, body, what, ack = entry
+    def _post(self, path, body):  # -> the reply; a 400, 413 or 422 (the request's own fault) is Refused
         status, reply = self._request("POST", path, body)
-        if status != 200:  # 400, 413 or 422: the same bytes would be refused again
-            self._log(f"the server refused {what}, so it is dropped: HTTP {status}: {_said(reply)}")
-        else:  # the acknowledgement: every group accepted, under a seq (or, for metrics, ok)
-            _want(isinstance(reply, dict) and ack.items() <= reply.items(), f"a reply to {path} acknowledges nothing")
-            check(reply, fields({"seq": SEQ} if "accepted" in ack else {}), "the server's acknowledgement")
-        with self.cond:
-            if self.outbox and self.outbox[0] is entry:  # (a full outbox may have dropped it meanwhile)
-                self.outbox.popleft()
-                self.outbox_bytes -= len(body)
-                self.cond.notify_all()
-
-    def _read(self):
-        """One read into the inbox -> True if there is nothing more to read for now. sample=K: the sampled
-        read that fetch() or flush() asked for, if any. Else one page after read_up_to; a page it cannot use
-        (costly, malformed, past the server's newest seq, or a 400: the server lost our seq) never stops it:
-        it reads on from the server's newest group. A server may be buggy or hostile: each group is checked."""
-        with self.cond:
-            if self.sample and not self.asked:
-                return True
-            self.polls_begun += 1
-            poll, after, seed = self.polls_begun, self.read_up_to, self.seeds.getrandbits(63)
-        if self.sample:
-            page = self._get(f"/rollouts?sample={self.sample}&exclude={self.peer}&seed={seed}", SAMPLE)
-        else:
-            if after is None:  # a new peer: start from the newest groups, not from the whole history
-                after = max(0, self._newest() - Limits.recent_groups)
-            try:
-                page = self._get(f"/rollouts?after={after}&exclude={self.peer}", PAGE)
-                if page["last"] > self.newest:  # /health, asked after the page, says at least its last if honest
-                    self._newest()
-                _want(after <= page["next"] <= page["last"] <= self.newest, f"its seqs (next "
-                      f"{page['next']}, last {page['last']}) do not fit ours ({after}) and /health's ({self.newest})")
-            except BadRequest as e:
-                self.read_up_to = self._newest()
-                raise ConnectionError(f"a reply it cannot use ({e.message:.200}); reading on from the server's "
-                                      f"newest group ({self.read_up_to})") from None
-        groups, bad, seq = [], [], after
-        for g in page["groups"][:self.sample or None]:
-            try:
-                g = check(g, STORED, "a received group")
-                _want(self.sample or seq < g["seq"] <= page["next"], "its seq is out of order")  # (a page's: in order)
-                seq = g["seq"]
-                if g["peer"] != self.peer and not (self.sample and (seq, g["time"]) in self.seen):  # (never twice)
-                    self.seen.append((seq, g["time"]))
-                    groups.append((g, len(_dumps(g))))
-            except (BadRequest, ValueError) as e:  # (ValueError: a lone surrogate, which UTF-8 cannot carry)
-                bad.append(getattr(e, "message", str(e)))
-        if bad and bad[0] != self.said:  # (a sampled read may draw the same bad group again: said once)
-            self.said = bad[0]
-            self._log(f"dropped {len(bad)} malformed groups from the server (the first: {bad[0][:200]})")
-        with self.cond:
-            self.inbox.extend(groups)
-            self.inbox_bytes += sum(size for _, size in groups)
-            while self.inbox_bytes > Limits.inbox_bytes:  # beyond the bound the oldest go
-                self.inbox_bytes -= self.inbox.popleft()[1]
-            if self.sample:
-                self.asked -= 1
-            else:
-                self.read_up_to = page["next"]
-            if self.sample or page["next"] in (page["last"], after):  # caught up with the server
-                self.caught_up = poll
-                self.cond.notify_all()
-            return self.caught_up == poll and not self.asked
-
-    def _newest(self):  # the server's newest seq
-        self.newest = self._get("/health", HEALTH)["last_seq"]
-        return self.newest
-
-    def _get(self, path, fields):  # GET -> the reply, checked against fields; an error reply is BadRequest
-        status, reply = self._request("GET", path)
-        if status != 200:  # a 400: the server lost our seq; a 413 or 422 (a proxy's) keeps our place
-            raise (BadRequest if status == 400 else ConnectionError)(f"HTTP {status}: {_said(reply)}")
-        return check(reply, fields, f"the reply to {path.partition('?')[0]}")
+        if status != 200:
+            raise Refused(f"HTTP {status}: {_said(reply)}")
+        return reply
 
     def _request(self, method, path, body=None):
         """One HTTP exchange -> (status, its JSON or None): 200, or 400, 413 or 422 (the request's own fault).
-        Any other status (a wrong token or URL said naming the likely cause), or no whole reply within
-        Limits.request_seconds (a timer shuts the socket, as close() does: requests bounds each read, not a
-        reply), is an OSError. A 200 is BadRequest unless it is JSON within Limits.reply_bytes and json_values
-        values: parsing holds the interpreter lock, and with it the training loop."""
-        if self.closing:
+        Any other status (a wrong token or URL said naming the likely cause, a redirect naming where), or no
+        whole reply within Limits.request_seconds (a timer shuts the socket, as close() does: requests bounds
+        each read, not a reply), is an OSError. A 200 is BadRequest unless it is JSON within
+        Limits.reply_bytes and json_values values: parsing holds the interpreter lock, and with it training."""
+        if self.closed:
             raise ConnectionError("the client is closing")
         deadline, reply, self.sockets = time.monotonic() + Limits.request_seconds, bytearray(), []
         timer = threading.Timer(Limits.request_seconds, _shut, [self.sockets])
         timer.start()
         try:
-            with self.session.request(method, self.url + path, data=body, stream=True,
+            with self.session.request(method, self.url + path, data=body, stream=True, allow_redirects=False,
                                       timeout=Limits.request_seconds) as r:
                 for chunk in r.iter_content(1 << 16):
                     reply += chunk
                     if len(reply) > Limits.reply_bytes:
                         break
-        except (OSError, ValueError) as e:  # (requests' errors are OSErrors too; a bad redirect's, ValueErrors)
+        except (OSError, ValueError) as e:  # (requests' errors are OSErrors too)
             reply = e
         finally:
             timer.cancel()
             for sock in self.sockets:  # the duplicates _Adapter made
                 sock.close()
-        if (late := time.monotonic() > deadline) or self.closing or isinstance(reply, Exception):  # (cut by the timer?)
+        if (late := time.monotonic() > deadline) or self.closed or isinstance(reply, Exception):  # (cut by the timer?)
             raise ConnectionError(f"server unreachable ({_reason(None if late else reply)})")
         if (r.status_code != 200 and not 400 <= r.status_code < 500) or r.status_code in (408, 429):
-            raise ConnectionError(f"server unreachable (HTTP {r.status_code})")
+            moved = f", a redirect to {r.headers.get('Location', '')[:100]!r}, which this client does not follow" \
+                if 300 <= r.status_code < 400 else ""
+            raise ConnectionError(f"server unreachable (HTTP {r.status_code}{moved})")
         try:
             _want(len(reply) <= Limits.reply_bytes, f"a reply of more than {Limits.reply_bytes} bytes")
             reply = parse_json(reply, surrogates=True)
-        except BadRequest:
+        except BadRequest as e:
             if r.status_code == 200:
-                raise
+                raise BadRequest(f"a reply it cannot use ({e.message[:200]})") from None
             reply = None
         if r.status_code not in (200, 400, 413, 422):
             raise ConnectionError(f"HTTP {r.status_code} from {self.url}{path.partition('?')[0]}: "
@@ -1128,21 +1170,21 @@ class SwarmClient(Client):
 
 
 class _Adapter(requests.adapters.HTTPAdapter):
-    """requests' own transport, but each connection it opens joins client.sockets, which the deadline and
-    close() shut (at once, if the client is closing)."""
-    def __init__(self, client):
+    """requests' own transport, but each connection it opens joins transport.sockets, which the deadline
+    and close() shut (at once, if the client is closing)."""
+    def __init__(self, transport):
         super().__init__()
-        self.client = client
+        self.transport = transport
 
     def get_connection_with_tls_context(self, *args, **kwargs):
-        pool, client = super().get_connection_with_tls_context(*args, **kwargs), self.client
+        pool, transport = super().get_connection_with_tls_context(*args, **kwargs), self.transport
         if "ConnectionCls" not in vars(pool):  # once per pool: its ConnectionCls makes every connection
             class Connection(pool.ConnectionCls):
                 def _new_conn(self):  # the TCP socket before any TLS handshake (which takes the object over,
                     sock = super()._new_conn()  # so a duplicate descriptor): a stalled handshake is cut too
-                    client.sockets.append(sock.dup())
-                    if client.closing:
-                        _shut(client.sockets)
+                    transport.sockets.append(sock.dup())
+                    if transport.closed:
+                        _shut(transport.sockets)
                     return sock
             pool.ConnectionCls = Connection
         return pool
@@ -1164,104 +1206,177 @@ def _reason(e):  # the words that matter in requests' long messages ("Connection
     return "".join(found[-1]).strip() if found else type(e).__name__
 
 
-def _said(data):  # the one sentence of an error reply, cut short (_log escapes any lone surrogate)
+def _said(data):  # the one sentence of an error reply, cut short (_say escapes any lone surrogate)
     return str(data.get("error"))[:200] if isinstance(data, dict) else "(no message)"
 
 
 # -----------------------------------------------------------------------------
-# Redis Streams as the store. A batch, atomically. KEYS: seq counter, stream (an entry a group, its ID the
-# seq), producers by newest batch time, the batch's reply (kept ARGV[5] s: a retry is stored once). ARGV: peer,
-# round, MAXLEN, window seconds, ARGV[5], groups. sapo:window:PEER: the seq ranges of PEER's newest 2 batches.
-PUBLISH_LUA = """local reply, t, n = redis.call('GET', KEYS[4]), redis.call('TIME'), #ARGV - 5
+# Redis as the store: sapo:seq numbers the groups, sapo:producers holds the writers by their newest batch's
+# time, and a writer's own keys, sapo:writer:NAME:* (NAME lower-cased), only its ACL user may write: :window
+# ("FIRST LAST ROUND TIME" of its newest Limits.window_batches batches, newest first), :groups (seq -> group
+# JSON) and :reply:BATCH_ID. Window and groups expire Limits.window_seconds after its newest batch.
+
+# A batch, atomically. KEYS: the writer's window, groups and reply, which Redis checks against the caller's
+# ACL before the script runs. ARGV: name, round, window batches, window ms, reply seconds, batch groups, groups.
+PUBLISH_LUA = """local reply, n = redis.call('GET', KEYS[3]), #ARGV - 6
 if reply then return reply end
-local now, last, window = t[1] + t[2] / 1e6, redis.call('INCRBY', KEYS[1], n), 'sapo:window:' .. ARGV[1]
-for i = 1, n do redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], (last - n + i) .. '-0', 'peer', ARGV[1],
-  'round', ARGV[2], 'time', now, 'group', ARGV[5 + i]) end
-redis.call('SET', window, (last - n + 1) .. ' ' .. last .. ' ' .. ((redis.call('GET', window) or ''):match('^%d+ %d+')
-  or ''), 'EX', ARGV[4])
-redis.call('ZADD', KEYS[3], now, ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - ARGV[4])
+local t, last, kept = redis.call('TIME'), redis.call('INCRBY', 'sapo:seq', n), {}
+local now = t[1] + t[2] / 1e6
+for i = 1, n do redis.call('HSET', KEYS[2], last - n + i, ARGV[6 + i]) end
+kept[1] = (last - n + 1) .. ' ' .. last .. ' ' .. ARGV[2] .. ' ' .. now
+for a, b, rest in (redis.call('GET', KEYS[1]) or ''):gmatch('(%d+) (%d+) (%S+ %S+)') do
+  if #kept < tonumber(ARGV[3]) then kept[#kept + 1] = a .. ' ' .. b .. ' ' .. rest
+  else for s = tonumber(a), math.min(tonumber(b), a + ARGV[6]) do redis.call('HDEL', KEYS[2], s) end end
+end
+redis.call('SET', KEYS[1], table.concat(kept, ' '), 'PX', ARGV[4])
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+redis.call('ZADD', 'sapo:producers', now, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', 'sapo:producers', '-inf', now - ARGV[4] / 1000)
 reply = '{"accepted":' .. n .. ',"seq":' .. last .. '}'
-redis.call('SET', KEYS[4], reply, 'EX', ARGV[5])
+redis.call('SET', KEYS[3], reply, 'EX', ARGV[5])
 return reply"""
-# The sampled read (RolloutStore's window and draw), read-only. KEYS: stream, producers. ARGV: K, peer to
-# exclude, seed, byte cap. A lazy shuffle of the producers' ranks takes out those excluded, stale or drawn
-# dry, so each pick is uniform over those left and a read costs O(K), whatever the number of producers.
+# The sampled read (Store.sample's draw), read-only. KEYS: sapo:producers. ARGV: K, the name left out, seed,
+# page bytes, group bytes, window batches, batch groups. A lazy shuffle of the producers' ranks takes out those
+# left out, silent or drawn dry: each pick is uniform over the writers left, and a read costs O(K) whatever
+# their number. What no publish writes is passed over. -> [writer, seq, round, time, group JSON] a group.
 SAMPLE_LUA = """local k, x = tonumber(ARGV[1]), tonumber(ARGV[3]:sub(-9)) % 2147483646 + 1
-local n, out, undrawn, moved, size = redis.call('ZCARD', KEYS[2]), {}, {}, {}, 0
+local n, out, undrawn, moved, size = redis.call('ZCARD', KEYS[1]), {}, {}, {}, 0
 local function rand(m) x = x * 16807 % 2147483647 return x % m end
+local function window(p)
+  local w, seqs = p ~= ARGV[2] and redis.pcall('GETRANGE', 'sapo:writer:' .. p .. ':window', 0, 80 * ARGV[6]), {}
+  for a, b, r, t in (type(w) == 'string' and w or ''):gmatch('(%d+) (%d+) (%S+) (%S+)') do
+    a, b = tonumber(a), tonumber(b)
+    if b >= a and b - a < tonumber(ARGV[7]) and #seqs < ARGV[6] * ARGV[7] then
+      for s = a, b do seqs[#seqs + 1] = {s, r, t} end end end
+  return seqs
+end
 for _ = 1, 4 * k + 64 do
   if #out == k or n == 0 or size > tonumber(ARGV[4]) then break end
   local j = rand(n)
-  local p = redis.call('ZRANGE', KEYS[2], moved[j] or j, moved[j] or j)[1]
-  if not undrawn[p] then
-    undrawn[p] = {}
-    for a, b in (p ~= ARGV[2] and redis.call('GET', 'sapo:window:' .. p) or ''):gmatch('(%d+) (%d+)') do
-      for s = tonumber(a), tonumber(b) do table.insert(undrawn[p], s) end end end
-  local seqs = undrawn[p]
+  local p = redis.call('ZRANGE', KEYS[1], moved[j] or j, moved[j] or j)[1]
+  undrawn[p] = undrawn[p] or window(p)
+  local seqs, key = undrawn[p], 'sapo:writer:' .. p .. ':groups'
   if #seqs > 0 then
     local i = rand(#seqs) + 1
-    local e = redis.call('XRANGE', KEYS[1], seqs[i] .. '-0', seqs[i] .. '-0')[1]
+    local s = seqs[i]
     seqs[i] = seqs[#seqs]
     seqs[#seqs] = nil
-    if e then out[#out + 1], size = e, size + #e[2][8] end end
+    local len = redis.pcall('HSTRLEN', key, s[1])
+    if type(len) == 'number' and 0 < len and len <= tonumber(ARGV[5]) then
+      out[#out + 1], size = {p, s[1], s[2], s[3], redis.call('HGET', key, s[1])}, size + len end end
   if #seqs == 0 then n = n - 1 moved[j] = moved[n] or n end
 end
 return out"""
-KEYS = ("sapo:seq", "sapo:rollouts", "sapo:producers")
 
 
-class RedisClient(SwarmClient):
-    """SwarmClient with a Redis server as the store: redis://USER:PASSWORD@HOST:PORT/DB (rediss:// for TLS;
-    the password may come from $SWARM_TOKEN instead). Only the exchanges differ (_request). Two ACL users
-    take the token's part: one that may write, and one that may only read (its batches wait)."""
+class RedisTransport(_Transport):
+    """A Redis server's side of the exchanges (redis-py and the scripts above): redis://USER@HOST:PORT/DB,
+    rediss:// for TLS, the scheme in any case. The password is the token ($SWARM_TOKEN) or the URL's, never
+    both: which should win is not the client's to guess. One option, ?ssl_ca_certs=FILE with rediss://;
+    timeouts, retries and the rest are the client's own. Each exchange is bounded as HTTP's is: within
+    Limits.request_seconds in all, a reply within Limits.reply_bytes (_bounded) and json_values values."""
 
-    def _connect(self, u, token):
-        if u.scheme not in ("redis", "rediss") or not u.hostname:
-            raise ValueError("the swarm URL must look like redis://USER:PASSWORD@HOST:PORT/0 (rediss:// for TLS).")
+    def __init__(self, url, peer, token):
+        super().__init__(peer)
         try:
             import redis
         except ImportError:
             raise ValueError("a redis:// swarm needs the redis package: pip install redis") from None
-        self.session, self.redis_error = redis.Redis.from_url(  # (bytes not UTF-8: lone surrogates, dropped per group)
-            u.geturl(), password=token, decode_responses=True, encoding_errors="surrogateescape",
-            socket_timeout=Limits.request_seconds), redis.RedisError
-
-    def _request(self, method, path, body=b""):
-        """The exchange SwarmClient's thread asks for, in Redis commands -> (200, the reply's JSON). Redis
-        unreachable or refusing (a read-only user's publish) is an OSError: the batch waits."""
-        path, _, query = path.partition("?")
-        q = {k: v[-1] for k, v in parse_qs(query).items()}
+        u, shape = urlsplit(url), "the swarm URL must look like redis://USER@HOST:PORT/0 (rediss:// for TLS)"
         try:
-            if method == "POST":
-                b = json.loads(body)
-                if path == "/metrics":
-                    return 200, {"ok": bool(self.session.xadd("sapo:metrics", {"row": body}, maxlen=1 << 16))}
-                keys = (*KEYS, f"sapo:reply:{b['peer']}:{b['batch_id']}")
-                return 200, json.loads(self.session.eval(PUBLISH_LUA, 4, *keys, b["peer"], b["round"],
-                                                         Limits.stream_groups, Limits.window_seconds, 86400,
-                                                         *map(_dumps, b["groups"])))
-            if "sample" in q:
-                found = self.session.eval_ro(SAMPLE_LUA, 2, *KEYS[1:], q["sample"], q.get("exclude", ""),
-                                             q.get("seed", "0"), Limits.page_bytes)
-            else:  # ?after=SEQ: the page after it (/health asks for none)
-                found = self.session.xrange(KEYS[1], f"{int(q['after']) + 1}-0", count=256) if "after" in q else []
-            last = int(self.session.get(KEYS[0]) or 0)  # after the read, so no group found is newer than it
-            if "sample" in q:
-                return 200, {"groups": [_stored(*e) for e in found], "last": last}
-            return 200, {"groups": [_stored(*e) for e in found if e[1].get("peer") != q.get("exclude")], "last": last,
-                         "next": int(found[-1][0][:-2]) if found else int(q.get("after", last)), "last_seq": last}
-        except self.redis_error as e:
-            raise ConnectionError(f"Redis: {e}") from None
+            tls, port, options = u.scheme.lower() == "rediss", u.port, parse_qs(u.query, keep_blank_values=True)
+        except ValueError:
+            raise ValueError(shape + ".") from None
+        if not u.hostname or not re.fullmatch(r"/?[0-9]{0,5}", u.path):
+            raise ValueError(shape + ".")
+        if set(options) - {"ssl_ca_certs"} or (options and not tls):
+            raise ValueError(f"{shape}: it takes one option, ?ssl_ca_certs=FILE with rediss://, not "
+                             f"{', '.join(sorted(options))[:80]}.")
+        if u.password is not None and token:
+            raise ValueError("give the Redis password in the URL or as the token ($SWARM_TOKEN, --token), not both.")
+        pool = redis.ConnectionPool(  # (decoded, a group that is not UTF-8 is dropped alone)
+            connection_class=redis.SSLConnection if tls else redis.Connection, parser_class=_bounded(redis),
+            host=u.hostname, port=port or 6379, db=int(u.path.strip("/") or 0), protocol=2,
+            username=unquote(u.username) if u.username else None,
+            password=unquote(u.password) if u.password is not None else token or None,
+            socket_timeout=Limits.request_seconds, decode_responses=True, encoding_errors="surrogateescape",
+            **({"ssl_ca_certs": options["ssl_ca_certs"][-1]} if options else {}))
+        self.redis, self.error = redis.Redis(connection_pool=pool), redis.RedisError
+
+    def publish(self, round_, texts, batch_id):
+        if len(texts) > Limits.batch_groups:
+            raise Refused(f"a batch holds at most {Limits.batch_groups} groups")
+        keys = [f"sapo:writer:{self.name}:{key}" for key in ("window", "groups", f"reply:{batch_id}")]
+        reply = self._call(self.redis.eval, PUBLISH_LUA, 3, *keys, self.name, round_, Limits.window_batches,
+                           int(1000 * Limits.window_seconds), Limits.reply_seconds, Limits.batch_groups, *texts)
+        return _acknowledged(parse_json(reply) if isinstance(reply, str) else None, len(texts), "Redis's reply")
+
+    def post_metrics(self, round_, texts):
+        row = b'{"peer":%s,"round":%d,"metrics":%s}' % (_dumps(self.peer), round_, texts[0])
+        self._call(self.redis.xadd, "sapo:metrics", {"row": row}, maxlen=Limits.metrics_rows)
+
+    def sample(self, k, seed):
+        found = self._call(self.redis.eval_ro, SAMPLE_LUA, 1, "sapo:producers", k, self.name, seed, Limits.page_bytes,
+                           Limits.body_bytes, Limits.window_batches, Limits.batch_groups)
+        entries = [e for e in found if isinstance(e, list) and len(e) == 5 and isinstance(e[4], str)][:k]
+        _want(sum(_values(e[4]) for e in entries) <= Limits.json_values,  # (the groups' values, in all)
+              f"a reply of more than {Limits.json_values} values")
+        return self._received([_stored(*e) for e in entries])
+
+    def close(self):
+        self.closed = True
+        self.redis.connection_pool.disconnect()  # (even the connection in use, which ends its exchange)
+
+    def _call(self, command, *args, **kwargs):
+        """One Redis command within Limits.request_seconds in all (a timer drops the connection, as close()
+        does) -> its reply. Redis unreachable or refusing (a read-only user's publish) is an OSError."""
+        if self.closed:
+            raise ConnectionError("the client is closing")
+        timer = threading.Timer(Limits.request_seconds, self.redis.connection_pool.disconnect)
+        timer.start()
+        try:
+            return command(*args, **kwargs)
+        except self.error as e:  # (a key it may not write: most likely another writer's)
+            hint = f"; may this user write sapo:writer:{self.name}:*, as --name {self.peer}?" * ("access" in str(e))
+            raise ConnectionError(f"Redis: {e}{hint}") from None
+        finally:
+            timer.cancel()
 
 
-def _stored(seq, fields):  # a stream entry -> the group as served, or None (check() judges either)
-    f = fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2]))
+def _stored(writer, seq, round_, time_, text):  # an entry the sampled read drew -> the group as served, or None
     try:
-        return {**parse_json(f["group"]), "peer": f["peer"], "round": int(f["round"]), "seq": int(seq[:-2]),
-                "time": float(f["time"])}
-    except (BadRequest, KeyError, ValueError, TypeError):
+        return {**parse_json(text, surrogates=True), "peer": writer, "round": int(round_), "seq": int(seq),
+                "time": float(time_)}
+    except (BadRequest, TypeError, ValueError):
         return None
+
+
+def _bounded(redis):
+    """redis-py's RESP2 parser, bounded as the HTTP client is (else it reads whatever a store sends): a reply
+    past Limits.reply_bytes, or more values than a sampled read of Limits.sample_groups groups (6 a group),
+    is refused as it arrives, and redis-py drops the connection, unread."""
+    class Bounded(redis._parsers._RESP2Parser):
+        def on_connect(self, connection):
+            super().on_connect(connection)  # (its buffer reads the socket through recv and settimeout only)
+            sock, self.most = self._buffer._sock, (Limits.reply_bytes, 8 * Limits.sample_groups)
+            self.left = list(self.most)
+            self._buffer._sock = types.SimpleNamespace(recv=lambda size: self._spend(0, sock.recv(size)),
+                                                       settimeout=sock.settimeout)
+
+        def read_response(self, *args, **kwargs):
+            self.left = list(self.most)  # the bytes and values this reply may still take
+            return super().read_response(*args, **kwargs)
+
+        def _read_response(self, *args, **kwargs):
+            self._spend(1, "-")
+            return super()._read_response(*args, **kwargs)
+
+        def _spend(self, which, data):
+            self.left[which] -= len(data)
+            if self.left[which] < 0:
+                raise ConnectionError(f"a reply of more than {self.most[which]} {('bytes', 'values')[which]}")
+            return data
+    return Bounded
 
 
 # -----------------------------------------------------------------------------

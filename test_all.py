@@ -16,6 +16,7 @@ Contents, in the README's reading order (search for "# <file>" to jump to a sect
   reproduce.py    a small swarm-against-silo run: its outputs, paired seeds, flags
 """
 
+import collections
 import contextlib
 import http.client
 import json
@@ -1546,9 +1547,9 @@ _SW_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "swarm.py"
 
 
 def _sw_group(i=0, n=2, **extra):
-    return {"task": "basic_arithmetic", "question": f"What is {i} + 1?", "answer": str(i + 1),
-            "metadata": {"i": i}, "completions": [f"{i} + 1 = {i + 1} <answer>{i + 1}</answer>"] * n,
-            "stopped": [True] * (n - 1) + [False], "model": "tiny", **extra}
+    return {**swarm.wire_group("basic_arithmetic", f"What is {i} + 1?", str(i + 1),
+                               [f"{i} + 1 = {i + 1} <answer>{i + 1}</answer>"] * n, [True] * (n - 1) + [False],
+                               {"i": i}, "tiny"), **extra}
 
 
 def _sw_post(url, peer, round_, groups, batch_id=None, headers=None):
@@ -1556,10 +1557,12 @@ def _sw_post(url, peer, round_, groups, batch_id=None, headers=None):
     return requests.post(url + "/rollouts", json=body, headers=headers, timeout=5)
 
 
-def _sw_read_all(url, exclude="", limit=1024):
-    groups, after = [], 0
+def _sw_read_all(url, exclude="", limit=1024, token=None):
+    """Every group a server holds, read with GET /rollouts?after=SEQ page after page (as an audit would)."""
+    groups, after, headers = [], 0, {"Authorization": f"Bearer {token}"} if token else {}
     while True:
-        r = requests.get(url + "/rollouts", params={"after": after, "exclude": exclude, "limit": limit}, timeout=5)
+        r = requests.get(url + "/rollouts", params={"after": after, "exclude": exclude, "limit": limit},
+                         headers=headers, timeout=5)
         assert r.status_code == 200
         data = r.json()
         groups += data["groups"]
@@ -1633,8 +1636,8 @@ def _sw_clients():
     """Make clients with _sw_clients(url, name, ...); every one is closed at the end of the test."""
     made = []
 
-    def make(*args, **kwargs):
-        made.append(swarm.connect(*args, **kwargs))
+    def make(url, peer, *args, sample=16, **kwargs):  # (a writer's reads do not matter: K = 16)
+        made.append(swarm.connect(url, peer, sample, *args, **kwargs))
         return made[-1]
 
     yield make
@@ -1661,15 +1664,20 @@ def _sw_stop(proc):
     proc.wait()
 
 
-_SW_ACL = """user default off nopass ~* &* +@all
-user writer on >writer-pw ~sapo:* resetchannels -@all +@read +@write +eval +eval_ro +time +ping +select
-user reader on >reader-pw ~sapo:* resetchannels -@all +@read +eval_ro +time +ping +select
+_SW_WRITES = ("resetchannels -@all +@read +eval +eval_ro +set +hset +hdel +pexpire +time +ping +select %R~sapo:* "
+              "(~sapo:seq +incrby) (~sapo:producers +zadd +zremrangebyscore) (~sapo:metrics +xadd)")
+_SW_ACL = f"""user default off nopass ~* &* +@all
+user writer on >writer-pw {_SW_WRITES} ~sapo:writer:*
+user alice on >alice-pw {_SW_WRITES} ~sapo:writer:alice:*
+user mallory on >mallory-pw {_SW_WRITES} ~sapo:writer:mallory:*
+user reader on >reader-pw resetchannels -@all +@read +eval_ro +time +ping +select %R~sapo:*
 """
 
 
 class _SwRedis:
     """A real redis-server on a free loopback port, in its own folder, durable as docs/swarm.md says
-    (appendonly yes, appendfsync always), with a writing and a read-only ACL user. kill() is kill -9;
+    (appendonly yes, appendfsync always), with ACL users: `writer` may write under any name (a swarm among
+    friends), `alice` and `mallory` only under their own, `reader` only reads. kill() is kill -9;
     start() again restarts it on the same folder and port."""
 
     def __init__(self, folder):
@@ -1755,8 +1763,8 @@ def test_swarm_round_trip(_sw_server, _sw_clients):
     t0 = time.time()
     alice.publish(0, sent)
     assert alice.flush(10) and bob.flush(10)
-    got = bob.fetch()
-    assert [g["seq"] for g in got] == [1, 2] and bob.cursor == 2
+    got = sorted(bob.fetch(), key=lambda g: g["seq"])  # (a sampled read: in the draw's order)
+    assert [g["seq"] for g in got] == [1, 2]
     for g, s in zip(got, sent):
         assert g["peer"] == "alice" and g["round"] == 0 and t0 - 1 < g["time"] < time.time() + 1
         assert {k: g[k] for k in s} == s
@@ -1780,7 +1788,7 @@ def test_swarm_offpolicy_fields_round_trip_and_count_in_the_byte_caps(_sw_server
     with_fields, without = dict(_sw_group(1), **_sw_offpolicy()), _sw_group(2)
     alice.publish(0, [with_fields, without])
     assert alice.flush(10) and bob.flush(10)
-    got = bob.fetch()
+    got = sorted(bob.fetch(), key=lambda g: g["seq"])
     assert {k: got[0][k] for k in with_fields} == with_fields
     assert not {"token_ids", "logprobs", "tokenizer"} & set(got[1])
     size = lambda g: len(swarm._dumps(g))  # noqa: E731
@@ -1792,7 +1800,7 @@ def test_swarm_offpolicy_fields_round_trip_and_count_in_the_byte_caps(_sw_server
     assert _sw_post(url, "carol", 0, body["groups"]).status_code == 413
 
 
-def test_swarm_exclude_pagination_and_cursor(_sw_server, _sw_clients):
+def test_swarm_exclude_and_pagination(_sw_server, _sw_clients):
     server, url, _ = _sw_server
     for r in range(5):  # seqs: alice 1-2, bob 3, alice 4-5, bob 6, ...
         assert _sw_post(url, "alice", r, [_sw_group(10 * r), _sw_group(10 * r + 1)]).status_code == 200
@@ -1812,11 +1820,11 @@ def test_swarm_exclude_pagination_and_cursor(_sw_server, _sw_clients):
     d = page(after=15)  # nothing new: next stays
     assert d["groups"] == [] and d["next"] == 15
     assert [g["seq"] for g in page(after=0)["groups"]] == list(range(1, 16))
-    # a client given a cursor reads everything after it; one of the posters never gets its own groups
-    carol, bob = _sw_clients(url, "carol", cursor=0), _sw_clients(url, "bob", cursor=0)
+    # a client reads the producers' newest 2 batches; one of the posters never gets its own groups
+    carol, bob = _sw_clients(url, "carol", sample=256), _sw_clients(url, "bob", sample=256)
     assert carol.flush(10) and bob.flush(10)
-    assert [g["seq"] for g in carol.fetch()] == list(range(1, 16)) and carol.cursor == 15
-    assert all(g["peer"] == "alice" for g in bob.fetch()) and bob.cursor == 15
+    assert sorted(g["seq"] for g in carol.fetch()) == [10, 11, 12, 13, 14, 15]
+    assert sorted(g["seq"] for g in bob.fetch()) == [10, 11, 13, 14]  # alice's
 
 
 def test_swarm_idempotent_retry_survives_restart(tmp_path):
@@ -1847,7 +1855,6 @@ def test_swarm_concurrent_clients_one_order(_sw_server, _sw_clients):
     server, url, _ = _sw_server
     n_peers, n_posts = 8, 50
     writers = [_sw_clients(url, f"peer{k}") for k in range(n_peers)]
-    readers = {name: _sw_clients(url, name, cursor=0) for name in ("readerA", "readerB")}
     results = {}
 
     def write(k):
@@ -1855,15 +1862,17 @@ def test_swarm_concurrent_clients_one_order(_sw_server, _sw_clients):
             writers[k].publish(i, [_sw_group(1000 * k + i)])
         assert writers[k].flush(60)
 
-    def read(name):
-        seen, deadline = [], time.time() + 60
+    def read(name):  # a reader of GET /rollouts?after=SEQ (a dashboard, an audit) while the writers write
+        seen, deadline, after = [], time.time() + 60, 0
         while len(seen) < n_peers * n_posts and time.time() < deadline:
-            seen += [(g["seq"], g["peer"], g["question"]) for g in readers[name].fetch()]
+            page = requests.get(url + "/rollouts", params={"after": after}, timeout=5).json()
+            seen += [(g["seq"], g["peer"], g["question"]) for g in page["groups"]]
+            after = page["next"]
             time.sleep(0.05)
         results[name] = seen
 
     threads = [threading.Thread(target=write, args=(k,)) for k in range(n_peers)]
-    threads += [threading.Thread(target=read, args=(name,)) for name in readers]
+    threads += [threading.Thread(target=read, args=(name,)) for name in ("readerA", "readerB")]
     for t in threads:
         t.start()
     for t in threads:
@@ -2086,7 +2095,7 @@ def test_swarm_token_guards_reads_and_writes(tmp_path, monkeypatch, _sw_clients)
         bob.publish(0, [_sw_group()])
         assert bob.flush(10)
         monkeypatch.setenv("SWARM_TOKEN", "s3cret")  # the client's token can stay off the command line
-        carol = _sw_clients(url, "carol", cursor=0)
+        carol = _sw_clients(url, "carol")
         assert carol.flush(10) and len(carol.fetch()) == 2
     finally:
         server.shutdown()
@@ -2101,7 +2110,7 @@ def test_swarm_token_guards_reads_and_writes(tmp_path, monkeypatch, _sw_clients)
         with pytest.raises(ValueError, match="printable ASCII"):
             swarm.start_server(str(tmp_path / "t"), token=bad)
         with pytest.raises(ValueError, match="printable ASCII"):
-            swarm.SwarmClient("http://127.0.0.1:9", "a", token=bad)
+            swarm.connect("http://127.0.0.1:9", "a", 1, token=bad)
 
 
 def test_swarm_token_is_checked_before_any_body_is_read(tmp_path, monkeypatch):
@@ -2731,7 +2740,7 @@ def test_swarm_client_never_stalls_and_delivers_once_the_server_is_back(tmp_path
     monkeypatch.setattr(swarm.Limits, "request_seconds", 1.0)
     kinds = ["blackhole", "trickle", "garbage", "down"]
     hostile = {kind: _SwHostile(kind) for kind in kinds}
-    clients = {kind: swarm.SwarmClient(f"http://127.0.0.1:{h.port}", f"peer-{kind}") for kind, h in hostile.items()}
+    clients = {kind: swarm.connect(f"http://127.0.0.1:{h.port}", f"peer-{kind}", 4) for kind, h in hostile.items()}
     servers = []
     try:
         in_calls, t_start = 0.0, time.time()
@@ -2782,7 +2791,7 @@ def test_swarm_client_close_ends_a_stalled_tls_handshake_at_once(_sw_clients):
         deadline = time.time() + 10
         while not accepted and time.time() < deadline:
             time.sleep(0.05)
-        assert accepted and client.sockets  # the thread is in its handshake, its socket known
+        assert accepted and client.transport.sockets  # the thread is in its handshake, its socket known
         client.close()  # joins the thread for up to 5 s
         assert not client.thread.is_alive()
     finally:
@@ -2798,19 +2807,24 @@ def test_swarm_client_queues_are_bounded_in_bytes(tmp_path, monkeypatch, _sw_cli
     port = s.getsockname()[1]
     s.close()  # nobody listens there yet
     alice = _sw_clients(f"http://127.0.0.1:{port}", "alice")
+    alice.fetch()  # a read that fails: the thread waits out the trouble, and sends nothing while it is queued
+    deadline = time.time() + 10
+    while not alice.down and time.time() < deadline:
+        time.sleep(0.01)
     for r in range(40):
         alice.publish(r, [_sw_group(r, completions=["x" * 1000] * 2)])
         assert alice.outbox_bytes <= 20_000
     monkeypatch.setattr(swarm.Limits, "inbox_bytes", 8_000)
+    monkeypatch.setattr(swarm.Limits, "window_batches", 40)  # (a read may then take every batch kept)
     server, url = swarm.start_server(str(tmp_path / "s"), port=port)
     try:
         assert alice.flush(20)
         rounds = [g["round"] for g in _sw_read_all(url)]
         assert rounds == list(range(40 - len(rounds), 40)) and 5 < len(rounds) < 20  # the newest, once each
-        bob = _sw_clients(url, "bob", cursor=0)
-        assert bob.flush(20) and bob.inbox_bytes <= 20_000
+        bob = _sw_clients(url, "bob", sample=256)
+        assert bob.flush(20) and bob.inbox_bytes <= 8_000
         got = [g["round"] for g in bob.fetch()]
-        assert got == rounds[-len(got):] and len(got) < len(rounds)  # the newest that fit
+        assert set(got) < set(rounds) and len(got) == len(set(got))  # those that fit, received last
     finally:
         server.shutdown()
 
@@ -2822,7 +2836,7 @@ def test_swarm_client_drops_at_once_a_batch_no_server_would_take(monkeypatch, ca
     alice = _sw_clients(f"http://127.0.0.1:{_free_port()}", "alice")  # nobody listens there
     alice.publish(0, [_sw_group(0, completions=["x" * 3000] * 2)])
     alice.publish(1, [_sw_group(1)])
-    assert [what for _, _, what, _ in alice.outbox] == ["round 1's batch"]
+    assert [what for what, *_ in alice.outbox] == ["round 1's batch"]
     assert "swarm client alice: round 0's batch is " in capsys.readouterr().err
 
 
@@ -2830,8 +2844,9 @@ def test_swarm_client_drops_at_once_a_batch_no_server_would_take(monkeypatch, ca
 def test_swarm_client_back_online_says_whether_anything_waited(tmp_path, capsys, _sw_clients):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    reader, writer = _sw_clients(url, "reader", cursor=0), _sw_clients(url, "writer")
+    reader, writer = _sw_clients(url, "reader"), _sw_clients(url, "writer")
     writer.publish(0, [_sw_group(0)])
+    reader.fetch()  # (asks for a read)
     deadline = time.time() + 10
     while not (reader.down and writer.down) and time.time() < deadline:  # both found the server gone
         time.sleep(0.05)
@@ -2861,9 +2876,8 @@ def test_swarm_client_checks_every_group_it_receives(capsys, _sw_clients):
               stored(8), stored(8), stored(9, seq=99)]
 
     class Hostile(BaseHTTPRequestHandler):
-        def do_GET(self):
-            fresh = self.path.startswith("/rollouts?after=0&")
-            body = json.dumps({"groups": groups if fresh else [], "next": 9, "last": 9, "last_seq": 9}).encode()
+        def do_GET(self):  # every sampled read: the same groups (the client hands out none twice)
+            body = json.dumps({"groups": groups, "last": 99}).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -2875,29 +2889,17 @@ def test_swarm_client_checks_every_group_it_receives(capsys, _sw_clients):
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
-        client = _sw_clients(f"http://127.0.0.1:{httpd.server_address[1]}", "alice", cursor=0)
-        assert client.flush(10)
+        client = _sw_clients(f"http://127.0.0.1:{httpd.server_address[1]}", "alice")
+        assert client.flush(10) and client.flush(10)
         got = client.fetch()
-        assert [g["seq"] for g in got] == [1, 8] and all(isinstance(g["completions"], list) for g in got)
+        assert [g["seq"] for g in got] == [1, 8, 99] and all(isinstance(g["completions"], list) for g in got)
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and "dropped 9 malformed groups" in err[0]
+        assert len(err) == 1 and "dropped 7 malformed groups" in err[0]
         client.close()  # before its server goes: a client left running would log that it is unreachable
     finally:
         httpd.shutdown()
         httpd.server_close()
 
-
-def test_swarm_new_peer_starts_from_recent_groups_and_a_resumed_one_keeps_its_cursor(_sw_server, _sw_clients):
-    server, url, folder = _sw_server
-    for r in range(30):
-        _sw_post(url, "old", r, [_sw_group(10 * r + j) for j in range(10)])
-    new = _sw_clients(url, "new")
-    assert new.cursor is None and new.flush(10)
-    got = new.fetch()
-    assert [g["seq"] for g in got] == list(range(300 - swarm.Limits.recent_groups + 1, 301)) and new.cursor == 300
-    resumed = _sw_clients(url, "resumed", cursor=250)
-    assert resumed.flush(10) and [g["seq"] for g in resumed.fetch()] == list(range(251, 301))
-    assert resumed.cursor == 300
 
 
 @pytest.fixture
@@ -2937,28 +2939,65 @@ def _sw_fake():
 
 
 def _sw_honest(stored, method, path):
-    """What a swarm server holding `stored` (groups with seq 1, 2, ...) answers a GET."""
-    if path.startswith("/health"):
-        return 200, {"ok": True, "groups": len(stored), "peers": 1, "last_seq": len(stored)}
-    after = int(re.search(r"after=(\d+)", path).group(1))
-    if after > len(stored):
-        return 400, {"error": "after must be a whole number from 0 to the newest seq."}
-    return 200, {"groups": stored[after:], "next": len(stored), "last": len(stored)}
+    """What a swarm server holding `stored` (groups with seq 1, 2, ...: one producer's window) answers a
+    sampled read, GET /rollouts?sample=K: K of them (the newest, here)."""
+    k = int(re.search(r"sample=(\d+)", path).group(1))
+    return 200, {"groups": stored[-k:], "last": len(stored)}
 
 
 def _sw_stored(seq, **change):
     return {**_sw_group(seq), "peer": "other", "round": seq, "seq": seq, "time": 1.7e9, **change}
 
 
-def test_swarm_client_speaks_through_requests_and_follows_redirects(_sw_server, _sw_clients, _sw_fake):
+def test_swarm_client_speaks_through_requests_and_follows_no_redirect(_sw_server, _sw_clients, _sw_fake, capsys):
+    """A server answering 307 to another server (which would take the batch, and serve reads): the client
+    sends nothing there. A redirect is the server's trouble: said once, and the batch waits."""
     server, url, folder = _sw_server
     moved = _sw_fake(lambda method, path, body: (307, b"", {"Location": url + path}))  # (307 keeps a POST a POST)
-    alice = _sw_clients(moved, "alice", cursor=0)
+    alice = _sw_clients(moved, "alice")
     alice.publish(0, [_sw_group(0)])
     _sw_post(url, "bob", 0, [_sw_group(1)])
-    assert alice.flush(20)
-    assert [g["peer"] for g in _sw_read_all(url)] == ["bob", "alice"] and [g["peer"] for g in alice.fetch()] == ["bob"]
-    assert isinstance(alice.session, requests.Session)
+    assert not alice.flush(3)  # fails: the redirect was followed, the batch stored there
+    assert [g["peer"] for g in _sw_read_all(url)] == ["bob"] and alice.fetch() == [] and len(alice.outbox) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "HTTP 307, a redirect to " in err[0] and url in err[0], err
+    assert isinstance(alice.transport.session, requests.Session)
+
+
+def test_swarm_client_sends_its_token_not_a_netrc_password_and_keeps_proxies(tmp_path, monkeypatch, _sw_clients,
+                                                                          _sw_fake):
+    """A ~/.netrc entry for the server's host must not replace the client's bearer token (requests'
+    environment trust would), while HTTP_PROXY, and NO_PROXY around it, still take effect."""
+    server, url = swarm.start_server(str(tmp_path / "s"), token="s3cret")
+    try:
+        home, home_before = tmp_path / "home", os.environ.get("HOME", "/")
+        home.mkdir()
+        (home / ".netrc").write_text("machine 127.0.0.1 login someone password netrc-secret\n")
+        (home / ".netrc").chmod(0o600)
+        monkeypatch.setenv("HOME", str(home))
+        monkeypatch.delenv("NETRC", raising=False)
+        for name in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy",
+                     "NO_PROXY", "no_proxy"):
+            monkeypatch.delenv(name, raising=False)
+        alice = _sw_clients(url, "alice", token="s3cret")
+        alice.publish(0, [_sw_group(0)])
+        assert alice.flush(10)  # fails: 401 for ever, the netrc password sent instead of the token
+        asked = []
+        proxy = _sw_fake(lambda method, path, body: asked.append((path, body)) or (200, {"accepted": 1, "seq": 1}))
+        monkeypatch.setenv("HTTP_PROXY", proxy)
+        bob = _sw_clients(url, "bob", token="s3cret")
+        bob.publish(0, [_sw_group(1)])
+        bob.flush(5)
+        bob.close()
+        assert asked and asked[0][0] == url + "/rollouts"  # through the proxy, by absolute URL
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        carol, proxied = _sw_clients(url, "carol", token="s3cret"), len(asked)
+        carol.publish(0, [_sw_group(2)])
+        assert carol.flush(10) and len(asked) == proxied
+        monkeypatch.setenv("HOME", home_before)  # (plain requests, as the audit below, would use that .netrc)
+        assert [g["peer"] for g in _sw_read_all(url, token="s3cret")] == ["alice", "carol"]
+    finally:
+        server.shutdown()
 
 
 @pytest.mark.slow
@@ -2971,13 +3010,14 @@ def test_swarm_client_takes_no_reply_that_would_hold_the_training_loop(monkeypat
         return value
 
     monkeypatch.setattr(swarm, "parse_json", parse)
-    stored = [_sw_stored(seq) for seq in range(1, 6)]
-    bomb = b'{"groups":[' + b",".join([b"{}"] * (swarm.Limits.json_values + 1000)) + b'],"next":5,"last":5}'
-    fake = _sw_fake(lambda method, path, body: (200, bomb) if "after=0&" in path else _sw_honest(stored, method, path))
-    client = _sw_clients(fake, "victim", cursor=0)
+    stored, reads = [_sw_stored(seq) for seq in range(1, 6)], []
+    bomb = b'{"groups":[' + b",".join([b"{}"] * (swarm.Limits.json_values + 1000)) + b'],"last":5}'
+    fake = _sw_fake(lambda method, path, body: (200, bomb) if not reads.append(path) and len(reads) == 1 else
+                    _sw_honest(stored, method, path))  # (the first read: the bomb)
+    client = _sw_clients(fake, "victim")
     assert client.flush(20)
     stored.append(_sw_stored(6))
-    assert client.flush(20) and [g["seq"] for g in client.fetch()] == [6]  # it read on past what it could not use
+    assert client.flush(20) and sorted(g["seq"] for g in client.fetch()) == [1, 2, 3, 4, 5, 6]  # it read on
     assert costs and max(costs) <= swarm.Limits.json_values  # the bomb was never parsed
     assert swarm.Limits.reply_bytes <= swarm.Limits.body_bytes + (1 << 20)  # the largest page a server sends
     err = capsys.readouterr().err.strip().splitlines()
@@ -2985,90 +3025,45 @@ def test_swarm_client_takes_no_reply_that_would_hold_the_training_loop(monkeypat
     assert "answers again" in err[1], err
 
 
-@pytest.mark.parametrize("poison", ["cursor", "surrogate"])
 @pytest.mark.slow
-def test_swarm_client_reads_on_past_a_reply_it_cannot_use(poison, capsys, _sw_clients, _sw_fake):
-    stored, poisoned = [], []
-
-    def answer(method, path, body):
-        status, reply = _sw_honest(stored, method, path)
-        if poison == "cursor" and path.startswith("/rollouts") and stored and not poisoned:
-            poisoned.append(len(stored))
-            reply.update(next=10**15, last=10**15)  # once; then the server refuses after=10**15 with a 400
-        return status, reply
-
-    fake = _sw_fake(answer)
-    client, got, cursors = _sw_clients(fake, "victim", cursor=0), [], []
+def test_swarm_client_reads_on_past_a_reply_it_cannot_use(capsys, _sw_clients, _sw_fake):
+    """A server that serves, among the groups arriving, one whose question is a lone surrogate: every group
+    after it is received, and the client says so once, never every read."""
+    stored = []
+    client, got = _sw_clients(_sw_fake(lambda method, path, body: _sw_honest(stored, method, path)), "victim"), []
     for seq in range(1, 11):
-        stored.append(_sw_stored(seq, question="\ud800") if poison == "surrogate" and seq == 3 else _sw_stored(seq))
-        poisoned += [3] if poison == "surrogate" and seq == 3 else []
+        stored.append(_sw_stored(seq, question="\ud800") if seq == 3 else _sw_stored(seq))
         assert client.flush(20)
         got += [g["seq"] for g in client.fetch()]
-        cursors.append(client.cursor)  # what a checkpoint would save
-    assert set(range(poisoned[0] + 1, 11)) <= set(got) and max(cursors) <= 10, (got, cursors)
+    assert set(range(4, 11)) <= set(got), got
     for _ in range(3):
         assert client.flush(20)
     err = capsys.readouterr().err.strip().splitlines()
-    assert 1 <= len(err) <= 2, err  # said once (and, after a skip, once that it reads again), never every poll
-    if poison == "cursor":  # a checkpoint that already holds a poisoned cursor: the server answers it with a 400
-        resumed = _sw_clients(fake, "resumed", cursor=10**15)
-        assert resumed.flush(20)
-        stored.append(_sw_stored(11))
-        assert resumed.flush(20) and [g["seq"] for g in resumed.fetch()] == [11] and resumed.cursor == 11
+    assert len(err) == 1, err  # said once, never every read
 
 
 def test_swarm_client_drops_a_served_lone_surrogate_alone(capsys, _sw_clients, _sw_fake):
     """A page whose third group's question is a lone surrogate ("\\ud800", which UTF-8 cannot carry):
     that group is dropped, the four beside it in the same page are received."""
     stored = [_sw_stored(seq, question="\ud800") if seq == 3 else _sw_stored(seq) for seq in range(1, 6)]
-    client = _sw_clients(_sw_fake(lambda method, path, body: _sw_honest(stored, method, path)), "victim", cursor=0)
-    assert client.flush(20) and [g["seq"] for g in client.fetch()] == [1, 2, 4, 5] and client.cursor == 5
+    client = _sw_clients(_sw_fake(lambda method, path, body: _sw_honest(stored, method, path)), "victim")
+    assert client.flush(20) and sorted(g["seq"] for g in client.fetch()) == [1, 2, 4, 5]
     assert "dropped 1 malformed groups" in capsys.readouterr().err
 
-
-def test_swarm_client_cursor_never_passes_the_servers_newest_seq(_sw_fake, _sw_clients):
-    """/health says the newest seq is 10 and the first page lies (next = last = 10,000, fewer than a page may
-    step over): the cursor that fetch() exposes, and a checkpoint saves, never passes 10."""
-    pages, checked = [], threading.Event()
-
-    def answer(method, path, body):
-        if path.startswith("/health"):
-            return 200, {"ok": True, "groups": 10, "peers": 1, "last_seq": 10}
-        pages.append(path)
-        if len(pages) == 2:
-            checked.wait(20)  # the client is inside its second read: what it made of the first is settled
-        after = int(re.search(r"after=(\d+)", path).group(1))
-        if after > 10:
-            return 400, {"error": "after is past the newest seq."}
-        lie = 10000 if len(pages) == 1 else 10
-        return 200, {"groups": [_sw_stored(s) for s in range(after + 1, 11)], "next": lie, "last": lie}
-
-    client = _sw_clients(_sw_fake(answer), "me", cursor=0)
-    deadline = time.time() + 20
-    while len(pages) < 2 and time.time() < deadline:
-        time.sleep(0.05)
-    client.fetch()
-    checked.set()
-    assert len(pages) >= 2 and client.cursor <= 10
 
 
 @pytest.mark.parametrize("status", [413, 422])
 @pytest.mark.slow
-def test_swarm_client_cursor_keeps_its_place_on_a_get_refused_413_or_422(_sw_fake, _sw_clients, status):
-    pages = []
+def test_swarm_client_reads_again_after_a_get_refused_413_or_422(_sw_fake, _sw_clients, status):
+    stored, pages = [_sw_stored(s) for s in range(1, 11)], []
 
     def answer(method, path, body):  # one GET answered 413 or 422 (a proxy's), then an honest server
-        if path.startswith("/health"):
-            return 200, {"ok": True, "groups": 10, "peers": 1, "last_seq": 10}
         pages.append(path)
-        if len(pages) == 1:
-            return status, {"error": "a proxy's refusal"}
-        after = int(re.search(r"after=(\d+)", path).group(1))
-        return 200, {"groups": [_sw_stored(s) for s in range(after + 1, 11)], "next": 10, "last": 10}
+        return (status, {"error": "a proxy's refusal"}) if len(pages) == 1 else _sw_honest(stored, method, path)
 
-    client = _sw_clients(_sw_fake(answer), "me", cursor=0)
+    client = _sw_clients(_sw_fake(answer), "me")
     assert client.flush(20)
-    assert [g["seq"] for g in client.fetch()] == list(range(1, 11))  # fails: [] (skipped to the newest)
+    assert sorted(g["seq"] for g in client.fetch()) == list(range(1, 11)) and len(pages) >= 2
 
 
 @pytest.mark.redis
@@ -3078,12 +3073,13 @@ def test_swarm_redis_entry_not_utf8_costs_only_itself(_sw_redis, _sw_clients):
     writer.publish(0, [_sw_group(0)])
     assert writer.flush(20)
     raw = redis.Redis.from_url(_sw_redis.url())  # any writer (a buggy one) stores one group that is not UTF-8
-    raw.eval(swarm.PUBLISH_LUA, 4, *swarm.KEYS, "sapo:reply:mallory:1", "mallory", 1, 1000, 600, 86400,
+    raw.eval(swarm.PUBLISH_LUA, 3, *[f"sapo:writer:mallory:{key}" for key in ("window", "groups", "reply:1")],
+             "mallory", 1, 2, 600_000, 86400, 256,
              json.dumps(_sw_group(1)).replace("What", "\udcff").encode("utf-8", "surrogateescape"))
     writer.publish(1, [_sw_group(2)])
     assert writer.flush(20)
-    reader = _sw_clients(_sw_redis.url("reader"), "bob", cursor=0)
-    assert reader.flush(20)  # fails: UnicodeDecodeError on every read, the cursor never moves
+    reader = _sw_clients(_sw_redis.url("reader"), "bob")
+    assert reader.flush(20)  # fails: UnicodeDecodeError on every read
     assert [g["peer"] for g in reader.fetch()] == ["alice", "alice"]
 
 
@@ -3122,17 +3118,16 @@ def test_swarm_client_survives_a_lone_surrogate_in_an_error_reply(capsys, _sw_fa
 
 
 def test_swarm_client_reads_on_after_a_400_quoting_a_lone_surrogate(capsys, _sw_fake, _sw_clients):
-    """A 400 to the cursor ("the server lost our seq") whose message holds a lone surrogate is still a
-    400 to the client: it reads on from the server's newest group, and says so in a line it can print."""
-    stored = [_sw_stored(seq) for seq in range(1, 6)]
+    """A 400 to a read whose message holds a lone surrogate is still a 400 to the client: it says so in a
+    line it can print, and the next read is served."""
+    stored, reads = [_sw_stored(seq) for seq in range(1, 6)], []
 
     def answer(method, path, body):
-        if path.startswith("/rollouts?after=0&"):
-            return 400, b'{"error":"no seq 0 \\ud800 here"}'
-        return _sw_honest(stored, method, path)
-    client = _sw_clients(_sw_fake(answer), "me", cursor=0)
-    assert client.flush(20) and client.fetch() == [] and client.cursor == 5
-    assert "reading on from the server's newest group (5)" in capsys.readouterr().err
+        reads.append(path)
+        return (400, b'{"error":"no seq 0 \\ud800 here"}') if len(reads) == 1 else _sw_honest(stored, method, path)
+    client = _sw_clients(_sw_fake(answer), "me")
+    assert client.flush(20) and sorted(g["seq"] for g in client.fetch()) == [1, 2, 3, 4, 5]
+    assert "HTTP 400: no seq 0 \\ud800 here" in capsys.readouterr().err
 
 
 def test_swarm_client_logs_a_served_bad_group_once_in_sampled_mode(capsys, _sw_fake, _sw_clients):
@@ -3165,33 +3160,31 @@ def test_swarm_redis_close_ends_the_exchange_at_once(_sw_clients):
     assert not client.thread.is_alive()  # fails: close() waited 5 s and the exchange went on (10 s)
 
 
-@pytest.mark.parametrize("mode", [{"cursor": 0}, {"sample": 16}])
-def test_swarm_one_stored_group_full_of_commas_does_not_blind_the_readers(_sw_server, _sw_clients, mode):
+def test_swarm_one_stored_group_full_of_commas_does_not_blind_the_readers(_sw_server, _sw_clients):
     server, url, folder = _sw_server  # (commas inside strings: degenerate output, or a hostile peer's)
     _sw_post(url, "bob", 0, [_sw_group(i) for i in range(4)])
     assert _sw_post(url, "carol", 0, [_sw_group(9, n=20, completions=["," * 32_000] * 20)]).status_code == 200
     _sw_post(url, "bob", 1, [_sw_group(i) for i in range(4)])
-    client, got = _sw_clients(url, "me", **mode), []
+    client, got = _sw_clients(url, "me"), []
     for _ in range(3):
         client.flush(10)
         got += client.fetch()
     assert sorted(g["seq"] for g in got) == list(range(1, 10))  # fails: [] (every reply holding seq 5 is refused)
 
 
-@pytest.mark.parametrize("mode", [{"cursor": 0}, {"sample": 16}])
-def test_swarm_no_stored_group_holds_more_values_than_a_client_reads(_sw_server, _sw_clients, mode):
+def test_swarm_no_stored_group_holds_more_values_than_a_client_reads(_sw_server, _sw_clients):
     server, url, folder = _sw_server
     n = 40  # 40 completions of 8192 token ids and as many log-probs: 655,360 values, well-formed
     heavy = _sw_group(9, n=n, token_ids=[[0] * 8192] * n, logprobs=[[0] * 8192] * n, tokenizer="tok")
     bob = [_sw_post(url, "bob", 0, [_sw_group(i) for i in range(4)]).json()["seq"]]
     _sw_post(url, "mallory", 0, [heavy])  # refused (413), or stored and then readable: either will do
     bob.append(_sw_post(url, "bob", 1, [_sw_group(i) for i in range(4)]).json()["seq"])
-    client, got = _sw_clients(url, "me", **mode), []
+    client, got = _sw_clients(url, "me"), []
     for _ in range(3):
         client.flush(10)
         got += client.fetch()
-    # fails: the server stores it (200) and no client can read a reply holding it: cursor readers skip bob's
-    # second batch, sampled readers receive nothing while mallory's batch is in the window (600 s)
+    # fails: the server stores it (200) and no client can read a reply holding it: sampled readers receive
+    # nothing while mallory's batch is in the window (600 s)
     assert sorted(g["seq"] for g in got if g["peer"] == "bob") == [*range(bob[0] - 3, bob[0] + 1),
                                                                    *range(bob[1] - 3, bob[1] + 1)]
 
@@ -3289,60 +3282,46 @@ def test_swarm_client_drops_a_batch_the_server_refuses_as_malformed(status, caps
 
 
 def _sw_publish(client, round_, groups, batch_id=None):
-    """One exchange of the client's thread, as the thread does it -> the store's reply."""
-    body = swarm._dumps({"peer": client.peer, "round": round_, "groups": groups,
-                         "batch_id": batch_id or f"{client.peer}-{round_}"})
-    status, reply = client._request("POST", "/rollouts", body)
-    assert status == 200
-    return reply
+    """One exchange of the client's thread, as the thread does it -> the store's acknowledgement."""
+    return client.transport.publish(round_, [swarm._dumps(g) for g in groups], batch_id or f"{client.peer}-{round_}")
+
+
+def _sw_audit(store):
+    """Every group a store holds: the embedded server's by GET /rollouts?after=SEQ, Redis's (each writer's
+    window) read with the reader's ACL user straight from its keys. In seq order."""
+    if isinstance(store, _SwHttp):
+        return _sw_read_all(store.url())
+    import redis
+    raw, groups = redis.Redis.from_url(store.url("reader"), decode_responses=True), []
+    for key in raw.scan_iter("sapo:writer:*:groups"):
+        groups += [{**json.loads(text), "peer": key.split(":")[2], "seq": int(seq)} for seq, text in raw.hgetall(key).items()]
+    return sorted(groups, key=lambda g: g["seq"])
 
 
 def test_swarm_stores_two_peers_share_and_a_retry_is_stored_once(_sw_store, _sw_clients):
     """Both stores: what one peer publishes the other fetches, numbered and checked, never its own."""
-    alice, bob = _sw_clients(_sw_store.url(), "alice"), _sw_clients(_sw_store.url(), "bob", cursor=0)
+    alice, bob = _sw_clients(_sw_store.url(), "alice"), _sw_clients(_sw_store.url(), "bob")
     sent = [_sw_group(1), _sw_group(2, n=3)]
     alice.publish(0, sent)
     assert alice.flush(10)
     bob.publish(0, [_sw_group(3)])
     assert bob.flush(10) and alice.flush(10)
-    got = bob.fetch()
+    got = sorted(bob.fetch(), key=lambda g: g["seq"])
     assert [(g["peer"], g["round"], g["seq"]) for g in got] == [("alice", 0, 1), ("alice", 0, 2)]
-    assert [{k: g[k] for k in s} for g, s in zip(got, sent)] == sent and bob.cursor == 3
+    assert [{k: g[k] for k in s} for g, s in zip(got, sent)] == sent
     assert [(g["peer"], g["seq"]) for g in alice.fetch()] == [("bob", 3)] and alice.fetch() == []
     assert _sw_publish(bob, 1, [_sw_group(4)], "once") == _sw_publish(bob, 1, [_sw_group(5)], "once") == \
         {"accepted": 1, "seq": 4}
     assert alice.flush(10) and [g["question"] for g in alice.fetch()] == [_sw_group(4)["question"]]
 
 
-@pytest.mark.redis
-def test_redis_a_cursor_read_that_races_a_publish_loses_no_group(_sw_redis, _sw_clients):
-    """A batch stored between a read's two looks at Redis, the seq counter and the stream (in either
-    order), must not make the page look poisoned: the client must not skip it."""
-    alice, bob = _sw_clients(_sw_redis.url(), "alice", cursor=0), _sw_clients(_sw_redis.url(), "bob")
-    raced, fresh, request = [], [], alice._request
-
-    def then_publish(read):  # a read's first look is done, then bob's batch lands, then its second look
-        def wrapped(*args, **kwargs):
-            value = read(*args, **kwargs)
-            if fresh and not raced:
-                fresh.clear()
-                raced.append(_sw_publish(bob, 0, [_sw_group(1)]))
-            return value
-        return wrapped
-
-    def fresh_request(*args, **kwargs):  # (a read already under way when the test begins is left alone)
-        fresh[:] = [True]
-        return request(*args, **kwargs)
-    alice.session.get, alice.session.xrange = then_publish(alice.session.get), then_publish(alice.session.xrange)
-    alice._request = fresh_request
-    assert alice.flush(10) and raced == [{"accepted": 1, "seq": 1}]  # (the batch landed during that read:)
-    assert alice.flush(10) and [g["seq"] for g in alice.fetch()] == [1]  # a read begun after it has it
-
 
 @pytest.mark.slow
-def test_swarm_stores_kill9_loses_no_acknowledged_batch(_sw_store, _sw_clients):
+def test_swarm_stores_kill9_loses_no_acknowledged_batch(_sw_store, _sw_clients, monkeypatch):
     """Both stores, kill -9 in the middle of four writers' runs: after a restart on the same folder every
-    acknowledged batch is there under its seq (Redis: appendonly yes, appendfsync always)."""
+    acknowledged batch is there under its seq (Redis: appendonly yes, appendfsync always; each writer's
+    window made to hold all its batches)."""
+    monkeypatch.setattr(swarm.Limits, "window_batches", 10**6)
     acked, stop = [], threading.Event()
 
     def writer(client):
@@ -3367,31 +3346,21 @@ def test_swarm_stores_kill9_loses_no_acknowledged_batch(_sw_store, _sw_clients):
         t.join(30)
     assert len(acked) >= 40
     _sw_store.start()
-    audit = _sw_clients(_sw_store.url(), "audit", cursor=0)
-    stored = []
-    while audit.flush(30) and (got := audit.fetch()):
-        stored += got
+    stored = _sw_audit(_sw_store)
     seq_of = {g["metadata"]["key"]: g["seq"] for g in stored}
     assert all(seq_of[key] == seq for key, seq in acked)
     assert [g["seq"] for g in stored] == list(range(1, len(stored) + 1))
 
 
-def test_swarm_stores_late_joiner_gets_recent_groups(_sw_store, _sw_clients):
-    """Both stores: a new peer starts from the newest Limits.recent_groups groups, a resumed one at its
-    cursor; with Redis a sampled new peer draws from each producer's newest two batches only."""
+def test_swarm_stores_late_joiner_draws_from_the_newest_batches(_sw_store, _sw_clients):
+    """Both stores: a new peer, whatever the history, draws from each producer's newest two batches only."""
     old = _sw_clients(_sw_store.url(), "old")
     for r in range(30):
         _sw_publish(old, r, [_sw_group(10 * r + j) for j in range(10)])
-    new = _sw_clients(_sw_store.url(), "new")
-    assert new.cursor is None and new.flush(10)
-    assert [g["seq"] for g in new.fetch()] == list(range(300 - swarm.Limits.recent_groups + 1, 301))
-    resumed = _sw_clients(_sw_store.url(), "resumed", cursor=250)
-    assert resumed.flush(10) and [g["seq"] for g in resumed.fetch()] == list(range(251, 301))
-    if isinstance(old, swarm.RedisClient):
-        sampled = _sw_clients(_sw_store.url(), "sampled", sample=8, seed=1)
-        assert sampled.flush(10)
-        got = [g["seq"] for g in sampled.fetch()]
-        assert len(got) == 8 == len(set(got)) and all(281 <= seq <= 300 for seq in got)
+    new = _sw_clients(_sw_store.url(), "new", sample=8, seed=1)
+    assert new.flush(10)
+    got = [g["seq"] for g in new.fetch()]
+    assert len(got) == 8 == len(set(got)) and all(281 <= seq <= 300 for seq in got)
 
 
 @pytest.mark.redis
@@ -3404,17 +3373,16 @@ def test_swarm_redis_sampled_reads_are_bounded_by_k_and_fair_to_producers(_sw_re
     sizes = []
     for producers in (10, 40):
         for k in range(producers):
-            client = _sw_clients(_sw_redis.url(), f"p{k}", cursor=0)
+            client = _sw_clients(_sw_redis.url(), f"p{k}")
             for r in range(3):  # 3 batches: only the newest 2 are in the window
                 _sw_publish(client, r, [_sw_group(100 * r + j, metadata={"round": r}) for j in range(4)])
         _sw_publish(reader, 0, [_sw_group(7)])
         for seed in range(5):
-            status, page = reader._request("GET", f"/rollouts?sample=8&exclude=reader&seed={seed}")
-            assert status == 200 and len(page["groups"]) == 8 and len({g["seq"] for g in page["groups"]}) == 8
-            assert all(g["peer"] != "reader" and g["metadata"]["round"] >= 1 for g in page["groups"])
-            sizes.append(len(swarm._dumps(page["groups"])))
-        assert reader._request("GET", "/rollouts?sample=8&exclude=reader&seed=9") == \
-            reader._request("GET", "/rollouts?sample=8&exclude=reader&seed=9")
+            page = [g for g, _ in reader.transport.sample(8, seed)]
+            assert len(page) == 8 and len({g["seq"] for g in page}) == 8
+            assert all(g["peer"] != "reader" and g["metadata"]["round"] >= 1 for g in page)
+            sizes.append(len(swarm._dumps(page)))
+        assert reader.transport.sample(8, 9) == reader.transport.sample(8, 9)
     assert max(sizes) < 1.2 * min(sizes)
     assert reader.flush(10) and 0 < len(reader.fetch()) <= 8  # the client: one read per flush/fetch
     # fairness: "big" publishes 16 groups a batch, "b" and "c" one; each should get about a third
@@ -3426,7 +3394,7 @@ def test_swarm_redis_sampled_reads_are_bounded_by_k_and_fair_to_producers(_sw_re
             for r in range(2):
                 on_fair.append(_sw_clients(fair.url(), peer))
                 _sw_publish(on_fair[-1], r, [_sw_group(j) for j in range(n)])
-        reads = [client._request("GET", f"/rollouts?sample=2&exclude=x&seed={seed}")[1]["groups"] for seed in range(60)]
+        reads = [[g for g, _ in client.transport.sample(2, seed)] for seed in range(60)]
         assert all(len({g["seq"] for g in groups}) == 2 for groups in reads)  # never one group twice in a read
         drawn = [g["peer"] for groups in reads for g in groups]
         assert len(drawn) == 120 and 0.2 < drawn.count("big") / 120 < 0.45, drawn.count("big")
@@ -3462,7 +3430,7 @@ def test_swarm_redis_read_only_user_reads_but_cannot_publish(_sw_redis, _sw_clie
     writer = _sw_clients(_sw_redis.url(), "w")
     writer.publish(0, [_sw_group(1)])
     assert writer.flush(10)
-    reader = _sw_clients(f"redis://reader@127.0.0.1:{_sw_redis.port}/0", "ro", "reader-pw", cursor=0)  # (as $SWARM_TOKEN)
+    reader = _sw_clients(f"redis://reader@127.0.0.1:{_sw_redis.port}/0", "ro", token="reader-pw")  # (as $SWARM_TOKEN)
     assert reader.flush(10) and [g["peer"] for g in reader.fetch()] == ["w"]
     reader.publish(0, [_sw_group(2)])
     reader.publish(1, [_sw_group(3)])
@@ -3478,10 +3446,11 @@ def test_swarm_redis_read_only_user_reads_but_cannot_publish(_sw_redis, _sw_clie
 def test_swarm_redis_bad_urls_and_settings_get_one_sentence(_sw_redis):
     for url, says in (("redis://", "redis://USER"), ("ftp://x", "http://HOST")):
         with pytest.raises(ValueError, match=says):
-            swarm.connect(url, "p")
-    with pytest.raises(ValueError, match="sample must be"):
-        swarm.connect(_sw_redis.url(), "p", sample=0)
-    client = swarm.connect(f"redis://writer:wrong@127.0.0.1:{_sw_redis.port}/0", "p")
+            swarm.connect(url, "p", 1)
+    for k in (0, "3", True):
+        with pytest.raises(ValueError, match="sample must be"):
+            swarm.connect(_sw_redis.url(), "p", sample=k)
+    client = swarm.connect(f"redis://writer:wrong@127.0.0.1:{_sw_redis.port}/0", "p", 1)
     try:
         assert not client.flush(2) and "invalid username-password" in client.down
     finally:
@@ -3520,6 +3489,176 @@ def test_swarm_sampled_reads_draw_from_each_producers_newest_batches_every_produ
     finally:
         store.close()
 
+@pytest.mark.redis
+def test_swarm_redis_urls_take_only_the_documented_options(_sw_redis, _sw_clients, tmp_path):
+    """A Redis URL takes one option (?ssl_ca_certs=FILE, with rediss://): any other, a timeout among them,
+    is refused in one sentence, as is a password in the URL beside a token; the scheme is any case."""
+    port = _sw_redis.port
+    for query in ("socket_timeout=0", "socket_timeout=100000", "retry_on_timeout=yes", "foo=1", "ssl_ca_certs=x"):
+        with pytest.raises(ValueError, match=r"it takes one option, \?ssl_ca_certs=FILE with rediss://"):
+            swarm.connect(f"redis://writer:writer-pw@127.0.0.1:{port}/0?{query}", "p", 1)  # fails: accepted
+    with pytest.raises(ValueError, match="in the URL or as the token .* not both"):
+        swarm.connect(f"redis://writer:writer-pw@127.0.0.1:{port}/0", "p", 1, token="writer-pw")
+    upper = _sw_clients(f"REDIS://writer:writer-pw@127.0.0.1:{port}/0", "p")
+    upper.publish(0, [_sw_group(0)])
+    assert upper.flush(10) and [g["peer"] for g in _sw_audit(_sw_redis)] == ["p"]
+    tls = _sw_clients(f"rediss://writer@127.0.0.1:{port}/0?ssl_ca_certs={tmp_path}/ca.pem", "q", token="x")
+    assert tls.transport.redis.connection_pool.connection_kwargs["ssl_ca_certs"] == f"{tmp_path}/ca.pem"
+
+
+@pytest.mark.redis
+def test_swarm_redis_each_writer_publishes_only_under_its_own_name(_sw_redis, _sw_clients):
+    """One ACL user per peer: Redis refuses a writer's batch under another's name before the script runs,
+    so nothing is stored and one credential is one writer whatever its names; a name is compared
+    case-insensitively (in its keys and in what a read leaves out); a read draws writers uniformly."""
+    alice = _sw_clients(_sw_redis.url("alice"), "Alice")
+    alice.publish(0, [_sw_group(1)])
+    assert alice.flush(10)
+    fakes = [_sw_clients(_sw_redis.url("mallory"), name) for name in ("alice", "ALICE", "m1", "m2")]
+    for k, fake in enumerate(fakes):
+        fake.publish(0, [_sw_group(10 + k)])
+    mallory = _sw_clients(_sw_redis.url("mallory"), "mallory")
+    for r in range(2):
+        mallory.publish(r, [_sw_group(20 + 8 * r + j) for j in range(8)])
+    assert mallory.flush(10) and not any(fake.flush(1) for fake in fakes)
+    assert all("may this user write sapo:writer:" in fake.down for fake in fakes), [f.down for f in fakes]
+    stored = _sw_audit(_sw_redis)
+    assert [g["question"] for g in stored if g["peer"] == "alice"] == [_sw_group(1)["question"]]
+    assert {g["peer"] for g in stored} == {"alice", "mallory"} and len(stored) == 17
+    reader = _sw_clients(_sw_redis.url("reader"), "reader")
+    drawn = [g["peer"] for seed in range(100) for g, _ in reader.transport.sample(1, seed)]
+    assert len(drawn) == 100 and 0.3 < drawn.count("alice") / 100 < 0.7, drawn.count("alice")
+    me = _sw_clients(_sw_redis.url("alice"), "ALICE", sample=32)
+    assert me.flush(10) and {g["peer"] for g in me.fetch()} == {"mallory"}
+
+
+@pytest.mark.redis
+def test_swarm_redis_window_is_limits_window_batches(_sw_redis, _sw_clients, monkeypatch):
+    """Limits.window_batches reaches the Redis scripts: 3 batches kept per writer, and drawn from."""
+    monkeypatch.setattr(swarm.Limits, "window_batches", 3)
+    producer = _sw_clients(_sw_redis.url(), "p")
+    for r in range(5):
+        _sw_publish(producer, r, [_sw_group(10 * r + j) for j in range(2)])
+    reader = _sw_clients(_sw_redis.url("reader"), "reader")
+    assert {g["round"] for seed in range(20) for g, _ in reader.transport.sample(16, seed)} == {2, 3, 4}  # fails: {3, 4}
+    assert [g["seq"] for g in _sw_audit(_sw_redis)] == list(range(5, 11))  # the older batches deleted
+
+
+@pytest.mark.redis
+def test_swarm_redis_a_producer_silent_past_the_window_is_never_drawn(_sw_redis, _sw_clients, monkeypatch):
+    monkeypatch.setattr(swarm.Limits, "window_seconds", 1)  # (shortened for the test)
+    quiet, busy = _sw_clients(_sw_redis.url(), "quiet"), _sw_clients(_sw_redis.url(), "busy")
+    _sw_publish(quiet, 0, [_sw_group(1)])
+    reader = _sw_clients(_sw_redis.url("reader"), "reader")
+    assert {g["peer"] for g, _ in reader.transport.sample(16, 0)} == {"quiet"}
+    time.sleep(1.5)
+    _sw_publish(busy, 0, [_sw_group(2)])
+    assert all({g["peer"] for g, _ in reader.transport.sample(16, seed)} == {"busy"} for seed in range(20))
+
+
+@pytest.mark.redis
+def test_swarm_redis_what_no_publish_writes_is_passed_over(_sw_redis, _sw_clients):
+    """A writer's keys holding what no publish writes (a window naming seqs with no group, a range no batch
+    has, junk, a group that is not JSON, keys of the wrong type) cost every reader nothing but those groups."""
+    import redis
+    honest = _sw_clients(_sw_redis.url(), "honest")
+    _sw_publish(honest, 0, [_sw_group(1)])
+    raw, now = redis.Redis.from_url(_sw_redis.url()), time.time()  # the friends' writer, by hand
+    for name, window, groups in (("nogroup", f"5 6 0 {now}", None), ("huge", f"1 100000000 0 {now}", None),
+                                 ("junk", "not a window at all", None), ("nojson", f"7 7 0 {now}", {7: "not json"}),
+                                 ("stamp", f"8 8 x {now}", {8: json.dumps(_sw_group(8))})):
+        raw.set(f"sapo:writer:{name}:window", window)
+        if groups:
+            raw.hset(f"sapo:writer:{name}:groups", mapping=groups)
+        raw.zadd("sapo:producers", {name: now})
+    raw.hset("sapo:writer:wrongtype:window", "a", "b")
+    raw.set("sapo:writer:wrongtype2:window", f"9 9 0 {now}")
+    raw.set("sapo:writer:wrongtype2:groups", "a string")
+    raw.zadd("sapo:producers", {"wrongtype": now, "wrongtype2": now})
+    reader = _sw_clients(_sw_redis.url("reader"), "reader", sample=32)
+    for _ in range(5):
+        assert reader.flush(10) and not reader.down
+    assert [g["question"] for g in reader.fetch()] == [_sw_group(1)["question"]]
+
+
+@pytest.fixture
+def _sw_fake_redis():
+    """Make fake Redis servers with _sw_fake_redis(answer) -> the port: every command is answered +OK but
+    EVAL and EVAL_RO, whose reply answer(name, calls of it so far, send) sends, in pieces if it likes."""
+    import socket
+    made = []
+
+    def make(answer):
+        listener, calls = socket.create_server(("127.0.0.1", 0)), collections.Counter()
+        made.append(listener)
+
+        def serve(conn):
+            f = conn.makefile("rb")
+            with contextlib.suppress(OSError, ValueError):
+                while (line := f.readline()):
+                    args = [f.read(int(f.readline()[1:]) + 2)[:-2] for _ in range(int(line[1:]))]
+                    name = args[0].upper().decode()
+                    calls[name] += 1
+                    answer(name, calls[name], conn.sendall) if name in ("EVAL", "EVAL_RO") else conn.sendall(b"+OK\r\n")
+            conn.close()
+
+        def accept():
+            with contextlib.suppress(OSError):
+                while True:
+                    threading.Thread(target=serve, args=(listener.accept()[0],), daemon=True).start()
+        threading.Thread(target=accept, daemon=True).start()
+        return listener.getsockname()[1]
+
+    yield make
+    for listener in made:
+        listener.close()
+
+
+def test_swarm_redis_replies_are_bounded_like_http_replies(_sw_fake_redis, _sw_clients, capsys):
+    """A store answering a publish with 16 MB of [{},...] and a read with 200,000 entries: the client takes
+    neither (it reads no more than Limits.reply_bytes and a read's values, then drops the connection),
+    says so, and goes on; what it held meanwhile stays far below what it was sent."""
+    import tracemalloc
+    pytest.importorskip("redis")
+
+    def answer(name, calls, send):
+        if name == "EVAL" and calls == 1:  # the publish: 16 MB of [{},...]
+            send(b"$%d\r\n[" % (16 << 20))
+            for _ in range(256):
+                send(b"{}," * ((1 << 16) // 3))
+        elif name == "EVAL_RO" and calls == 1:  # the read: 200,000 entries
+            send(b"*200000\r\n")
+            for _ in range(200):
+                send(b"*5\r\n$1\r\np\r\n:1\r\n$1\r\n0\r\n$3\r\n1.0\r\n$2\r\n{}\r\n" * 1000)
+        else:  # then an honest store
+            send(b'$22\r\n{"accepted":1,"seq":1}\r\n' if name == "EVAL" else b"*0\r\n")
+
+    tracemalloc.start()
+    try:
+        client = _sw_clients(f"redis://u:p@127.0.0.1:{_sw_fake_redis(answer)}/0", "me")
+        client.publish(0, [_sw_group(0)])
+        assert client.flush(30) and client.flush(30)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    err = capsys.readouterr().err
+    assert f"a reply of more than {swarm.Limits.reply_bytes} bytes" in err, err  # fails: parsed, 956 MB
+    assert f"a reply of more than {8 * swarm.Limits.sample_groups} values" in err, err
+    assert peak < 64 << 20, peak
+
+
+def test_swarm_wire_group_is_what_a_server_takes():
+    """swarm.wire_group makes the group a peer publishes: what the server's rules take, unchanged, with the
+    off-policy fields all three or none."""
+    plain = swarm.wire_group("t", "What?", "4", ["<answer>4</answer>", "5"], [True, False])
+    full = swarm.wire_group("t", "What?", "4", ["a", "b"], [True, True], {"n": 1}, "m", [[5, 2], [7]],
+                            [[-0.5, -0.1], [-3.0]], "vocab-1")
+    body = {"peer": "p", "round": 0, "batch_id": "b", "groups": [plain, full]}
+    assert swarm.check(body, swarm.PUBLISH)["groups"] == [plain, full]
+    assert plain == {"task": "t", "question": "What?", "answer": "4", "metadata": {}, "model": "",
+                     "completions": ["<answer>4</answer>", "5"], "stopped": [True, False]}
+    assert {"token_ids", "logprobs", "tokenizer"} <= set(full)
+
 
 def test_swarm_sampled_client_reads_k_groups_a_call_whatever_the_swarm_size(_sw_server, _sw_clients):
     """A sampled client reads K groups per fetch() or flush(), from 5 producers as from 50, the newest
@@ -3530,7 +3669,7 @@ def test_swarm_sampled_client_reads_k_groups_a_call_whatever_the_swarm_size(_sw_
         for r in range(3):
             for k in range(len(got) * 5, producers):
                 assert _sw_post(url, f"p{k}", r, [_sw_group(10 * r + j) for j in range(4)]).status_code == 200
-        client = _sw_clients(url, f"reader{producers}", cursor=0, sample=8, seed=producers)
+        client = _sw_clients(url, f"reader{producers}", sample=8, seed=producers)
         assert client.fetch() == [] and client.flush(10)  # fetch() waits for nothing: it asks for a read
         got[producers] = [client.fetch()]
         for _ in range(20):  # two reads each: the one fetch() asked for, and flush()'s
@@ -3546,13 +3685,13 @@ def test_swarm_sampled_client_reads_k_groups_a_call_whatever_the_swarm_size(_sw_
         assert r.status_code == 400 and "must be a whole number" in r.json()["error"], query
     assert requests.get(f"{url}/rollouts?sample=1&seed={2**63 - 1}", timeout=5).status_code == 200
     with pytest.raises(ValueError, match="sample must be"):
-        swarm.SwarmClient(url, "x", sample=0)
+        swarm.connect(url, "x", sample=0)
     for bad in ("ftp://host:1", "host:8000", "redis-ish://h"):
         with pytest.raises(ValueError, match="must look like http://HOST:PORT"):
-            swarm.connect(bad, "x")
+            swarm.connect(bad, "x", 1)
     client = swarm.connect(url, "y", sample=2)
     client.close()
-    assert isinstance(client, swarm.SwarmClient)
+    assert isinstance(client.transport, swarm.HttpTransport)
 
 
 def test_swarm_render_svg_parses():
@@ -3648,8 +3787,8 @@ class FakeClient:
     """A swarm client in memory, with the interface train.py uses: publish() keeps what the peer shared;
     fetch() hands out (and empties) `queue`, the groups a test wants the peer to receive."""
 
-    def __init__(self, url=None, peer=None, token=None, cursor=None, sample=None, seed=0):
-        self.peer, self.cursor, self.queue, self.published, self.metrics = peer, cursor, [], [], []
+    def __init__(self, url=None, peer=None, sample=None, token=None, seed=0):
+        self.peer, self.queue, self.published, self.metrics = peer, [], [], []
 
     def publish(self, round, groups):
         self.published.append((round, groups))
@@ -3671,10 +3810,12 @@ class FakeClient:
 
 
 def wire_group(item, peer="other", round_=0, completions=None):
-    """A group as another peer publishes it: one right and one wrong completion unless told otherwise."""
+    """A group as another peer publishes it and a store serves it: one right and one wrong completion
+    unless told otherwise."""
     completions = completions or [f"<answer> {item['answer']} </answer>", "no"]
-    return dict(item, peer=peer, round=round_, seq=1, completions=completions, stopped=[True] * len(completions),
-                model="tiny")
+    group = swarm.wire_group(item["task"], item["question"], item["answer"], completions, [True] * len(completions),
+                             item["metadata"], "tiny")
+    return dict(group, peer=peer, round=round_, seq=1)
 
 
 @pytest.fixture
@@ -3741,7 +3882,7 @@ def test_train_help_never_prints_the_swarm_token(capsys, monkeypatch):
 def test_train_the_swarm_token_is_never_written_to_disk(tiny, tmp_path, monkeypatch):
     secret = "s3cret-" + "token-value"
     monkeypatch.setenv("SWARM_TOKEN", secret)
-    monkeypatch.setattr(swarm, "SwarmClient", FakeClient)
+    monkeypatch.setattr(swarm, "connect", FakeClient)
     spread_rewards(monkeypatch)
     args = tiny_args(tmp_path, "--swarm", "http://127.0.0.1:9", "--name", "t", "--rounds", "2", "--save-every", "1",
                      "--sample-every", "1")
@@ -3815,10 +3956,11 @@ def test_train_joins_a_redis_swarm_and_trains(tiny, tmp_path, monkeypatch, _sw_r
     peers = [train.Peer(tiny_args(tmp_path, "--swarm", _sw_redis.url(), "--name", f"r{k}", "--seed", str(k)),
                         log=quiet) for k in range(2)]
     try:
-        assert all(isinstance(p.client, swarm.RedisClient) for p in peers)
+        assert all(isinstance(p.client.transport, swarm.RedisTransport) for p in peers)
         for r in range(3):
             collected = [p.collect(r) for p in peers]
-            assert all(p.client.flush(30) for p in peers)
+            assert all(p.client.flush(30) for p in peers)  # every batch stored; then a read after them all:
+            assert all(p.client.flush(30) for p in peers)  # (a peer's first may have been before the other's)
             rows = [p.learn(r, c) for p, c in zip(peers, collected)]
             assert all(m["round"] == r and m["stepped"] for m in rows)
         assert all(m["external_used"] > 0 for m in rows)

@@ -226,15 +226,14 @@ class Algorithm1:
         adds the sampled token ids and their log-probs (to 1e-4), for a receiver's off-policy correction."""
         if self.client is None:
             return
-        shared = []
+        shared, model = [], os.path.basename(str(self.args.model).rstrip("/"))
         for g in groups:
-            group = dict(task=g.item["task"], question=g.item["question"], answer=g.item["answer"],
-                         metadata=g.item["metadata"], completions=g.texts, stopped=g.stopped,
-                         model=os.path.basename(str(self.args.model).rstrip("/")))
+            extra = {}
             if self.args.shared_logprobs and g.logprobs:
-                group.update(token_ids=g.completions, tokenizer=tokenizer_fingerprint(self.tok),
+                extra = dict(token_ids=g.completions, tokenizer=tokenizer_fingerprint(self.tok),
                              logprobs=[[round(max(x, -1e4), 4) for x in lp] for lp in g.logprobs])
-            shared.append(group)
+            shared.append(swarm.wire_group(g.item["task"], g.item["question"], g.item["answer"], g.texts, g.stopped,
+                                           g.item["metadata"], model, **extra))
         self.client.publish(r, shared)
 
     def choose_external(self, r):

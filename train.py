@@ -700,7 +700,9 @@ def launch(args, argv):
     try:  # the model once, here: a first download or GGUF dequantisation must not run in every peer at once
         check_memory(args.peers, args.device, count_params(M.resolve(args.model)))
         os.makedirs(args.out, exist_ok=True)
-        server, url = swarm.start_server(os.path.join(args.out, "swarm"), token=args.token)  # in this process
+        tokens = {f"peer{k}": secrets.token_urlsafe(24) for k in range(args.peers)}  # one credential per peer
+        server, url = swarm.start_server(os.path.join(args.out, "swarm"), token=args.token, peers=tokens,
+                                         public_reads=not args.token)  # in this process
     except (OSError, ValueError, RuntimeError) as e:
         raise SystemExit(f"train.py: {e}") from None
     children, failed, stopped = [], {}, False
@@ -708,7 +710,7 @@ def launch(args, argv):
     signal.signal(signal.SIGHUP, signal.default_int_handler)  # the terminal closed: stop the children too
     try:
         print(f"dashboard: {url}/ (open it in a browser to see each peer's reward and latest completions)")
-        procs = {f"peer{k}": start_peer(args, argv, k, url, children) for k in range(args.peers)}
+        procs = {name: start_peer(args, argv, k, url, children, tokens[name]) for k, name in enumerate(tokens)}
         bars = {n: tqdm(total=args.rounds, desc=n, position=k, dynamic_ncols=True, bar_format=BAR)
                 for k, n in enumerate(procs)}
         seen, last = 0, {}  # the peers' metrics as the server got them: the newest row of each
@@ -751,15 +753,15 @@ def without_token(argv):
                                                   or (k and argv[k - 1] == "--token"))]
 
 
-def start_peer(args, argv, k, url, children):
+def start_peer(args, argv, k, url, children, token=None):
     """Peer k as a child process: this command line's flags (a later flag wins) with its own name, seed
-    (peer_seed), the server's URL and the run folder, and the token in its environment. It reads the
-    flags as the launcher did: the same machine, so the same defaults."""
+    (peer_seed), the server's URL and the run folder, and its token (else --token) in its environment.
+    It reads the flags as the launcher did: the same machine, so the same defaults."""
     name = f"peer{k}"
     flags = [*without_token(argv), "--peers", "0", "--swarm", url, "--name", name, "--quiet",
              "--seed", str(peer_seed(args.seed, k)), "--out", args.out]
     os.makedirs(os.path.join(args.out, name), exist_ok=True)
-    env = dict(os.environ, **({"SWARM_TOKEN": args.token} if args.token else {}))
+    env = dict(os.environ, **({"SWARM_TOKEN": token or args.token} if token or args.token else {}))
     if args.device == "cpu":  # share the cores instead of every peer fighting for all of them
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.peers)))
     proc = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), *flags],

@@ -14,6 +14,7 @@ Contents, in the README's reading order (search for "# <file>" to jump to a sect
   reproduce.py    a small swarm-against-silo run: its outputs, paired seeds, flags
 """
 
+import collections
 import http.client
 import json
 import math
@@ -3378,6 +3379,145 @@ def test_swarm_a_reply_comes_only_after_its_batch_and_folder_are_fsynced(tmp_pat
         store.close()
 
 
+def test_swarm_per_peer_credentials_bind_a_write_to_its_name(tmp_path):
+    """With peers={name: token}, a write is stored under the name its token belongs to: a body naming
+    another peer is refused (403), in any case of the name; any credential reads (or anyone, with
+    public_reads). The shared token, beside them, writes as anyone. Bad tables are one sentence."""
+    peers = {"alice": "a-token", "Bob": "b-token"}
+    server, url = swarm.start_server(str(tmp_path / "s"), token="shared", peers=peers)
+    auth = lambda token: {"Authorization": f"Bearer {token}"}  # noqa: E731
+    try:
+        assert _sw_post(url, "alice", 0, [_sw_group(1)], headers=auth("a-token")).json() == {"accepted": 1, "seq": 1}
+        assert _sw_post(url, "ALICE", 1, [_sw_group(2)], headers=auth("a-token")).status_code == 200
+        r = _sw_post(url, "bob", 0, [_sw_group(3)], headers=auth("a-token"))  # impersonation
+        assert r.status_code == 403 and "alice" in r.json()["error"]
+        r = requests.post(url + "/metrics", json={"peer": "bob", "round": 0, "metrics": {}}, headers=auth("a-token"),
+                          timeout=5)
+        assert r.status_code == 403
+        assert _sw_post(url, "bob", 0, [_sw_group(4)], headers=auth("b-token")).status_code == 200
+        assert _sw_post(url, "carol", 0, [_sw_group(5)], headers=auth("shared")).status_code == 200
+        for headers in ({}, auth("wrong"), auth("a-token ") | {"Authorization": "a-token"}):
+            assert _sw_post(url, "alice", 5, [_sw_group(6)], headers=headers).status_code == 401
+        assert requests.get(url + "/health", timeout=5).status_code == 401
+        got = requests.get(url + "/rollouts?after=0", headers=auth("b-token"), timeout=5).json()["groups"]
+        assert [(g["peer"], g["seq"]) for g in got] == [("alice", 1), ("alice", 2), ("bob", 3), ("carol", 4)]
+    finally:
+        server.shutdown()
+    server, url = swarm.start_server(str(tmp_path / "s"), peers=peers, public_reads=True)
+    try:
+        assert requests.get(url + "/health", timeout=5).status_code == 200
+        assert _sw_post(url, "alice", 7, [_sw_group(7)]).status_code == 401
+    finally:
+        server.shutdown()
+    for bad, says in (({"alice": "t1", "ALICE": "t2"}, "given once"), ({"alice": "t", "bob": "t"}, "another's"),
+                      ({".x": "t"}, "starting with a letter or digit"), ({"a": "two words"}, "peer a's token"),
+                      ({"a": ""}, "peer a's token")):
+        with pytest.raises(ValueError, match=says):
+            swarm.start_server(str(tmp_path / "t"), peers=bad)
+    with pytest.raises(ValueError, match="another's"):
+        swarm.start_server(str(tmp_path / "t"), token="t", peers={"a": "t"})
+
+
+def test_swarm_peers_file_is_read_at_start_and_again_on_sighup(tmp_path):
+    """--peers-file: one 'name token' a line, read at start (a bad file: one sentence, exit 2) and on SIGHUP
+    (a bad file then leaves the credentials as they were, logged)."""
+    import signal
+    peers, log = tmp_path / "peers", tmp_path / "log"
+    peers.write_text("# name token\nalice a-token\n\nbob b-token\n")
+    proc, url = _sw_spawn(str(tmp_path / "s"), str(log), "--peers-file", str(peers))
+    writes = lambda name, token: _sw_post(url, name, 0, [_sw_group()], headers={  # noqa: E731
+        "Authorization": f"Bearer {token}"}).status_code
+    try:
+        assert writes("alice", "a-token") == writes("bob", "b-token") == 200 and writes("bob", "a-token") == 403
+        peers.write_text("carol c-token\nbob b-token\n")
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.time() + 10
+        while writes("carol", "c-token") != 200 and time.time() < deadline:
+            time.sleep(0.1)
+        assert writes("carol", "c-token") == 200 and writes("alice", "a-token") == 401
+        peers.write_text("carol c-token extra\n")
+        proc.send_signal(signal.SIGHUP)
+        while "kept the credentials" not in log.read_text() and time.time() < deadline:
+            time.sleep(0.1)
+        assert "kept the credentials as they were" in log.read_text() and writes("carol", "c-token") == 200
+    finally:
+        _sw_stop(proc)
+    for text in ("alice\n", "", "alice a\nalice b\n", "a b c\n"):
+        peers.write_text(text)
+        run = subprocess.run([sys.executable, _SW_SCRIPT, "--dir", str(tmp_path / "t"), "--port", "0", "--peers-file",
+                              str(peers)], capture_output=True, text=True, timeout=20)
+        assert run.returncode == 2 and run.stderr.count("\n") == 1 and "--peers-file" in run.stderr, text
+    run = subprocess.run([sys.executable, _SW_SCRIPT, "--peers-file", str(tmp_path / "missing")], capture_output=True,
+                         text=True, timeout=20)
+    assert run.returncode == 2 and "cannot read --peers-file" in run.stderr
+
+
+def test_swarm_peer_names_are_case_insensitive_and_start_with_a_letter_or_digit(_sw_server):
+    """`Alice` and `alice` are one peer (stored in lower case); `.`, `..` and names starting with '_' or '-'
+    are refused; exclude= compares the same way, for cursor reads and sampled reads alike."""
+    server, url, _ = _sw_server
+    for name, r in (("Alice", 0), ("alice", 1), ("ALICE", 2), ("bob", 0)):
+        assert _sw_post(url, name, r, [_sw_group(r)]).status_code == 200
+    assert _sw_post(url, "Alice", 0, [_sw_group(0)]).json() == {"accepted": 1, "seq": 1}  # her retry
+    assert set(requests.get(url + "/peers", timeout=5).json()["peers"]) == {"alice", "bob"}
+    for bad in (".", "..", "-x", "_x", ".alice"):
+        r = _sw_post(url, bad, 0, [_sw_group()])
+        assert r.status_code == 400 and "starting with a letter or digit" in r.json()["error"], bad
+    for query in ("after=0&exclude=ALICE", "sample=16&exclude=aLiCe"):
+        assert {g["peer"] for g in requests.get(f"{url}/rollouts?{query}", timeout=5).json()["groups"]} == {"bob"}
+    assert requests.get(f"{url}/rollouts?after=0&exclude=..", timeout=5).status_code == 400
+
+
+def test_swarm_a_flooding_writer_loses_its_own_batches_first(tmp_path, monkeypatch):
+    """Past --keep-bytes, the writer holding most loses its oldest batches: four honest writers keep every
+    batch while one floods (by arrival order, the flood pruned 52 of 56 honest batches under 4M)."""
+    monkeypatch.setattr(os, "fsync", lambda fd: None)
+    store = swarm.RolloutStore(str(tmp_path / "s"), 400_000)
+    try:
+        for k in range(300):
+            _sw_tiny(store, "flood", k, question="q" * 3000)
+            if k % 50 == 0:  # each honest writer holds less than a fifth of the budget
+                for honest in ("h1", "h2", "h3", "h4"):
+                    _sw_tiny(store, honest, k, question="q" * 3000)
+        kept = collections.Counter(writer for _, writer, *_ in store.index)
+        assert kept == dict(h1=6, h2=6, h3=6, h4=6, flood=kept["flood"]) and kept["flood"] > 0
+        assert _sw_disk(_sw_settled(store).folder) <= 400_000
+    finally:
+        store.close()
+
+
+def test_swarm_posts_are_answered_in_turn_per_writer(tmp_path):
+    """Writers take turns: with a writer's ten POSTs waiting behind a slow one of its own, another writer's
+    POST is answered next, not after those ten (first come, first served, it waited for all of them)."""
+    server, url = swarm.start_server(str(tmp_path / "s"), peers={"flood": "f-token", "honest": "h-token"})
+    real, order, release = server.store.publish, [], threading.Event()
+
+    def publish(peer, round_, batch_id, groups):
+        order.append(peer)
+        if len(order) == 1:
+            release.wait(10)
+        return real(peer, round_, batch_id, groups)
+
+    server.store.publish = publish
+    post = lambda name, r: _sw_post(url, name, r, [_sw_group(r)], headers={  # noqa: E731
+        "Authorization": f"Bearer {name[0]}-token"}).status_code
+    try:
+        posts = [threading.Thread(target=post, args=("flood", r)) for r in range(11)]
+        for t in posts:
+            t.start()
+            time.sleep(0.05)
+        honest = threading.Thread(target=post, args=("honest", 0))
+        honest.start()
+        time.sleep(0.3)
+        release.set()
+        for t in posts + [honest]:
+            t.join(20)
+        assert len(order) == 12 and order.index("honest") <= 2, order
+    finally:
+        release.set()
+        server.shutdown()
+
+
 def test_swarm_client_a_redirect_to_a_malformed_url_is_the_servers_trouble(capsys, _sw_clients, _sw_fake):
     """A 307 to a URL that cannot be parsed: "server unreachable", said once, and the batch waits."""
     client = _sw_clients(_sw_fake(lambda method, path, body: (307, b"", {"Location": "http://[::1"})), "me")
@@ -4457,6 +4597,38 @@ def test_train_launcher_passes_its_flags_through_to_its_peers(monkeypatch):
         assert (child.peers, child.swarm, child.name, child.seed) == (0, "http://127.0.0.1:9", "peer1", train.peer_seed(0, 1))
         same = lambda a: {k: v for k, v in vars(a).items() if k not in ("peers", "swarm", "name", "seed", "quiet", "token")}
         assert same(child) == same(args) and child.quiet
+
+
+def test_train_launcher_gives_each_peer_a_credential_of_its_own(tmp_path, monkeypatch):
+    """train.py --peers N starts its server with one credential per peer, each in that peer's SWARM_TOKEN:
+    peer k's token writes as peer k only (403 as another), and reads need none (the dashboard)."""
+    monkeypatch.setattr(train, "check_memory", lambda *args: None)
+    monkeypatch.setattr(train, "count_params", lambda folder: 0)
+    monkeypatch.setattr(train.M, "resolve", lambda name: name)
+    seen, real_start_peer = {}, train.start_peer
+
+    class Finished:
+        returncode = 0
+
+        def poll(self):
+            return 0
+
+    def start_peer(args, argv, k, url, children, token):
+        headers = {"Authorization": f"Bearer {token}"}
+        seen[k] = (token, _sw_post(url, f"peer{k}", 0, [_sw_group(k)], headers=headers).status_code,
+                   _sw_post(url, f"peer{1 - k}", 1, [_sw_group(k)], headers=headers).status_code,
+                   requests.get(url + "/health", timeout=5).status_code)
+        return Finished()
+
+    monkeypatch.setattr(train, "start_peer", start_peer)
+    argv = ["--peers", "2", "--model", "some/model", "--device", "cpu", "--out", str(tmp_path / "run")]
+    args = train.parse_args(argv)
+    train.launch(args, argv)
+    assert seen[0][1:] == seen[1][1:] == (200, 403, 200) and seen[0][0] != seen[1][0]
+    started = []
+    monkeypatch.setattr(train.subprocess, "Popen", lambda cmd, **kw: started.append(kw["env"]))
+    real_start_peer(args, argv, 1, "http://127.0.0.1:9", [], "peer1-token")
+    assert started[0]["SWARM_TOKEN"] == "peer1-token"
 
 
 def test_train_help_shows_each_default_once_and_every_flag_has_help(capsys):

@@ -858,8 +858,8 @@ class SwarmServer:
                 request = await asyncio.wait_for(self._read_request(reader, writer, body), Limits.request_seconds)
             except asyncio.TimeoutError:
                 raise BadRequest(f"The request did not arrive whole within {Limits.request_seconds:g} s.", 408) from None
-            if request.method == "POST":  # the writer: the credential's name, else the client's address
-                reply = await self._in_turn(request.peer or writer.get_extra_info("peername")[0], request)
+            if request.method == "POST":
+                reply = await self._in_turn(request.peer, request)
             else:
                 reply = await self.loop.run_in_executor(self.pools["GET"], self._answer, request)
             await self._send(writer, *reply, head_only=request.method == "HEAD")
@@ -886,10 +886,12 @@ class SwarmServer:
             writer.transport.abort()
 
     async def _in_turn(self, writer, request):
-        """A POST's answer, in its writer's turn: each writer has one POST answered or waiting for a worker
-        at a time, and the others wait behind it; so the writers with POSTs waiting take turns (round robin),
-        and one writer's many connections cannot delay another writer's post by more than one of its own."""
-        turn = self.turns.setdefault(writer, asyncio.Lock())
+        """A POST's answer, in its writer's turn (a per-peer credential's name): each writer has one POST
+        answered or waiting for a worker at a time, its others behind it, so writers take turns (round
+        robin) and one writer's many connections delay another's post by one of its own at most. Without
+        per-peer credentials the server cannot tell writers apart (any name can be claimed, and an address
+        may be a proxy's): POSTs are then answered first come, first served."""
+        turn = self.turns.setdefault(writer, asyncio.Lock()) if writer else contextlib.nullcontext()
         async with turn, self.posting:
             return await self.loop.run_in_executor(self.pools["POST"], self._answer, request)
 

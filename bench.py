@@ -7,7 +7,7 @@ ReasoningGym's.
     python bench.py --train             # one GRPO training step's forward + backward: tokens/s, peak memory
     python bench.py --swarm             # the rollout server under 32 simulated peers, then both stores under 200
     python bench.py --attack            # what the server and the client survive (README's reliability table)
-    python bench.py --attack --against ../old-checkout   # the same, against another swarm.py
+    python bench.py --attack --against DIR  # the same, against DIR/swarm.py (another checkout)
     python bench.py --parity 200        # reward.py vs reasoning_gym 0.1.25, 200 items per family
     python bench.py --lines             # the reading path (each file up to its marker line) against its budget
     python bench.py --device cuda --model qwen2.5-0.5b --batch 64 256 --json

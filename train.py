@@ -692,7 +692,8 @@ PEER_BYTES_PER_PARAM = 26
 
 
 def launch(args, argv):
-    """A swarm server on a free loopback port, in this process, and args.peers peer processes; their progress
+    """A swarm server on a free loopback port, in this process, and args.peers peer processes, each with a
+    credential of its own (so each writes only as itself; reads need none unless --token); their progress
     together, from the metrics they post; on Ctrl-C all stop (each saves its last completed round). A peer
     that dies is reported and the others go on; the launcher then exits non-zero, saying why."""
     if not args.resume and glob.glob(os.path.join(args.out, "*", "metrics.jsonl")):

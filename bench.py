@@ -1216,7 +1216,7 @@ def attack_impersonation(rounds=10, reads=100):
     return _each_guard(attack, ["alice", "bob", "mallory", "reader"])
 
 
-def _honest_posts(url, token, writers, seconds, pace=0.25):
+def _honest_posts(url, token, writers, seconds, pace=1.5):
     """Honest writers posting a batch of 4 groups each every `pace` s for `seconds` -> (POST ms, acknowledged
     batch ids)."""
     import requests
@@ -1241,9 +1241,9 @@ def _honest_posts(url, token, writers, seconds, pace=0.25):
 
 
 def attack_flood_writer(seconds=20, flooders=4, keep="4M"):
-    """Under --keep-bytes 4M: four honest writers post alone for a while, then again while mallory posts
-    valid batches of ~40 KB from `flooders` connections at full rate. The honest groups still kept at the
-    end, and the honest POST p50 alone and under the flood."""
+    """Under --keep-bytes 4M: four honest writers post a batch of ~20 KB every 1.5 s (together less than the
+    budget), alone for a while, then while mallory posts valid batches of ~40 KB from `flooders` connections
+    at full rate. The honest groups still kept at the end, and the honest POST p50 alone and under the flood."""
     import requests
     writers = ["h0", "h1", "h2", "h3"]
 

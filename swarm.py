@@ -395,7 +395,7 @@ def check(value, rule, where=""):
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # peer names: safe in URLs, logs and HTML
 NAMES = "1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit, in any case (Alice is alice)"
-PEER = rule(lambda v: isinstance(v, str) and NAME.fullmatch(v), NAMES, lambda v, where: v.lower())  # kept so
+PEER = rule(lambda v: isinstance(v, str) and NAME.fullmatch(v), NAMES, lambda v, where: v.lower())  # stored
 BATCH_ID = rule(lambda v: isinstance(v, str) and re.fullmatch(r"[A-Za-z0-9_.:-]{1,128}", v), "an id of 1 to 128 characters "
                 "from A-Z, a-z, 0-9 and '_.:-'")
 SEQ, ROUND, TIME = number(10**15), number(10**12), number(1e11, whole=False)
@@ -476,7 +476,7 @@ class RolloutStore(Store):
         self.folder, self.keep_bytes = os.path.abspath(folder), keep_bytes
         self.budget = keep_bytes - keep_bytes // 8 - 8192  # the batches' share; pruned.json's two copies the rest
         self.kept_bytes = 0                       # what the kept batches cost, all writers together
-        self.fresh = collections.OrderedDict()    # writer -> its place in drawable, oldest newest batch first
+        self.fresh = collections.OrderedDict()    # writer -> its place in drawable, by its newest batch's arrival
         self.pruned = 0                           # seq of the newest group retention deleted
         self.gone = collections.deque()           # (writer, batch_id) of pruned batches whose replies are kept
         self.peers = collections.OrderedDict()    # peer -> {"last_seen", "last_round", "groups"}, by recency
@@ -574,8 +574,8 @@ class RolloutStore(Store):
                 del self.batches[writer]
                 self._undraw(writer) if writer in self.fresh else None
         self.index = [entry for entry in self.index if entry[3] not in dropped]
-        while len(self.gone) > min(Limits.replies, max(16, self.keep_bytes // 4096)):  # (each at most 512 bytes
-            del self.replies[self.gone.popleft()]                                       # in the two copies)
+        while len(self.gone) > min(Limits.replies, max(16, self.keep_bytes // 4096)):  # (a reply takes at most
+            del self.replies[self.gone.popleft()]  # 512 bytes in the two copies: an eighth of --keep-bytes in all)
 
     def _load(self):
         """Read the folder back: pruned.json, every batch file in seq order, metrics.jsonl. Whatever a file

@@ -1128,9 +1128,10 @@ def _guarded(names, *flags):
         return (*_server(None, "--token", "shared-token", *flags), lambda name: "shared-token")
 
     def per_peer():
-        with tempfile.NamedTemporaryFile("w", suffix=".peers", delete=False) as f:
+        with tempfile.NamedTemporaryFile("w", suffix=".peers") as f:  # (read once, at the server's start)
             f.write("".join(f"{name} {token}\n" for name, token in tokens.items()))
-        return (*_server(None, "--peers-file", f.name, *flags), tokens.get)
+            f.flush()
+            return (*_server(None, "--peers-file", f.name, *flags), tokens.get)
 
     return {"shared token": shared, "per-peer credentials": per_peer}
 

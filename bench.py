@@ -6,7 +6,8 @@ ReasoningGym's.
     python bench.py                     # sampling: our generate() vs transformers' generate()
     python bench.py --train             # one GRPO training step's forward + backward: tokens/s, peak memory
     python bench.py --swarm             # the rollout server under 32 simulated peers, then both stores under 200
-    python bench.py --attack            # what the server and the client survive (README's reliability table)
+    python bench.py --attack            # what the server and the client survive (docs/swarm.md, Reliability)
+    python bench.py --attack --against DIR  # the same, against DIR/swarm.py (another checkout)
     python bench.py --parity 200        # reward.py vs reasoning_gym 0.1.25, 200 items per family
     python bench.py --lines             # the reading path (each file up to its marker line) against its budget
     python bench.py --device cuda --model qwen2.5-0.5b --batch 64 256 --json
@@ -26,19 +27,24 @@ peak resident memory above the process's size after imports on the CPU; each sid
 process of its own, so neither sees the other's memory.
 
 Swarm: a server in a subprocess and --peers simulated peers (threads) that each publish one batch
-of groups and fetch the others' every round, for --rounds rounds: posts per second, p50/p99 sync and
-fetch latency (bench_swarm says which is which), acknowledged groups missing from a final full read,
-and groups a peer never received (both must be 0). Then both stores, the server and a durable
-redis-server, under --store-peers simulated peers (bench_stores): posts/s, reads everything after a
-cursor and sampled reads of 16 groups, bytes a peer reads a round, the store's CPU per post and read.
+of groups and fetch a sampled read of the others' every round, for --rounds rounds: posts per second,
+p50/p99 sync and read latency (bench_swarm says which is which), acknowledged groups missing from a final
+full read, and groups a peer received twice or of its own (all must be 0). Then both stores, the server
+and a durable redis-server, under --store-peers simulated peers (bench_stores): posts/s, sampled reads of
+16 groups (and, from the server, everything after a cursor, as a dashboard reads), bytes a peer reads a
+round, the store's CPU per post and read.
 
 Attack: a flood of slow connections, crafted hostile requests, kill -9 under concurrent writers, a
-client facing servers that misbehave (silent, trickling, garbage, a 32 MB reply, poisoned replies), and
-a server filled far past --keep-bytes (the attack_* functions).
+client facing servers that misbehave (silent, trickling, garbage, a 32 MB reply, a poisoned group, a Redis
+answering 16 MB or 200,000 entries), a server filled far past --keep-bytes, then the store's own bounds
+(tiny batches, the post that prunes, 30,000 writers, unread replies) and one dishonest writer (a Sybil under many names, posting as alice, a
+flood under --keep-bytes 4M, 500 connections queueing writes), these last against a shared token and
+against per-peer credentials (the attack_* functions). --against DIR runs DIR/swarm.py instead (an older
+checkout, measured in the same hour); --quick shrinks the new cases to check that they run.
 
 Parity (needs reasoning_gym installed): for each of the paper's nine families, N of ReasoningGym's
 items with the paper's config and N of ours, each scored by both scorers on its reference answer and
-on near misses a model might write (near_misses below); the README's rewards section has the table.
+on near misses a model might write (near_misses below); docs/rewards.md has the table.
 
 --model takes a model folder or Hub id (sampling only), or one of the shapes below with random
 weights (no download). This file follows no part of the SAPO paper; it exists because a SAPO peer
@@ -47,6 +53,8 @@ measured here are only comparable with the paper's if our scorers agree with Rea
 """
 
 import argparse
+import collections
+import itertools
 import json
 import math
 import os
@@ -245,10 +253,13 @@ def train_side(args):
     print(json.dumps(dict(tok_per_s=batch * (T - 1) / min(times), peak_bytes=peak)))
 
 
+SWARM_PY = os.path.join(HERE, "swarm.py")  # the server the swarm benches run (--against DIR: DIR/swarm.py)
+
+
 def _server(folder=None, *flags, preexec_fn=None):
     """python swarm.py --port 0 in a subprocess -> (process, url, folder)."""
     folder = folder or tempfile.mkdtemp(prefix="swarm-bench-")
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "swarm.py"), "--dir", folder, "--port", "0", *flags],
+    proc = subprocess.Popen([sys.executable, SWARM_PY, "--dir", folder, "--port", "0", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, preexec_fn=preexec_fn)
     m = re.fullmatch(r"swarm server: (http://\S+)", proc.stdout.readline().strip())
     if not m:
@@ -269,17 +280,19 @@ def _end(proc, folder, stop=None, threads=()):
 
 
 def _groups(tag, n=4, completions=8, chars=600):
+    import swarm
     filler = "Let me think step by step. " * (chars // 27 + 1)
-    return [{"task": "basic_arithmetic", "question": f"{tag} question {i}", "answer": str(i), "metadata": {"i": i},
-             "completions": [(f"{j} " + filler)[:chars - 20] + f"<answer>{j}</answer>" for j in range(completions)],
-             "stopped": [True] * completions, "model": "bench"} for i in range(n)]
+    return [swarm.wire_group("basic_arithmetic", f"{tag} question {i}", str(i),
+                             [(f"{j} " + filler)[:chars - 20] + f"<answer>{j}</answer>" for j in range(completions)],
+                             [True] * completions, {"i": i}, "bench") for i in range(n)]
 
 
-def _read_all(url):
+def _read_all(url, token=None):  # every group a server holds, by GET /rollouts?after=SEQ (as a dashboard or an audit reads)
     import requests
-    stored, after = [], 0
+    stored, after, headers = [], 0, {"Authorization": f"Bearer {token}"} if token else {}
     while True:
-        data = requests.get(url + "/rollouts", params={"after": after, "limit": 1024}, timeout=30).json()
+        data = requests.get(url + "/rollouts", params={"after": after, "limit": 1024}, headers=headers,
+                            timeout=30).json()
         stored += data["groups"]
         if data["next"] == after:
             return stored
@@ -291,42 +304,41 @@ def _pct(values, q):
     return round(values[min(len(values) - 1, int(len(values) * q))], 2) if values else None
 
 
-def bench_swarm(peers=32, rounds=20, groups_per_post=4):
-    """-> posts/s, publish()+fetch() time, sync time, page GET latency, groups lost and missed.
-    Each simulated peer (a thread with its own SwarmClient) does per round: publish() and fetch() (timed:
-    they only touch queues), flush() (timed as "sync": until its batch is acknowledged and its inbox has
-    caught up with the server), and one GET /rollouts of the page of groups that arrived since its last
-    round (timed as "fetch": the HTTP work the client's thread does per poll). posts_per_s counts
-    acknowledged posts over the whole run; groups_lost counts acknowledged groups missing from a final
-    full read, groups_missed those a peer did not receive (both must be 0)."""
+def bench_swarm(peers=32, rounds=20, groups_per_post=4, sample=16):
+    """-> posts/s, publish()+fetch() time, sync time, sampled-read GET latency, groups lost, received twice
+    or of the peer's own. Each simulated peer (a thread with its own client, reading `sample` groups a
+    read) does per round: publish() and fetch() (timed: they only touch queues), flush() (timed as "sync":
+    until its batch is acknowledged and a read begun after it is done), and one GET /rollouts?sample=K
+    (timed as "read": the HTTP work the client's thread does per read). posts_per_s counts acknowledged
+    posts over the whole run; groups_lost counts acknowledged groups missing from a final full read
+    (GET ?after=), received_twice and received_own what no peer may be handed (all must be 0)."""
     import requests
     import swarm
     proc, url, folder = _server()
     try:
-        acked, got = [[] for _ in range(peers)], [set() for _ in range(peers)]
+        acked, got = [[] for _ in range(peers)], [[] for _ in range(peers)]
         call_ms, sync_ms, fetch_ms = [], [], []
-        start, end = threading.Barrier(peers + 1), threading.Barrier(peers)
+        start = threading.Barrier(peers + 1)
 
         def peer(k):
-            client, session = swarm.SwarmClient(url, f"peer{k:03d}", cursor=0), requests.Session()
+            client, session = swarm.connect(url, f"peer{k:03d}", sample), requests.Session()
             start.wait()
             for r in range(rounds):
                 groups = _groups(f"peer {k} round {r}", groups_per_post)
                 t = time.perf_counter()
                 client.publish(r, groups)
-                got[k].update(g["question"] for g in client.fetch())
+                got[k] += [(g["peer"], g["seq"]) for g in client.fetch()]
                 call_ms.append(1000 * (time.perf_counter() - t))
-                before = client.cursor or 0
                 t = time.perf_counter()
                 if client.flush(120):
                     acked[k] += [(client.peer, r, g["question"]) for g in groups]
                 sync_ms.append(1000 * (time.perf_counter() - t))
                 t = time.perf_counter()
-                session.get(url + "/rollouts", params={"after": before, "exclude": client.peer}, timeout=30).json()
+                session.get(url + "/rollouts", params={"sample": sample, "exclude": client.peer, "seed": r},
+                            timeout=30).json()
                 fetch_ms.append(1000 * (time.perf_counter() - t))
-            end.wait()  # everyone has published: now each must receive all the others' groups
             client.flush(120)
-            got[k].update(g["question"] for g in client.fetch())
+            got[k] += [(g["peer"], g["seq"]) for g in client.fetch()]
             client.close()
 
         threads = [threading.Thread(target=peer, args=(k,)) for k in range(peers)]
@@ -339,13 +351,14 @@ def bench_swarm(peers=32, rounds=20, groups_per_post=4):
         wall = time.perf_counter() - t0
         stored = {(g["peer"], g["round"], g["question"]) for g in _read_all(url)}
         posted = [key for keys in acked for key in keys]
-        others = [{q for _, _, q in stored} - {q for _, _, q in acked[k]} for k in range(peers)]
         return {"posts_per_s": round(len(posted) / groups_per_post / wall, 1),
                 "calls_max_ms": round(max(call_ms), 3), "sync_p50_ms": _pct(sync_ms, 0.5),
-                "sync_p99_ms": _pct(sync_ms, 0.99), "fetch_p50_ms": _pct(fetch_ms, 0.5),
-                "fetch_p99_ms": _pct(fetch_ms, 0.99), "groups_posted": len(posted),
+                "sync_p99_ms": _pct(sync_ms, 0.99), "read_p50_ms": _pct(fetch_ms, 0.5),
+                "read_p99_ms": _pct(fetch_ms, 0.99), "groups_posted": len(posted),
                 "groups_lost": sum(key not in stored for key in posted),
-                "groups_missed": sum(len(others[k] - got[k]) for k in range(peers))}
+                "groups_received_per_round": round(sum(map(len, got)) / peers / rounds, 1),
+                "received_twice": sum(len(g) - len(set(g)) for g in got),
+                "received_own": sum(p == f"peer{k:03d}" for k, g in enumerate(got) for p, _ in g)}
     finally:
         _end(proc, folder)
 
@@ -372,11 +385,12 @@ def _redis_server(folder):
 def bench_stores(peers=200, rounds=3, local=4, sample=16, workers=8):
     """Both stores in one run, the embedded server (a swarm.py process) and a durable redis-server, under
     `peers` simulated peers in this process: each round every peer publishes `local` groups, then reads
-    once: everything after its cursor ("cursor", up to 250 peers: beyond, it moves peers^2 x local groups
-    a round) or a sampled read of `sample` groups ("sampled"). The peers' exchanges are those of
-    swarm's clients (client._request, without their threads), from `workers` threads. -> per store:
-    posts/s, read p50/p99 ms, bytes read per peer per round, the server's CPU ms per post and per read
-    (from /proc), and its memory."""
+    once: a sampled read of `sample` groups ("sampled"), or, from the embedded server, everything after its
+    cursor with GET /rollouts?after= as a dashboard reads ("cursor", up to 250 peers: beyond, it moves
+    peers^2 x local groups a round). The peers' exchanges are those of the client's transports (one per
+    peer, without a client's thread), from `workers` threads. -> per store: posts/s, read p50/p99 ms, bytes
+    read per peer per round, the server's CPU ms per post and per read (from /proc), and its memory."""
+    import requests
     import swarm
     from concurrent.futures import ThreadPoolExecutor
     folder, out = tempfile.mkdtemp(prefix="swarm-bench-"), {}
@@ -386,36 +400,30 @@ def bench_stores(peers=200, rounds=3, local=4, sample=16, workers=8):
             os.makedirs(os.path.join(folder, store))
             proc, url = _server(os.path.join(folder, store))[:2] if store == "http" else \
                 _redis_server(os.path.join(folder, store))
-            clients = [swarm.connect(url, f"worker{k}", cursor=0) for k in range(workers)]
-            for c in clients:  # only its exchanges are used, on behalf of the simulated peers: its thread
-                c.close()      # stops, and its _request works again
-                c.closing = False
-            local_clients = threading.local()
-
-            def client():
-                if not hasattr(local_clients, "c"):
-                    local_clients.c = clients.pop()
-                return local_clients.c
+            kind = swarm.HttpTransport if store == "http" else swarm.RedisTransport
+            transports, sessions = [kind(url, f"peer{k:05d}", None) for k in range(peers)], threading.local()
 
             def post(k, r):
-                body = swarm._dumps({"peer": f"peer{k:05d}", "round": r, "batch_id": f"peer{k:05d}-{r}",
-                                     "groups": _groups(f"peer {k} round {r}", local)})
-                assert client()._request("POST", "/rollouts", body)[0] == 200
+                groups = [swarm._dumps(g) for g in _groups(f"peer {k} round {r}", local)]
+                assert transports[k].publish(r, groups, f"peer{k:05d}-{r}")["accepted"] == local
 
             def read(k, query):
                 t, size, after = time.perf_counter(), 0, position[k]
-                while True:  # a cursor read takes pages until it is level; a sampled read is one
-                    q = query.format(after=after, k=k, seed=random.getrandbits(63))
-                    status, page = client()._request("GET", f"/rollouts?{q}&exclude=peer{k:05d}")
+                if query == "sampled":
+                    size = sum(n for _, n in transports[k].sample(sample, random.getrandbits(63)))
+                    return 1000 * (time.perf_counter() - t), size
+                sessions.s = getattr(sessions, "s", None) or requests.Session()
+                while True:  # a cursor read takes pages until it is level
+                    page = sessions.s.get(f"{url}/rollouts?after={after}&exclude=peer{k:05d}", timeout=60).json()
                     size += len(swarm._dumps(page["groups"]))
-                    if "after" not in query or page["next"] in (after, page["last"]):
-                        position[k] = page.get("next", after)
+                    if page["next"] in (after, page["last"]):
+                        position[k] = page["next"]
                         return 1000 * (time.perf_counter() - t), size
                     after = page["next"]
 
             r = {"bytes_per_group": bytes_per_group}
             position, cpu0, t0 = [0] * peers, _cpu_seconds(proc.pid), time.perf_counter()
-            modes = [("cursor", "after={after}")] * (peers <= 250) + [("sampled", f"sample={sample}&seed={{seed}}")]
+            modes = [("cursor", "cursor")] * (peers <= 250 and store == "http") + [("sampled", "sampled")]
             with ThreadPoolExecutor(workers) as pool:
                 for mode, query in modes:
                     post_s = cpu_post = cpu_read = 0.0
@@ -425,13 +433,9 @@ def bench_stores(peers=200, rounds=3, local=4, sample=16, workers=8):
                         list(pool.map(post, range(peers), [rnd + 10 * (mode == "sampled")] * peers))
                         post_s, cpu_post = post_s + time.perf_counter() - t, cpu_post + _cpu_seconds(proc.pid) - cpu
                         cpu = _cpu_seconds(proc.pid)
-                        reads += list(pool.map(read, range(peers), [query] * peers)) if query else [(0, 0)] * peers
+                        reads += list(pool.map(read, range(peers), [query] * peers))
                         cpu_read += (_cpu_seconds(proc.pid) - cpu) * (rnd > 0)
                     ms = [m for m, _ in reads[peers:]]  # the first round's reads include the history
-                    if not query:
-                        r.update({f"{mode}_posts_per_s": peers * rounds / post_s,
-                                  f"{mode}_cpu_ms_per_post": 1000 * cpu_post / peers / rounds})
-                        continue
                     r.update({f"{mode}_cpu_ms_per_read": 1000 * cpu_read / len(ms),
                               f"{mode}_posts_per_s": peers * rounds / post_s, f"{mode}_cpu_ms_per_post":
                               1000 * cpu_post / peers / rounds, f"{mode}_read_p50_ms": _pct(ms, 0.5),
@@ -443,6 +447,8 @@ def bench_stores(peers=200, rounds=3, local=4, sample=16, workers=8):
                 import redis
                 r["redis_used_memory_mb"] = redis.Redis.from_url(url).info("memory")["used_memory"] / 2**20
             out[store] = {k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}
+            for transport in transports:
+                transport.close()
             proc.kill()
             proc.wait()
     finally:
@@ -451,7 +457,7 @@ def bench_stores(peers=200, rounds=3, local=4, sample=16, workers=8):
 
 
 # -----------------------------------------------------------------------------
-# --attack: what the server and the client survive (the README's reliability figures)
+# --attack: what the server and the client survive (the figures of docs/swarm.md, Reliability)
 
 def _cpu_seconds(pid):
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
@@ -874,7 +880,7 @@ def attack_kill9(cycles=10, writers=16):
 
 
 def attack_client(calls=50):
-    """A SwarmClient against a black hole (accepts, never answers), a trickle (a byte every 2 s), a server
+    """A client against a black hole (accepts, never answers), a trickle (a byte every 2 s), a server
     answering 500s and garbage, and a port nobody listens on: the slowest publish()/fetch()/post_metrics()
     call; then a real server comes up on the same port and everything queued must arrive once."""
     import socket
@@ -916,7 +922,7 @@ def attack_client(calls=50):
         if kind in ("trickle", "500 or garbage"):
             threading.Thread(target=hostile, args=(kind, s), daemon=True).start()
         socks[kind] = s
-    clients = {kind: swarm.SwarmClient(f"http://127.0.0.1:{s.getsockname()[1]}", f"p{k}") for k, (kind, s) in
+    clients = {kind: swarm.connect(f"http://127.0.0.1:{s.getsockname()[1]}", f"p{k}", 4) for k, (kind, s) in
                enumerate(socks.items())}
     try:
         slowest = {kind: 0.0 for kind in kinds}
@@ -970,6 +976,20 @@ def _fake_server(answer):
     return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
 
 
+def _longest_stall(seconds, client=None):
+    """The training thread: short steps of work, asking the client for a read (fetch(), which never
+    waits) every 0.1 s, as a round would -> the longest it stood still, in seconds."""
+    stall, asked = 0.0, 0.0
+    last = t0 = time.perf_counter()
+    while (now := time.perf_counter()) < t0 + seconds:
+        stall, last = max(stall, now - last), now
+        if client is not None and now > asked + 0.1:
+            client.fetch()
+            asked = now
+        sum(range(2000))
+    return stall
+
+
 def attack_large_reply(mb=32, seconds=10, closes=5):
     """A server answering every read with `mb` MB of tiny JSON objects, {"groups":[{},{},...]}: the
     longest the training thread stood still while the client's thread took the reply (parsing holds the
@@ -977,33 +997,26 @@ def attack_large_reply(mb=32, seconds=10, closes=5):
     import contextlib
     import io
     import swarm
-    body = b'{"groups":[' + b",".join([b"{}"] * ((mb << 20) // 3)) + b'],"next":1,"last":1}'
+    body = b'{"groups":[' + b",".join([b"{}"] * ((mb << 20) // 3)) + b'],"last":1}'
     sent = threading.Event()
 
     def answer(path):
         sent.set()
-        return 200, body if path.startswith("/rollouts") else b'{"ok":true,"groups":1,"peers":1,"last_seq":1}'
+        return 200, body
 
     httpd, url = _fake_server(answer)
     log = io.StringIO()
     try:
         with contextlib.redirect_stderr(log):
-            def longest_stall(seconds):  # the training thread: short steps of work
-                stall = 0.0
-                last = t0 = time.perf_counter()
-                while (now := time.perf_counter()) < t0 + seconds:
-                    stall, last = max(stall, now - last), now
-                    sum(range(2000))
-                return stall
-
-            alone = longest_stall(seconds / 2)  # what the machine's load alone costs
-            client = swarm.SwarmClient(url, "victim", cursor=0)
-            stall = longest_stall(seconds)
+            alone = _longest_stall(seconds / 2)  # what the machine's load alone costs
+            client = swarm.connect(url, "victim", 16)
+            stall = _longest_stall(seconds, client)
             client.close()
             slowest_close = 0.0
             for k in range(closes):  # at 0.05, 0.3, 0.55, ... s after a reply went out
                 sent.clear()
-                client = swarm.SwarmClient(url, "victim", cursor=0)
+                client = swarm.connect(url, "victim", 16)
+                client.fetch()  # (asks for a read)
                 sent.wait(30)
                 time.sleep(0.05 + 0.25 * k)  # the reply is on its way: close() while the client's thread takes it
                 t = time.perf_counter()
@@ -1017,58 +1030,100 @@ def attack_large_reply(mb=32, seconds=10, closes=5):
 
 
 def attack_poisoned_reads(groups=40, seconds=8):
-    """A server that poisons its replies, one way per run: 'cursor' answers the first read with next and
-    last = 10**15 (and, as the real server does, a 400 to a read after a seq it does not have); 'surrogate'
-    serves a group whose question is a lone surrogate ("\\ud800"). Groups keep arriving at 5 a second:
-    how many of those published after the poison the client received, the largest cursor it would have
-    saved in a checkpoint, and the lines it logged."""
+    """A server that serves, among the groups arriving at 5 a second, one whose question is a lone
+    surrogate ("\\ud800", which UTF-8 cannot carry): how many of those published after it the client
+    received, and the lines it logged."""
     import contextlib
     import io
     import swarm
-    results = {}
-    for kind in ("cursor", "surrogate"):
-        stored, poisoned = [], []
+    stored = []
 
-        def answer(path):
-            if path.startswith("/health"):
-                return 200, json.dumps({"ok": True, "groups": len(stored), "peers": 1, "last_seq": len(stored)}).encode()
-            after = int(re.search(r"after=(\d+)", path).group(1))
-            if after > len(stored):
-                return 400, b'{"error":"after is beyond the newest group."}'
-            page = {"groups": stored[after:], "next": len(stored), "last": len(stored)}
-            if kind == "cursor" and not poisoned and stored:
-                poisoned.append(len(stored))
-                page.update(next=10**15, last=10**15)
-            return 200, json.dumps(page).encode()
+    def answer(path):  # every sampled read: all the groups so far (the client hands out none twice)
+        return 200, json.dumps({"groups": stored, "last": len(stored)}).encode()
 
-        def group(seq):
-            g = {**_groups(seq, 1, 2, 80)[0], "peer": "other", "round": seq, "seq": seq, "time": 1.7e9}
-            if kind == "surrogate" and seq == 3:
-                poisoned.append(seq)
-                g["question"] = "\ud800"
-            return g
-
-        httpd, url = _fake_server(answer)
-        log, got, largest_cursor = io.StringIO(), [], 0
-        try:
-            with contextlib.redirect_stderr(log):
-                client = swarm.SwarmClient(url, "victim", cursor=0)
-                for seq in range(1, groups + 1):
-                    stored.append(group(seq))
-                    time.sleep(seconds / groups)
-                    got += [g["seq"] for g in client.fetch()]
-                    largest_cursor = max(largest_cursor, client.cursor or 0)
-                client.flush(10)
+    httpd, url = _fake_server(answer)
+    log, got = io.StringIO(), []
+    try:
+        with contextlib.redirect_stderr(log):
+            client = swarm.connect(url, "victim", swarm.Limits.sample_groups)
+            for seq in range(1, groups + 1):
+                stored.append({**_groups(seq, 1, 2, 80)[0], "peer": "other", "round": seq, "seq": seq, "time": 1.7e9})
+                stored[-1]["question"] = "\ud800" if seq == 3 else stored[-1]["question"]
+                time.sleep(seconds / groups)
                 got += [g["seq"] for g in client.fetch()]
-                largest_cursor = max(largest_cursor, client.cursor or 0)
+            client.flush(10)
+            got += [g["seq"] for g in client.fetch()]
+            client.close()
+        return {"surrogate": {"published_after_the_poison": groups - 3, "received_of_those": len(set(got) - {1, 2}),
+                              "log_lines": log.getvalue().count("swarm client")}}
+    finally:
+        httpd.shutdown()
+
+
+def _fake_redis(answer):
+    """A Redis-speaking server in a subprocess (so that what it sends is not this process's memory): +OK to
+    every command but EVAL and EVAL_RO, answered by `answer`, Python source of a function (name, calls of it
+    so far, send) -> None. -> (process, port)."""
+    source = f"""import collections, socket, threading
+{answer}
+def serve(conn):
+    f, calls = conn.makefile("rb"), collections.Counter()
+    try:
+        while (line := f.readline()):
+            args = [f.read(int(f.readline()[1:]) + 2)[:-2] for _ in range(int(line[1:]))]
+            name = args[0].upper().decode()
+            calls[name] += 1
+            answer(name, calls[name], conn.sendall) if name in ("EVAL", "EVAL_RO") else conn.sendall(b"+OK\\r\\n")
+    except (OSError, ValueError):
+        pass
+listener = socket.create_server(("127.0.0.1", 0))
+print(listener.getsockname()[1], flush=True)
+while True:
+    threading.Thread(target=serve, args=(listener.accept()[0],), daemon=True).start()
+"""
+    proc = subprocess.Popen([sys.executable, "-c", source], stdout=subprocess.PIPE, text=True)
+    return proc, int(proc.stdout.readline())
+
+
+def attack_redis_reply(mb=16, entries=200_000, seconds=6):
+    """A Redis answering every publish with `mb` MB of [{},{},...], then every read with `entries` entries:
+    the longest the training thread stood still, and this process's resident memory after each, against
+    the machine alone and the memory before (the client refuses both replies past its bounds, and drops
+    the connection). Run it alone (--only Redis): other attacks leave this process larger."""
+    import contextlib
+    import io
+    import swarm
+    n, crlf = (mb << 20) // 3, b"\r\n"  # the bulk [{},{},...] holds n objects: 3n + 1 bytes
+    head, tail, count = b"$%d" % (3 * n + 1) + crlf + b"[", b"{}]" + crlf, b"*%d" % entries + crlf
+    fields = b"".join(b"$%d" % len(x) + crlf + x + crlf for x in b"peer p round 0 time 1.0 group {}".split())
+    thousand = (b"*2" + crlf + b"$3" + crlf + b"1-0" + crlf + b"*8" + crlf + fields) * 1000  # stream entries
+    answer = f"""def answer(name, calls, send):
+    if name == "EVAL":
+        send({head!r})
+        for k in range(0, {n - 1}, 20000):
+            send(b"{{}}," * min(20000, {n - 1} - k))
+        send({tail!r})
+    else:
+        send({count!r})
+        for _ in range({entries // 1000}):
+            send({thousand!r})
+"""
+    proc, port = _fake_redis(answer)
+    log, results = io.StringIO(), {"rss_before_mb": round(_rss_mb(os.getpid()), 1)}
+    try:
+        with contextlib.redirect_stderr(log):
+            results["same_without_a_client_ms"] = round(1000 * _longest_stall(seconds / 2), 1)
+            for what in ("publish", "read"):
+                client = swarm.connect(f"redis://u:p@127.0.0.1:{port}/0", "victim", 16)
+                client.publish(0, _groups(0, 1)) if what == "publish" else None
+                results[f"{what}_longest_stall_ms"] = round(1000 * _longest_stall(seconds, client), 1)
                 client.close()
-            after = [seq for seq in range(poisoned[0] + 1, groups + 1)] if poisoned else []
-            results[kind] = {"published_after_the_poison": len(after),
-                             "received_of_those": len(set(after) & set(got)),
-                             "largest_cursor_saved": largest_cursor, "log_lines": log.getvalue().count("swarm client")}
-        finally:
-            httpd.shutdown()
-    return results
+                results[f"{what}_rss_after_mb"] = round(_rss_mb(os.getpid()), 1)
+        results["log_lines"] = log.getvalue().count("swarm client")
+        return results
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def attack_memory(keep_mb=64, post_mb=256, writers=4, largest=False):
@@ -1104,13 +1159,335 @@ def attack_memory(keep_mb=64, post_mb=256, writers=4, largest=False):
         _end(proc, folder)
 
 
+# --attack, the store's own bounds and its writers: each case against a shared token and against one
+# credential per peer (run both with --against DIR, where DIR/swarm.py predates --peers-file, and that
+# column says so). "Honest" writers and readers act beside one attacker, "mallory".
+
+def _guarded(names, *flags):
+    """{"shared token": start, "per-peer credentials": start}: start() -> (server process, url, folder, token
+    of a writer by name), the server run with `flags` and guarded the one way or the other."""
+    tokens = {name: f"token-{name}" for name in names}
+
+    def shared():
+        return (*_server(None, "--token", "shared-token", *flags), lambda name: "shared-token")
+
+    def per_peer():
+        with tempfile.NamedTemporaryFile("w", suffix=".peers") as f:  # (read once, at the server's start)
+            f.write("".join(f"{name} {token}\n" for name, token in tokens.items()))
+            f.flush()
+            return (*_server(None, "--peers-file", f.name, *flags), tokens.get)
+
+    return {"shared token": shared, "per-peer credentials": per_peer}
+
+
+def _each_guard(attack, names, *flags):
+    """attack(url, token) in a fresh server for each guard -> {guard: its figures}; a server that cannot start
+    (an older swarm.py without --peers-file) is said, not raised."""
+    results = {}
+    for guard, start in _guarded(names, *flags).items():
+        try:
+            proc, url, folder, token = start()
+        except RuntimeError:
+            results[guard] = "the server does not start with it"
+            continue
+        try:
+            results[guard] = attack(url, token, proc)
+        finally:
+            _end(proc, folder)
+    return results
+
+
+def _post(session, url, token, name, round_, groups, batch_id=None):
+    """A POST /rollouts as `name` with `token` -> (status, milliseconds)."""
+    t = time.perf_counter()
+    try:
+        status = session.post(url + "/rollouts", headers={"Authorization": f"Bearer {token}"}, timeout=30, json={
+            "peer": name, "round": round_, "batch_id": batch_id or f"{name}-{round_}", "groups": groups}).status_code
+    except OSError:
+        status = "error"
+    return status, 1000 * (time.perf_counter() - t)
+
+
+def _sampled_peers(url, token, reads, k=16, reader="reader"):
+    import requests
+    peers = []
+    for seed in range(reads):
+        page = requests.get(f"{url}/rollouts?sample={k}&exclude={reader}&seed={seed}", timeout=30,
+                            headers={"Authorization": f"Bearer {token(reader)}"}).json()
+        peers += [(g["peer"], g["question"]) for g in page["groups"]]
+    return peers
+
+
+def attack_sybil(names=100, honest=4, reads=100):
+    """Four honest writers post two batches each; mallory posts two under each of `names` names (with
+    per-peer credentials its own token, whatever it claims), then two as itself. Mallory's share of the
+    groups in `reads` sampled reads of 16."""
+    import requests
+    writers = [f"h{k}" for k in range(honest)]
+
+    def attack(url, token, proc):
+        session, refused = requests.Session(), 0
+        for r in range(2):
+            for w in writers:
+                _post(session, url, token(w), w, r, _groups(w, 4, 2, 100))
+            for n in range(names):
+                refused += _post(session, url, token("mallory"), f"m{n}", r, _groups("mallory", 4, 2, 100))[0] == 403
+            _post(session, url, token("mallory"), "mallory", r, _groups("mallory", 4, 2, 100))
+        drawn = _sampled_peers(url, token, reads)
+        share = sum(q.startswith("mallory") for _, q in drawn) / max(1, len(drawn))
+        return {"mallory_share": round(share, 3), "fair_share": round(1 / (honest + 1), 3),
+                "writes_refused": refused, "groups_drawn": len(drawn)}
+
+    return {"names": names, **_each_guard(attack, [*writers, "mallory", "reader"])}
+
+
+def attack_impersonation(rounds=10, reads=100):
+    """Alice posts a batch a round; after each, mallory posts two as alice (a window is a writer's newest
+    two batches). Of the groups sampled reads draw "from alice", the share that are alice's own."""
+    import requests
+
+    def attack(url, token, proc):
+        session, refused = requests.Session(), 0
+        for r in range(rounds):
+            _post(session, url, token("alice"), "alice", r, _groups("genuine", 4, 2, 100))
+            _post(session, url, token("bob"), "bob", r, _groups("bob", 4, 2, 100))
+            for j in range(2):
+                status = _post(session, url, token("mallory"), "alice", 1000 + 2 * r + j, _groups("forged", 4, 2, 100))[0]
+                refused += status == 403
+        alice = [q for peer, q in _sampled_peers(url, token, reads) if peer == "alice"]
+        return {"alice_groups_genuine": round(sum(q.startswith("genuine") for q in alice) / max(1, len(alice)), 3),
+                "forged_writes_refused": refused}
+
+    return _each_guard(attack, ["alice", "bob", "mallory", "reader"])
+
+
+def _honest_posts(url, token, writers, seconds, pace=1.5):
+    """Honest writers posting a batch of 4 groups each every `pace` s for `seconds` -> (POST ms, acknowledged
+    batch ids)."""
+    import requests
+    times, acked, stop = [], [], time.time() + seconds
+
+    def writer(w):
+        session, r = requests.Session(), 0
+        while time.time() < stop:
+            status, ms = _post(session, url, token(w), w, r, _groups(f"{w}-{r}", 4, 8, 600))
+            times.append(ms)
+            if status == 200:
+                acked.append(f"{w}-{r}")
+            r += 1
+            time.sleep(pace)
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in writers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return times, acked
+
+
+def attack_flood_writer(seconds=20, flooders=4, keep="4M"):
+    """Under --keep-bytes 4M: four honest writers post a batch of ~20 KB every 1.5 s (together less than the
+    budget), alone for a while, then while mallory posts valid batches of ~40 KB from `flooders` connections
+    at full rate. The honest groups still kept at the end, and the honest POST p50 alone and under the flood."""
+    import requests
+    writers = ["h0", "h1", "h2", "h3"]
+
+    def attack(url, token, proc):
+        alone, _ = _honest_posts(url, token, writers, seconds / 4)
+        stop, flooded = threading.Event(), [0]
+
+        def flood(f):
+            session, r = requests.Session(), 0
+            while not stop.is_set():
+                flooded[0] += _post(session, url, token("mallory"), "mallory", r, _groups(f"m{f}-{r}", 8, 8, 600),
+                                    f"m{f}-{r}")[0] == 200
+                r += 1
+
+        threads = [threading.Thread(target=flood, args=(f,)) for f in range(flooders)]
+        for t in threads:
+            t.start()
+        t0 = time.time()
+        under, acked = _honest_posts(url, token, writers, seconds)
+        stop.set()
+        for t in threads:
+            t.join()
+        mallory_mb = flooded[0] * len(json.dumps(_groups("m0-0", 8, 8, 600))) / 2**20 / (time.time() - t0)
+        kept = {g["question"].rsplit(" question ", 1)[0] for g in _read_all(url, token("h0"))}
+        return {"honest_batches": len(acked), "honest_kept": round(sum(a in kept for a in acked) / max(1, len(acked)), 3),
+                "honest_post_p50_ms_alone": _pct(alone, 0.5), "honest_post_p50_ms_flood": _pct(under, 0.5),
+                "mallory_acked_mb_per_s": round(mallory_mb, 1)}
+
+    return {"keep_bytes": keep, **_each_guard(attack, [*writers, "mallory"], "--keep-bytes", keep)}
+
+
+def attack_write_queue(connections=500, seconds=15):
+    """Mallory holds `connections` connections, each posting tiny batches back to back; an honest writer
+    posts one tiny batch at a time. Its POST p50 alone, then under the queue."""
+    import requests
+
+    def attack(url, token, proc):
+        rounds, stop, sent = iter(range(10**9)), threading.Event(), collections.Counter()
+
+        def honest(n):
+            session = requests.Session()
+            return [_post(session, url, token("honest"), "honest", r, _groups(f"h{r}", 1, 1, 50))[1]
+                    for r in itertools.islice(rounds, n)]
+
+        def queue(c):
+            session, r = requests.Session(), 0
+            while not stop.is_set():
+                sent[_post(session, url, token("mallory"), "mallory", r, _groups("m", 1, 1, 50), f"m{c}-{r}")[0]] += 1
+                r += 1
+
+        alone = honest(50)
+
+        threads = [threading.Thread(target=queue, args=(c,), daemon=True) for c in range(connections)]
+        for t in threads:
+            t.start()
+        time.sleep(3)
+        t0, under = time.time(), []
+        while time.time() < t0 + seconds:
+            under += honest(1)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        return {"honest_post_p50_ms_alone": _pct(alone, 0.5), "honest_post_p50_ms_queue": _pct(under, 0.5),
+                "honest_posts_under_queue": len(under), "mallory_replies": dict(sent)}
+
+    return {"connections": connections, **_each_guard(attack, ["honest", "mallory"])}
+
+
+def _disk_mb(folder):  # what a folder's files take on disk (their blocks)
+    paths = [os.path.join(folder, name) for name in os.listdir(folder)]
+    return sum(os.stat(p).st_blocks * 512 for p in paths if os.path.isfile(p)) / 2**20
+
+
+def _tiny_posts(url, n, threads=4, name=lambda r: f"w{r % 4}"):
+    """n tiny batches (one group of one short completion; batch r by name(r)), from `threads` threads -> POST ms."""
+    import requests
+    times = []
+
+    def writer(w):
+        session = requests.Session()
+        for r in range(w, n, threads):
+            times.append(_post(session, url, "", name(r), r, _groups(f"t{r}", 1, 1, 100), f"t{r}")[1])
+
+    workers = [threading.Thread(target=writer, args=(w,)) for w in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    return times
+
+
+def attack_tiny_batches(n=100_000, keep="256M"):
+    """n tiny batches under --keep-bytes `keep`: the files and disk they take, the server's memory, its
+    start after kill -9 on that folder, and the slowest POST (the one that crosses --keep-bytes prunes)."""
+    proc, url, folder = _server(None, "--keep-bytes", keep)
+    try:
+        t0 = time.time()
+        times = _tiny_posts(url, n)
+        seconds, rss = time.time() - t0, _rss_mb(proc.pid)
+        time.sleep(2)  # (for the files retention is deleting)
+        files, disk = len(os.listdir(folder)), _disk_mb(folder)
+        proc.kill()
+        proc.wait()
+        t0 = time.time()
+        proc, url, _ = _server(folder, "--keep-bytes", keep)
+        start = time.time() - t0
+        return {"batches": n, "keep_bytes": keep, "posts_per_s": round(n / seconds), "post_p99_ms": _pct(times, 0.99),
+                "post_max_ms": round(max(times), 1), "files": files, "disk_mb": round(disk, 1),
+                "server_rss_mb": round(rss, 1), "start_after_kill9_s": round(start, 2),
+                "load_average": open("/proc/loadavg").read().split()[0]}
+    finally:
+        _end(proc, folder)
+
+
+def attack_many_writers(writers=30_000, reads=200):
+    """One tiny batch from each of `writers` writers, then `reads` sampled reads of 16 while another client
+    asks GET /health: their latencies (a read that passes over every writer grows with their number)."""
+    import requests
+    proc, url, folder = _server()
+    stop, health, reads_ms = threading.Event(), [], []
+
+    def ask():
+        while not stop.is_set():
+            t = time.perf_counter()
+            requests.get(url + "/health", timeout=30)
+            health.append(1000 * (time.perf_counter() - t))
+            time.sleep(0.01)
+
+    asker = threading.Thread(target=ask)
+    try:
+        _tiny_posts(url, writers, 8, name=lambda r: f"w{r}")
+        asker.start()
+        for seed in range(reads):
+            t = time.perf_counter()
+            requests.get(f"{url}/rollouts?sample=16&seed={seed}", timeout=30)
+            reads_ms.append(1000 * (time.perf_counter() - t))
+        return {"writers": writers, "sample16_p50_ms": _pct(reads_ms, 0.5), "sample16_p99_ms": _pct(reads_ms, 0.99),
+                "health_p50_ms": _pct(health, 0.5), "health_p99_ms": _pct(health, 0.99)}
+    finally:
+        _end(proc, folder, stop, [asker] if asker.ident else [])
+
+
+def attack_unread_replies(readers=200, seconds=30):
+    """`readers` connections each ask for a 1 MB page and never read it (a small receive buffer, so that
+    the reply waits on the server's side): the kernel's TCP memory (all sockets, /proc/net/sockstat) and
+    its orphaned sockets, 2 s in and `seconds` in."""
+    import requests
+    import socket
+    proc, url, folder = _server()
+    host, port = url[7:].rsplit(":", 1)
+    try:
+        for r in range(6):  # about 1.2 MB of groups: a page of 1 MB
+            requests.post(url + "/rollouts", timeout=30, json={"peer": "a", "round": r, "batch_id": f"a{r}",
+                                                               "groups": _groups(r, 7, 7, 30_000)})
+
+        def sockstat():
+            line = next(l for l in open("/proc/net/sockstat") if l.startswith("TCP:")).split()
+            return dict(zip(line[1::2], map(int, line[2::2])))
+
+        base, conns, seen = sockstat(), [], {}
+        for _ in range(readers):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect((host, int(port)))
+            s.sendall(b"GET /rollouts?after=0&limit=1024 HTTP/1.1\r\nHost: x\r\n\r\n")
+            conns.append(s)
+        t0 = time.time()
+        for at in (2, seconds):
+            time.sleep(max(0, t0 + at - time.time()))
+            now = sockstat()
+            seen[f"at_{at}s"] = {"tcp_mem_mb": round((now["mem"] - base["mem"]) * 4096 / 2**20, 1),
+                                 "orphans": now["orphan"] - base["orphan"]}
+        for s in conns:
+            s.close()
+        return {"readers": readers, **seen}
+    finally:
+        _end(proc, folder)
+
+
 def bench_attack(args):
+    global SWARM_PY
+    SWARM_PY, q = os.path.join(os.path.abspath(args.against or HERE), "swarm.py"), args.quick
+    print(f"server: {SWARM_PY}; load average {' '.join(open('/proc/loadavg').read().split()[:3])}", flush=True)
     attacks = {"slow-connection flood": lambda: attack_flood(args.slow), "hostile requests": attack_hostile,
                "busy connections at the cap": attack_busy_cap, "stalled bodies without the token": attack_stalled_bodies,
                "parse bombs": attack_parse_bombs, "kill -9 cycles": lambda: attack_kill9(args.cycles),
                "client vs bad servers": attack_client, "client vs a large reply": attack_large_reply,
-               "client vs poisoned reads": attack_poisoned_reads, "memory and disk": attack_memory,
-               "memory and disk, largest bodies": lambda: attack_memory(256, 512, 16, largest=True)}
+               "client vs poisoned reads": attack_poisoned_reads, "client vs large Redis replies": attack_redis_reply,
+               "memory and disk": attack_memory,
+               "memory and disk, largest bodies": lambda: attack_memory(256, 512, 16, largest=True),
+               "impersonation: posting as alice": lambda: attack_impersonation(3 if q else 10, 20 if q else 100),
+               "flood: one writer at full rate under --keep-bytes 4M": lambda: attack_flood_writer(4 if q else 20),
+               "write queue: many writer connections": lambda: attack_write_queue(50 if q else 500, 4 if q else 15),
+               "tiny batches: files, disk, memory, start": lambda: attack_tiny_batches(*(
+                   (3000, "1M") if q else (100_000, "256M"))),
+               "pruning: the post that crosses --keep-bytes": lambda: attack_tiny_batches(*(
+                   (3000, "300K") if q else (100_000, "24M"))),
+               "many writers: sampled reads": lambda: attack_many_writers(*((1000, 20) if q else (30_000, 200))),
+               "unread replies: kernel memory": lambda: attack_unread_replies(*((20, 25) if q else (200, 30)))}
     for name, fn in attacks.items():
         if args.only and not any(word in name for word in args.only):
             continue
@@ -1219,7 +1596,7 @@ def parity(n, seed=0):
 
 
 def print_parity(n):
-    """Print parity(n) as the README's Markdown table, then every disagreement."""
+    """Print parity(n) as docs/rewards.md's Markdown table, then every disagreement."""
     from importlib.metadata import version
     rows, diffs = parity(n)
     rows.append({k: "all" if k == "family" else sum(r[k] for r in rows) for k in rows[0]})
@@ -1239,7 +1616,7 @@ def print_parity(n):
 
 COMPONENTS = ["reward.py", "model.py", "sample.py", "grpo.py", "swarm.py", "train.py"]  # the README's order
 MARKER = "# ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----"
-BUDGETS = dict(reading=1700, whole=3800, function=60)  # lines: the reading path, the six files, one function
+BUDGETS = dict(reading=1700, whole=4300, function=60, readme=250)  # lines: reading path, six files, a function, README
 
 
 def line_counts(folder=HERE):
@@ -1258,6 +1635,11 @@ def line_counts(folder=HERE):
     return rows
 
 
+def readme_lines(folder=HERE):
+    with open(os.path.join(folder, "README.md"), encoding="utf-8") as f:
+        return len(f.read().splitlines())
+
+
 def print_lines():
     rows = line_counts()
     print("| file | reading path | whole file | longest function |\n|---|---|---|---|")
@@ -1267,6 +1649,7 @@ def print_lines():
     longest = max(r["longest"][1] for r in rows)
     print(f"| all six | {reading} (budget {BUDGETS['reading']}) | {whole} (budget {BUDGETS['whole']}) | "
           f"{longest} (budget {BUDGETS['function']}) |")
+    print(f"| README.md | | {readme_lines()} (budget {BUDGETS['readme']}) | |")
     missing = [r["file"] for r in rows if r["markers"] != 1]
     if missing:
         print(f"no single marker line in: {', '.join(missing)}")
@@ -1286,10 +1669,12 @@ def main():
     p.add_argument("--peers", type=int, default=32, help="--swarm: simulated peers")
     p.add_argument("--rounds", type=int, default=20, help="--swarm: rounds each peer posts and polls")
     p.add_argument("--store-peers", type=int, default=200, help="--swarm: simulated peers for both stores")
-    p.add_argument("--attack", action="store_true", help="what the server and client survive (README's reliability)")
+    p.add_argument("--attack", action="store_true", help="what the server and client survive (docs/swarm.md)")
     p.add_argument("--slow", type=int, default=500, help="--attack: slow connections held open")
     p.add_argument("--cycles", type=int, default=10, help="--attack: kill -9 cycles")
     p.add_argument("--only", nargs="+", help="--attack: only the attacks whose names hold one of these words")
+    p.add_argument("--against", metavar="DIR", help="--attack: run the server from DIR/swarm.py (e.g. an older checkout)")
+    p.add_argument("--quick", action="store_true", help="--attack: small sizes, to check the attacks run (no figures)")
     p.add_argument("--parity", type=int, metavar="N", help="reward.py's scorers vs reasoning_gym's, N items per family")
     p.add_argument("--lines", action="store_true", help="the reading path and file sizes against their budgets")
     p.add_argument("--json", action="store_true", help="one JSON object per measurement")

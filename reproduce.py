@@ -43,7 +43,7 @@ fraction F of the questions already, which --sweep uses for toys where success i
 are found and learnt one by one, so informative groups stay rare all run long. Measured in the
 default run: a silo peer had 1.3 to 1.9 informative groups (mixed rewards) out of its 8 in every
 quarter of the run, and 12 to 25% of its rounds took no optimizer step at all; a 4/4 peer had 4.5 to
-5.0 informative groups of 8 and never missed a step. A toy with one skill (an earlier pilot: the
+5.0 informative groups of 8 and never missed a step. A toy with one skill (a pilot run: the
 same kind of model taught to repeat a number, rarely inside the answer tags) shows the gain only at
 the start: every silo peer learns the one format bit within some dozens of rounds and then catches
 up. The toy's completions are the answer itself (--max-new-tokens 4 fits "<answer> 17 </answer>" and
@@ -53,10 +53,10 @@ shared completions.
 What sharing costs: a shared completion was sampled by another peer's model, so for the receiver it
 is off-policy, and the paper's rule does not correct for that: its receivers, like ours by default,
 take their own log-probs as the "old" policy, so the importance ratio is 1 and the PPO clip never
-acts. --diagnose measures it; README, "Reproducing the paper", has the table and what it explains.
+acts. --diagnose measures it; docs/reproduce.md has the table and what it explains.
 A configuration named I/J+is (beyond the paper; 4/4+is is in the default table and the sweep) runs
 train.py --shared-logprobs: senders publish their sampling log-probs, and a receiver trains each
-shared completion against them, bounded by a dual clip (grpo.py; README, "Off-policy sharing").
+shared completion against them, bounded by a dual clip (grpo.py; docs/offpolicy.md).
 
 A mixed swarm (--mixed; --model toy,chars). SAPO shares decoded text so that peers of different models
 and tokenizers can learn from each other. With --mixed peer k runs the k-th of two toys in turn: the
@@ -104,7 +104,7 @@ import train
 # settings: what each preset runs; every value can be overridden by its flag
 
 PRESETS = {
-    # tiny models built here, on the CPU; the defaults took 7 minutes on 2 quiet cores (README)
+    # tiny models built here, on the CPU (4 configurations x 3 seeds took 7 minutes on 2 quiet cores)
     "toy": dict(configs="8/0,6/2,4/4,4/4+is,2/6", peers=8, seeds=5, rounds=150, generations=8, max_new_tokens=None,
                 lr=1e-3, micro_batch=64, model="toy", tasks="alphabet_position", guess=0.3, one_shot=False,
                 device="cpu"),
@@ -418,7 +418,7 @@ def initial_success(folder, task_name, one_shot=False, questions=256, G=8, max_n
     return sum(rewards) / len(rewards), sum(len(set(g)) > 1 for g in groups) / len(groups)
 
 # -----------------------------------------------------------------------------
-# --diagnose: what a shared completion does to its receiver (the stall question of issue 11)
+# --diagnose: what a shared completion does to its receiver (why swarm peers slow down mid-run)
 
 
 class CountingPeer(train.Peer):
@@ -821,13 +821,13 @@ def reward_svg(summary, rounds, kinds=None):
     if kinds:
         lines = {f"{c} {kind}": list(enumerate(e["curve"]["mean"]))
                  for kind, configs in kinds.items() for c, e in configs.items()}
-        return swarm.render_svg(lines, ylabel="local reward", title=f"local reward, running mean over {window} "
-                                "rounds: the mean of each kind's peers")
+        return swarm.render_svg(lines, mean_over=0, ylabel="local reward", title=f"local reward, running mean over "
+                                f"{window} rounds: the mean of each kind's peers")
     lines = {c: list(enumerate(e["curve"]["mean"])) for c, e in summary.items()}
     bands = {c: [(r, lo, hi) for r, (lo, hi) in enumerate(zip(e["curve"]["min"], e["curve"]["max"]))]
              for c, e in summary.items()}
-    return swarm.render_svg(lines, bands=bands, ylabel="local reward", title=f"local reward, running mean over "
-                            f"{window} rounds: peer mean (line), worst to best peer (band)")
+    return swarm.render_svg(lines, bands=bands, mean_over=0, ylabel="local reward", title=f"local reward, running "
+                            f"mean over {window} rounds: peer mean (line), worst to best peer (band)")
 
 
 def kinds_md(kinds, seeds, described):
@@ -942,7 +942,7 @@ def sweep(s, log=print):
     with open(os.path.join(s.out, "sweep.svg"), "w") as f:
         f.write(swarm.render_svg(gains, title="gain from sharing over 8/0, cumulative local reward",
                                  xlabel="log10 of the % of completions right before training (0: 1%, 1: 10%)",
-                                 ylabel="gain", hline=1.0))
+                                 ylabel="gain", hline=1.0, mean_over=0))
     print("\n".join(lines) + f"\nwrote {s.out}/results.json, table.md and sweep.svg")
     return points
 

@@ -14,7 +14,7 @@ Deviations, and why:
 - Where our families differ from ReasoningGym's, for fewer lines or to skip degenerate items (43 of
   its 77 arc_1d rules, 134 bf words, a basic_arithmetic division that rounds or a propositional_logic
   item without a conclusion worth 1.0 drawn again, answers over 2,000 characters scoring 0 where
-  parsing is not linear time, ast.literal_eval for rg's eval()), the README lists each difference.
+  parsing is not linear time, ast.literal_eval for rg's eval()), docs/rewards.md lists each difference.
 - The paper's code never rewards propositional_logic (its items have no answer, worth 0: rl-swarm
   rgym_exp/src/rewards.py). We use rg's scorer: 1.0 for a non-trivial conclusion that follows.
 - Trust: the paper's peers score shared rollouts against the sender's ground truth, an open problem

@@ -164,7 +164,7 @@ class GraphedDecode:
     CUDA graph once per generate() call, with static input buffers, and replayed at every step. This removes
     the per-kernel launch cost that dominates decoding for models this small (the gpt-fast idea). The eager
     step stays the reference and what cuda_graph=False selects; a test checks both give the same logits
-    on the CPU. This path has not yet been run on a GPU (see the README)."""
+    on the CPU. This path has not yet been run on a GPU (docs/performance.md)."""
 
     def __init__(self, model, cache, pads):
         S = cache.shape[-2]

@@ -11,13 +11,13 @@ its I local groups plus J groups drawn from what the other peers shared. Peers n
 How this file does it, in reading order (a reader who stops at the marker line has read all of SAPO's
 sharing; what follows it makes the same thing durable, bounded and safe against hostile input):
 - Store, the rules of the shared pool: publish() numbers a batch's groups 1, 2, 3, ... (`seq`) in
-  arrival order and stores a retry once; sample(K) draws K recent groups, every producer alike (what a
+  arrival order and stores a retry once; sample(K) draws K recent groups, every writer alike (what a
   peer trains on); read(after) gives every group after a seq (the dashboard, the load test).
 - Client, a peer's side: its training loop only touches two queues (publish() into the outbox, fetch()
   out of the inbox) and one thread does the talking, so training never waits for the network. With
   the store down a peer trains in silo (the paper's baseline) and catches up when it returns.
-- connect(url) picks the store: an HTTP server (SwarmClient), or Redis Streams (RedisClient, for a
-  swarm one Python server cannot carry, with Redis's ACL users in the token's place).
+- connect(url) picks the store's transport: an HTTP server (HttpTransport), or Redis (RedisTransport,
+  for a swarm one Python server cannot carry, with one Redis ACL user per peer in the token's place).
 - Below the marker: RolloutStore (the Store on disk) and SwarmServer, the HTTP around it (`python
   swarm.py --dir swarm_data --port 8000`, standard library only, built so that slow or hostile clients
   cannot take it down), the transports, a dashboard (GET /) and the command line.
@@ -28,15 +28,15 @@ Deviations from the paper, and why:
   enough for the paper's experiments (a handful of peers on one machine or one LAN). The price is a
   single point of failure, softened by the outbox and by peers training on regardless.
 - A peer does not receive everything shared: once a round (its fetch()) it reads K = 4J groups that
-  the server draws from each producer's newest batches, each producer with equal chance, so a read
+  the server draws from each writer's newest batches, each writer with equal chance, so a read
   is the same size in a swarm of 10 or 10,000. Dropping zero-advantage groups and drawing J of the rest
   is the receiver's job (train.py), as in the paper. The read is prefetched, so a rollout reaches
   other peers a round late at worst; SAPO tolerates this: peers never wait.
-- Storage is bounded in bytes (--keep-bytes): the oldest batches are deleted; the paper does not say.
-- The server does not judge content: an optional shared bearer token guards it, and beyond that it
-  only checks shapes and sizes. Receivers do the judging: they reward external completions with their
-  own verifier and drop groups whose answer does not follow from their question (reward.verify_item,
-  in train.py), so nobody can inject fake rewards or fake ground truth.
+- Storage is bounded (--keep-bytes): the writer holding most loses its oldest batches; the paper does
+  not say. A shared token, or one credential per peer (a name per writer), guards the server; beyond
+  that it only checks shapes and sizes. Receivers do the judging: they reward external completions with
+  their own verifier and drop groups whose answer does not follow from their question
+  (reward.verify_item, in train.py), so nobody can inject fake rewards or fake ground truth.
 """
 
 import argparse
@@ -45,7 +45,7 @@ import bisect
 import collections
 import contextlib
 import errno
-import hmac
+import hashlib
 import html
 import json
 import math
@@ -55,20 +55,24 @@ import re
 import signal
 import socket
 import stat
+import struct
 import sys
 import threading
 import time
+import types
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import requests
 
 try:
     import fcntl     # POSIX: the server locks its folder so two servers never share one
     import resource  # POSIX: the descriptor limit sets how many connections the server may hold
+    import termios   # POSIX: TIOCOUTQ, what a socket has not delivered yet (_unsent)
 except ImportError:
-    fcntl = resource = None
+    fcntl = resource = termios = None
 
 
 # -----------------------------------------------------------------------------
@@ -76,15 +80,28 @@ except ImportError:
 
 class Store:
     """The heart of the server: an in-memory index of every kept group, and the rules it is read by.
-    (RolloutStore, below the marker line, adds the folder of batch files and the state set in __init__.)
+    (RolloutStore, below the marker line, adds the folder of batch files, retention and the draw's bookkeeping.)
 
         publish()  POST /rollouts: number the groups after the newest seq, write them as one batch file
                    named after its last seq (batch-000000000042.json), then index them
         read()     GET /rollouts?after=SEQ: the indexed groups with seq > SEQ, from memory
-        sample()   GET /rollouts?sample=K: K groups drawn from the recent window, every producer alike
+        sample()   GET /rollouts?sample=K: K groups drawn from the recent window, every writer alike
 
-    A batch is durable (written atomically, fsynced) before publish() answers, so an acknowledged batch
-    survives kill -9. `write_lock` orders the writers; `lock` guards memory only: readers never wait."""
+    A writer is a peer name; with per-peer credentials, the name its credential belongs to. A batch is
+    durable (written atomically, fsynced) before publish() answers, so an acknowledged batch survives kill -9."""
+
+    def __init__(self):
+        self.write_lock = threading.Lock()  # orders the writers: one batch is stored at a time
+        self.lock = threading.Lock()        # guards the state below, in memory only: readers never wait for a disk
+        self.index = []     # (seq, writer, group as UTF-8 JSON, its batch's last seq) per kept group, in seq order
+        self.batches = {}   # writer -> its kept batches, oldest first: Batch(last seq, batch_id, arrival time,
+                            # its groups as JSON texts, cost: its bytes on disk and RolloutStore's overhead)
+        self.replies = {}   # (writer, batch_id) -> the reply, of every kept batch and of the newest pruned ones
+        self.drawable = []  # the writers a sampled read draws from: each one's newest batch is in the window
+        self.last_seq = 0   # seq of the newest group ever stored: never reused
+        self.window_batches = Limits.window_batches  # a sampled read draws from each writer's newest batches,
+        self.window_seconds = Limits.window_seconds  # of the writers whose newest arrived within these seconds,
+        self.page_bytes = Limits.page_bytes          # and a reply (of any read) stops past this many bytes
 
     def publish(self, peer, round_, batch_id, groups):
         """Store one batch (or recognise a retry of one) -> {"accepted": groups, "seq": its last seq}."""
@@ -94,63 +111,62 @@ class Store:
             now, first = _now(), self.last_seq + 1
             record = {"peer": peer, "round": round_, "batch_id": batch_id, "time": now, "groups": [
                 {**g, "peer": peer, "round": round_, "seq": first + k, "time": now} for k, g in enumerate(groups)]}
-            name, data = f"batch-{first + len(groups) - 1:012d}.json", _dumps(record)
-            self._write_atomic(name, data)  # durable now: only from here on may anyone see it
+            size = self._write_atomic(_batch_file(first + len(groups) - 1), _dumps(record))  # durable: now it may be seen
             with self.lock:
-                self._add(name, record, len(data))
+                self._add(record, size)
             self._retain()
             return self.replies[(peer, batch_id)]
 
     def read(self, after, exclude, limit):
         """Groups with seq > after not from `exclude` -> (their JSON texts, next cursor, last seq)."""
         with self.lock:
-            return (*_page(self.index, after, limit, exclude), self.last_seq)
+            return (*_page(self.index, after, limit, exclude, self.page_bytes), self.last_seq)
 
     def sample(self, k, exclude, seed):
         """K groups drawn from the window, none of them `exclude`'s -> (their JSON texts, last seq). The
-        window is decided here, never by what a sender claims: each producer's newest
-        Limits.window_batches batches by arrival, if its newest arrived within Limits.window_seconds.
-        K times: a producer uniformly among those with window groups left, then one of those uniformly.
-        So each producer has the same chance whatever its speed or I, and a reply holds at most K groups
-        (it stops past Limits.page_bytes) whatever the swarm's size. The same groups and seed give the same
-        draw. Cost: a pass over the producers (not the groups), a sort of their names, K draws."""
-        rng, since, texts, left = random.Random(seed), time.time() - Limits.window_seconds, [], {}
+        window is decided here, never by what a sender claims: each writer's newest window_batches batches
+        by arrival, if its newest arrived within window_seconds (self.drawable). K times: a writer uniformly
+        among those with window groups left, then one of those uniformly. So each writer has the same
+        chance whatever its speed or I, and a reply holds at most K groups (it stops past page_bytes)
+        whatever the swarm's size. The same state and seed give the same draw. Cost: K draws, whatever
+        the number of writers (a writer drawn dry is swapped out of the first n places: a lazy shuffle)."""
+        rng, texts, size, left, moved = random.Random(seed), [], 0, {}, {}
         with self.lock:
-            producers = sorted(p for p, w in self.window.items() if p != exclude and w[-1][0] >= since)
-            while producers and len(texts) < k and sum(map(len, texts)) < Limits.page_bytes:
-                i = rng.randrange(len(producers))
-                groups = left.setdefault(producers[i], [t for *_, batch in self.window[producers[i]] for t in batch])
-                texts.append(groups.pop(rng.randrange(len(groups))))
-                if not groups:
-                    producers.pop(i)
+            self._expire(time.time() - self.window_seconds)
+            n = len(self.drawable)
+            while n and len(texts) < k and size < self.page_bytes:
+                i = rng.randrange(n)
+                writer = self.drawable[moved.get(i, i)]
+                if writer not in left:
+                    kept = self.batches[writer]
+                    left[writer] = [] if writer == exclude else [
+                        t for j in range(1, min(len(kept), self.window_batches) + 1) for t in kept[-j].texts]
+                if left[writer]:
+                    texts.append(left[writer].pop(rng.randrange(len(left[writer]))))
+                    size += len(texts[-1])
+                if not left[writer]:
+                    n -= 1
+                    moved[i] = moved.get(n, n)
             return texts, self.last_seq
 
-    def _add(self, name, record, size):
-        peer, groups = record["peer"], record["groups"]
+    def _add(self, record, size):
+        peer, groups, last = record["peer"], record["groups"], record["groups"][-1]["seq"]
         texts = [_dumps(g) for g in groups]
-        self.index.extend((g["seq"], peer, text) for g, text in zip(groups, texts))
-        window = self.window.setdefault(peer, collections.deque(maxlen=Limits.window_batches))
-        window.append((record["time"], name, texts))  # (the deque lets its oldest batch go)
-        self.batches.append((name, peer, record["batch_id"], len(groups), size))
-        self.kept_bytes += size
-        self.last_seq = groups[-1]["seq"]
-        self._remember(peer, record["batch_id"], {"accepted": len(groups), "seq": self.last_seq})
+        self.index.extend((g["seq"], peer, text, last) for g, text in zip(groups, texts))
+        self._keep(peer, Batch(last, record["batch_id"], record["time"], texts, size + Limits.batch_overhead))
+        self.last_seq = last
+        self.replies[(peer, record["batch_id"])] = {"accepted": len(groups), "seq": last}
         self._seen(peer, record["round"], record["time"], len(groups))
 
-    def _remember(self, peer, batch_id, reply):
-        self.replies[(peer, batch_id)] = reply
-        while len(self.replies) > Limits.replies:
-            self.replies.popitem(last=False)
 
-
-def _page(entries, after, limit, exclude):
+def _page(entries, after, limit, exclude, most):
     """entries: (number, peer, UTF-8 JSON, ...) in number order -> (the JSON texts after `after` that are
     not `exclude`'s, the number to continue after, past the excluded ones too): at most `limit` (None:
-    any) and Limits.page_bytes, unless one text alone is larger."""
+    any) and `most` bytes, unless one text alone is larger."""
     start = bisect.bisect_right(entries, after, key=lambda entry: entry[0])
     texts, size, next_number = [], 0, after
     for number, peer, text, *_ in entries[start:start + Limits.scan_groups]:
-        if len(texts) == limit or (texts and size + len(text) > Limits.page_bytes):
+        if len(texts) == limit or (texts and size + len(text) > most):
             break
         next_number = number
         if peer != exclude:
@@ -164,99 +180,113 @@ def _page(entries, after, limit, exclude):
 
 class Client:
     """One peer's view of the swarm. The training loop's calls only touch two queues, bounded in bytes
-    (beyond the bound the oldest entry goes: SAPO wants fresh rollouts); a daemon thread (_run) does all
-    the talking, one exchange at a time (_send and _read: SwarmClient's over HTTP, RedisClient's over Redis):
+    (beyond the bound the oldest entry goes: SAPO wants fresh rollouts); a daemon thread does all the
+    talking, one exchange at a time (_send, _read), through a transport: HttpTransport or RedisTransport.
 
-        publish(round, groups) -> outbox --(POST, oldest first, until acknowledged)--> server
-        fetch() <- inbox <--(GET /rollouts?sample=K, once per fetch() or flush())-- server      (sample=K)
-        fetch() <- inbox <--(GET /rollouts?after=read_up_to, every Limits.poll_seconds)-- server (cursor)
+        publish(round, groups) -> outbox --(oldest first, until acknowledged)--> store
+        fetch() <- inbox <--(a sampled read of K groups, once per fetch() or flush())-- store
 
-    A retried batch is stored once (it carries a batch_id). sample=K, a peer's way, reads K recent groups a
-    round however large the swarm (seeded from random.Random(seed)), never a seq twice; cursor mode reads
-    every group after `cursor`, the last seq fetch() handed out (None: the newest Limits.recent_groups)."""
+    A retried batch is stored once (it carries a batch_id). A read is K recent groups, every producer
+    alike, however large the swarm, and no group is handed out twice."""
+
+    def __init__(self, peer, transport, sample, seed=0):
+        self.peer = peer                  # this peer's name: the store leaves its groups out of its reads
+        self.transport = transport        # the store's side of publish, post_metrics and sample
+        self.sample = sample              # K: the groups one read asks for
+        self.seeds = random.Random(seed)  # the read state: a seed for each read's draw, and the (seq,
+        self.seen = collections.deque(maxlen=Limits.seen_seqs)  # time) of the groups handed out
+        self.cond = threading.Condition()  # guards all that follows; notified when the thread gets somewhere
+        self.outbox, self.outbox_bytes = collections.deque(), 0  # (what, send, arguments, bytes), oldest first
+        self.inbox, self.inbox_bytes = collections.deque(), 0    # (group, bytes) received, oldest first
+        self.asked = 0                     # reads fetch() or flush() asked for and not done yet (at most 2)
+        self.reads_begun = self.reads_done = 0  # reads numbered as they begin; the number of the last done
+        self.wake = self.closing = False   # there is something to do; close() was called
+        self.down, self.dropped = None, 0  # while the store does not answer: why; entries the outbox let go
+        self.thread = threading.Thread(target=_talk, args=(self,), name=f"swarm-client-{peer}", daemon=True)
+        self.thread.start()  # (_talk: the thread's loop, with its back-off and log lines, below the marker)
 
     def publish(self, round, groups):
         """Queue this round's groups for the swarm; returns at once."""
         if groups:
-            self._queue("/rollouts", f"round {round}'s batch", lambda: {
-                "peer": self.peer, "round": int(round), "groups": list(groups),
-                "batch_id": f"{self.peer}-{int(round)}-{os.urandom(6).hex()}"})
+            _enqueue(self, f"round {round}'s batch", self.transport.publish, lambda: (
+                int(round), [_dumps(g) for g in groups], f"{self.peer}-{int(round)}-{os.urandom(6).hex()}"))
 
     def post_metrics(self, round, metrics):
         """Queue per-round numbers for the dashboard (best effort); what is not a sane number goes as null."""
-        self._queue("/metrics", f"round {round}'s metrics", lambda: {"peer": self.peer, "round": int(round),
-                    "metrics": {str(k)[:64]: float(v) if _sane(v) else None for k, v in list(metrics.items())[:64]}})
+        _enqueue(self, f"round {round}'s metrics", self.transport.post_metrics, lambda: (int(round), [_dumps(
+            {str(k)[:64]: float(v) if _sane(v) else None for k, v in list(metrics.items())[:64]})]))
 
     def fetch(self):
-        """Other peers' checked groups received since the last call, oldest first; asks for a read, never waits."""
+        """Other peers' checked groups received since the last call; asks for the next read, never waits."""
         with self.cond:
-            groups = [g for g, _ in self.inbox]
+            groups, self.inbox_bytes = [g for g, _ in self.inbox], 0
             self.inbox.clear()
-            self.inbox_bytes = 0
-            self.cursor = self.read_up_to
             self._ask()
             return groups
 
     def flush(self, timeout=10.0):
-        """Wait until the outbox is empty and a read begun after this call is done (sample=K: one sampled
-        read; else a poll level with the server) -> True, or False if that took over timeout seconds."""
+        """Wait until the outbox is empty and a read begun after this call is done -> True, or False if
+        that took over timeout seconds."""
         with self.cond:
-            begun = self.polls_begun
+            begun = self.reads_begun
             self._ask()
-            return self.cond.wait_for(lambda: not self.outbox and self.caught_up > begun, timeout)
+            return self.cond.wait_for(lambda: not self.outbox and self.reads_done > begun, timeout)
 
-    def _ask(self):  # (self.cond held) wake the thread for a read; sampled mode: one more, at most 2 waiting
-        self.asked, self.wake = min(2, self.asked + 1) if self.sample else 0, True
+    def close(self):
+        """Stop the thread: it ends its current exchange at once and sends nothing more."""
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+        self.transport.close()
+        self.thread.join(5)
+
+    def _ask(self):  # (self.cond held) wake the thread for one more read, at most 2 waiting
+        self.asked, self.wake = min(2, self.asked + 1), True
         self.cond.notify_all()
 
-    def _queue(self, path, what, make_body):
-        """Put make_body() as JSON at the end of the outbox; what cannot be JSON is logged, never raised."""
+    def _send(self, entry):
+        """Deliver the oldest outbox entry. It leaves the outbox once the store acknowledged it, or refused
+        it as malformed (Refused: the same bytes would be refused again); other trouble keeps it for later."""
+        what, send, args, size = entry
         try:
-            sent = make_body()
-            body = _dumps(sent)
-        except (TypeError, ValueError, OverflowError, AttributeError) as e:
-            return self._log(f"{what} cannot be sent ({e})")
-        if len(body) > Limits.body_bytes:  # a server would refuse it (413): never held, even while it is down
-            return self._log(f"{what} is {len(body)} bytes, over a request's {Limits.body_bytes}, so it is dropped")
-        ack = {"accepted": len(sent["groups"])} if "groups" in sent else {"ok": True}  # what a reply must say
+            send(*args)
+        except Refused as e:
+            _say(self.peer, f"the server refused {what}, so it is dropped: {e}")
         with self.cond:
-            self.outbox.append((path, body, what, ack))
-            self.outbox_bytes += len(body)
-            while self.outbox_bytes > Limits.outbox_bytes and len(self.outbox) > 1:
-                self.outbox_bytes -= len(self.outbox.popleft()[1])
-                self.dropped += 1
-            self.wake = True
+            if self.outbox and self.outbox[0] is entry:  # (a full outbox may have dropped it meanwhile)
+                self.outbox.popleft()
+                self.outbox_bytes -= size
+                self.cond.notify_all()
+
+    def _read(self):
+        """The read fetch() or flush() asked for, into the inbox -> True if no read is asked for now. The
+        transport hands back the groups it could check; none of this peer's, none handed out before."""
+        with self.cond:
+            if not self.asked:
+                return True
+            self.reads_begun += 1
+            read, seed = self.reads_begun, self.seeds.getrandbits(63)
+        fresh = []
+        for g, size in self.transport.sample(self.sample, seed):
+            if g["peer"].lower() != self.peer.lower() and (g["seq"], g["time"]) not in self.seen:
+                self.seen.append((g["seq"], g["time"]))
+                fresh.append((g, size))
+        with self.cond:
+            self.inbox.extend(fresh)
+            self.inbox_bytes += sum(size for _, size in fresh)
+            while self.inbox_bytes > Limits.inbox_bytes:  # beyond the bound the oldest go
+                self.inbox_bytes -= self.inbox.popleft()[1]
+            self.asked, self.reads_done = self.asked - 1, read
             self.cond.notify_all()
-
-    def _run(self):
-        backoff = 0.0
-        while not self.closing:
-            with self.cond:
-                entry = self.outbox[0] if self.outbox else None
-            try:
-                if entry is not None:
-                    self._send(entry)
-                elif self._read():  # nothing more to read for now: wait for the next poll, a publish or a fetch
-                    self._sleep(Limits.poll_seconds)
-                if self.down:
-                    lost = f"; {self.dropped} older entries did not fit the outbox" if self.dropped else ""
-                    self._log(f"the server answers again{', sending what waited' * (entry is not None)}{lost}")
-                    self.down, self.dropped = None, 0
-                backoff = 0.0
-            except Exception as e:  # said once, however long it lasts; a bug must not end the thread either
-                if not self.down and not self.closing:
-                    cause = e if isinstance(e, (OSError, BadRequest)) else f"unexpected error {e!r:.200}"
-                    self._log(f"{cause}; training goes on, and what is unsent waits in the outbox (up to "
-                              f"{Limits.outbox_bytes >> 20} MB) until the server answers")
-                self.down, backoff = str(e) or type(e).__name__, min(5.0, max(0.25, 2 * backoff))
-                self._sleep(backoff)
+            return not self.asked
 
 
-def connect(url, peer, token=None, cursor=None, sample=None, seed=0):
-    """The client for the store a URL names: RedisClient for redis:// or rediss://, else SwarmClient."""
-    if str(url).startswith(("redis://", "rediss://")):
-        return RedisClient(url, peer, token, cursor, sample, seed)
-    return SwarmClient(url, peer, token, cursor, sample, seed)
+def connect(url, peer, sample, token=None, seed=0):
+    """A started Client of the store a URL names: a Redis server for redis:// or rediss://, else a swarm.py
+    server. sample: K; token: the store's credential (None: $SWARM_TOKEN); seed: the reads' seeds' seed."""
+    _check_client(peer, sample)
+    kind = RedisTransport if str(url).lower().startswith(("redis://", "rediss://")) else HttpTransport
+    return Client(peer, kind(str(url), peer, os.environ.get("SWARM_TOKEN") if token is None else token), sample, seed)
 
 
 # ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
@@ -274,12 +304,15 @@ class Limits:
     page_bytes = 1 << 20        # one reply page of /rollouts or /metrics (a page holds at least one item)
     page_groups = 1024          # groups in one /rollouts page (?limit=, default 256)
     scan_groups = 16 * 1024     # groups one read may step over (the reader's own, which it excludes)
-    keep_bytes = 256 << 20      # default --keep-bytes: batches kept, on disk and (the same bytes) in memory
+    keep_bytes = 256 << 20      # default --keep-bytes: what kept batches cost (7/8 of it) and pruned.json (1/8)
+    batch_overhead = 2048       # what a kept batch costs beyond its blocks on disk: its share of memory (a
+                                # tiny batch takes about 2.3 KB in all, its text included, measured)
     metrics_bytes = 8 << 20     # metrics rows kept, in memory and in metrics.jsonl
-    replies = 20_000            # idempotency records (one per batch), kept after their batch is deleted
+    replies = 20_000            # idempotency records of pruned batches (those of kept batches are all kept)
     peers = 1024                # peers in the table; the one seen least recently goes first
     connections = 1000          # open connections, fewer under a low descriptor limit (at the cap: _evict)
     in_flight_bytes = 64 << 20  # request bodies and replies held at once, all connections together
+    send_buffer = 128 << 10     # a connection's kernel send buffer (SO_SNDBUF, which the kernel doubles)
     request_seconds = 10.0      # whole-request deadline: the server's to read one, the client's per call
     line_bytes = 8192           # the request line (414 beyond it) and each header line (431)
     header_lines = 64           # header lines in one request (431 beyond it)
@@ -288,13 +321,14 @@ class Limits:
     outbox_bytes = 64 << 20     # client: unsent batches and metrics; the oldest go first beyond it
     inbox_bytes = 64 << 20      # client: received groups not yet fetched; the oldest go first beyond it
     reply_bytes = body_bytes + (64 << 10)  # client: the largest reply read (a page of one group of at most a body)
-    poll_seconds = 1.0          # client: how often it asks for new groups
-    recent_groups = 64          # client: a new peer starts with the newest this many groups, not all history
+    poll_seconds = 1.0          # client: the longest its thread idles before it looks at its queues again
     sample_groups = 256         # groups one sampled read may ask for (?sample=K)
     window_batches = 2          # a sampled read draws from each producer's newest this many batches,
     window_seconds = 600        # of the producers whose newest batch arrived within this many seconds
-    seen_seqs = 4096            # client, sampled reads: the seqs it remembers, so it hands out none twice
-    stream_groups = 128 << 10   # Redis: groups its stream keeps (XADD MAXLEN ~): two rounds of 16,000 peers at I = 4
+    seen_seqs = 4096            # client: the seqs it remembers, so it hands out none twice
+    batch_groups = 256          # Redis: groups one batch may hold (the server's rule for a POST)
+    reply_seconds = 86400       # Redis: how long a batch's reply is kept, so that a retry is stored once
+    metrics_rows = 1 << 16      # Redis: metrics rows its stream keeps (XADD MAXLEN ~)
 
 
 # -----------------------------------------------------------------------------
@@ -375,8 +409,9 @@ def check(value, rule, where=""):
     return rule(value, where)
 
 
-NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # peer names: safe in URLs, logs and HTML
-PEER = rule(lambda v: isinstance(v, str) and NAME.fullmatch(v), f"a string matching {NAME.pattern}")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # peer names: safe in URLs, logs and HTML
+NAMES = "1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit, in any case (Alice is alice)"
+PEER = rule(lambda v: isinstance(v, str) and NAME.fullmatch(v), NAMES, lambda v, where: v.lower())  # stored
 BATCH_ID = rule(lambda v: isinstance(v, str) and re.fullmatch(r"[A-Za-z0-9_.:-]{1,128}", v), "an id of 1 to 128 characters "
                 "from A-Z, a-z, 0-9 and '_.:-'")
 SEQ, ROUND, TIME = number(10**15), number(10**12), number(1e11, whole=False)
@@ -399,6 +434,19 @@ ALSO = [(lambda g: len(g["stopped"]) == len(g["completions"]), "stopped must hol
          "one log-prob per token id"),
         (lambda g: sum(map(len, g.get("token_ids", []))) <= Limits.group_tokens,
          f"token_ids must hold at most {Limits.group_tokens} ids in all")]
+
+
+def wire_group(task, question, answer, completions, stopped, metadata=None, model="", token_ids=None,
+               logprobs=None, tokenizer=None):
+    """A rollout group as a peer publishes it, with GROUP's fields. The last three, beyond the paper, come
+    together or not at all: a completion's sampled token ids, their log-probs, the tokenizer's fingerprint."""
+    group = dict(task=task, question=question, answer=answer, metadata={} if metadata is None else metadata,
+                 completions=list(completions), stopped=list(stopped), model=model)
+    if token_ids is not None:
+        group.update(token_ids=token_ids, logprobs=logprobs, tokenizer=tokenizer)
+    return group
+
+
 STORED = fields({**GROUP, "peer": PEER, "round": ROUND, "seq": SEQ, "time": TIME}, OPTIONAL, ALSO)  # as served
 PUBLISH = fields({"peer": PEER, "round": ROUND, "batch_id": BATCH_ID, "groups": items(256, fields(GROUP, OPTIONAL, ALSO))})
 BATCH = fields({"peer": PEER, "round": ROUND, "batch_id": BATCH_ID, "time": TIME, "groups": items(256, STORED)})
@@ -410,9 +458,7 @@ NUMBERS = rule(lambda v: isinstance(v, dict) and len(v) <= 64 and all(0 < len(k)
                lambda v, where: {k: None if x is None else float(x) for k, x in v.items()})
 METRICS = fields({"peer": PEER, "round": ROUND, "metrics": NUMBERS})
 ROW = fields({"n": SEQ, "peer": PEER, "round": ROUND, "time": TIME, "metrics": NUMBERS})  # a metrics.jsonl line
-PAGE = fields({"groups": items(math.inf), "next": SEQ, "last": SEQ})  # a GET /rollouts reply
-SAMPLE = fields({"groups": items(math.inf), "last": SEQ})  # ... of ?sample=K
-HEALTH = fields({"last_seq": SEQ})
+SAMPLE = fields({"groups": items(math.inf), "last": SEQ})  # a GET /rollouts?sample=K reply
 
 
 def _finite(text):  # JSON may spell numbers that cannot be served back as JSON: NaN, Infinity, 1e999
@@ -429,15 +475,19 @@ def parse_json(raw, surrogates=False):
     try:
         text = raw.decode() if isinstance(raw, (bytes, bytearray)) else raw  # strict: no encoded surrogates
         if text.count(",") + text.count("{") + text.count("[") > Limits.json_values:  # then count outside strings
-            bare = re.sub(r'"[^"]*"', "", text.replace("\\\\", "").replace('\\"', ""))  # linear: no backtracking
-            _want(bare.count(",") + bare.count("{") + bare.count("[") <= Limits.json_values,
-                  f"The JSON holds more than {Limits.json_values} values; send fewer at once.", 413)
+            _want(_values(text) <= Limits.json_values, f"The JSON holds more than {Limits.json_values} values; "
+                  "send fewer at once.", 413)
         value = json.loads(text, parse_float=_finite, parse_constant=_finite)
         if not surrogates and re.search(r"\\u[dD][89a-fA-F]", text):
             _dumps(value)  # raises UnicodeEncodeError on a lone surrogate
         return value
     except (ValueError, RecursionError) as e:  # JSONDecodeError, not UTF-8, a lone surrogate, 5000 digits, too deep
         raise BadRequest(f"The body is not valid JSON: {str(e)[:120]}.") from None
+
+
+def _values(text):  # what parsing a JSON text costs: its commas, objects and lists outside strings (linear)
+    bare = re.sub(r'"[^"]*"', "", text.replace("\\\\", "").replace('\\"', ""))
+    return bare.count(",") + bare.count("{") + bare.count("[")
 
 
 def _log(message):
@@ -449,23 +499,22 @@ def _log(message):
 
 class RolloutStore(Store):
     """Store on disk, behind the HTTP server: the folder of batch files (locked, written atomically and
-    fsynced), retention in bytes, the metrics rows, and the state Store's methods use."""
+    fsynced), retention by what batches cost, the draw's bookkeeping, and the metrics rows."""
     copies = ("pruned.json", "pruned-copy.json")  # two copies: a damaged one alone loses nothing
 
     def __init__(self, folder, keep_bytes=Limits.keep_bytes):
+        super().__init__()
         self.folder, self.keep_bytes = os.path.abspath(folder), keep_bytes
-        self.write_lock, self.lock = threading.Lock(), threading.Lock()
-        self.index = []                           # (seq, peer, group as UTF-8 JSON) per kept group, in order
-        self.window = {}                          # peer -> its newest batches: (arrival time, file name, texts)
-        self.batches = collections.deque()        # (file name, peer, batch_id, groups, bytes), oldest first
-        self.kept_bytes = 0                       # bytes of the kept batch files
-        self.last_seq = 0                         # seq of the newest group ever stored: never reused
+        self.budget = keep_bytes - keep_bytes // 8 - 8192  # the batches' share; pruned.json's two copies the rest
+        self.kept_bytes = 0                       # what the kept batches cost, all writers together
+        self.fresh = collections.OrderedDict()    # writer -> its place in drawable, by its newest batch's arrival
         self.pruned = 0                           # seq of the newest group retention deleted
-        self.replies = collections.OrderedDict()  # (peer, batch_id) -> reply; outlives the batch (bounded)
+        self.gone = collections.deque()           # (writer, batch_id) of pruned batches whose replies are kept
         self.peers = collections.OrderedDict()    # peer -> {"last_seen", "last_round", "groups"}, by recency
         self.metrics, self.metrics_bytes = [], 0  # (n, peer, row as a JSON line, row) per kept metrics row
         self.closed = self.metrics_cut = False    # metrics_cut: a failed write may have left half a line
         self.folder_fd, self.doomed = None, []  # doomed: files retention deletes once pruned.json says so
+        self.deleter = ThreadPoolExecutor(1, thread_name_prefix="swarm-delete")  # deletes them, holding no lock
         try:  # the folder itself is flocked (no lock file a stray `rm` could remove); files open relative to it
             os.makedirs(self.folder, exist_ok=True)
             self.folder_fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
@@ -475,6 +524,7 @@ class RolloutStore(Store):
                 fcntl.flock(self.folder_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             self._load()
         except BaseException as e:
+            self.deleter.shutdown(wait=True)
             if self.folder_fd is not None:
                 os.close(self.folder_fd)
             if not isinstance(e, OSError):
@@ -491,51 +541,97 @@ class RolloutStore(Store):
         while len(self.peers) > Limits.peers:
             self.peers.popitem(last=False)
 
+    def _keep(self, writer, batch):  # (self.lock held) a batch joins its writer's; the writer goes last in the draw
+        self.batches.setdefault(writer, collections.deque()).append(batch)
+        self.kept_bytes += batch.cost
+        if writer in self.fresh:
+            self.fresh.move_to_end(writer)
+        else:
+            self.fresh[writer] = len(self.drawable)
+            self.drawable.append(writer)
+
+    def _expire(self, since):  # (self.lock held) writers whose newest batch arrived before `since` leave the draw
+        while self.fresh and self.batches[oldest := next(iter(self.fresh))][-1].time < since:
+            self._undraw(oldest)
+
+    def _undraw(self, writer):  # the last drawable writer takes its place, so no list is shifted
+        i, last = self.fresh.pop(writer), self.drawable.pop()
+        if last != writer:
+            self.drawable[i] = last
+            self.fresh[last] = i
+
     def _retain(self):
-        """Past --keep-bytes, delete the oldest batches down to 90% of it (the newest always stays), once both
-        copies of pruned.json hold the newest deleted seq and the deleted batches' idempotency records: after
-        a restart the numbering goes on, and a late retry of a deleted batch is still not stored twice."""
-        if self.kept_bytes <= self.keep_bytes or len(self.batches) < 2:
+        """Past the budget, the writers holding most lose their oldest batches, down to the level at which all
+        holdings, so cut, fill 90% of it: a flooder's own go first; the newest batch stays. Their replies go
+        into pruned.json (both copies; the newest Limits.replies), so the numbering goes on after a restart
+        and a late retry is stored once; then a thread deletes the files, holding no lock. A pruned.json the
+        disk cannot take is logged: the batch just stored stays stored; the files wait for the next try."""
+        if self.kept_bytes > self.budget:
+            with self.lock:
+                self._prune(0.9 * self.budget)
+        if not self.doomed:
             return
-        with self.lock:
-            doomed = self.doomed  # (with those a failed write of pruned.json left on disk)
-            while self.kept_bytes > 0.9 * self.keep_bytes and len(self.batches) > 1:
-                name, peer, _, n, size = self.batches.popleft()
-                del self.index[:n]
-                if peer in self.window and self.window[peer][0][1] == name:  # (its oldest: retention goes in order)
-                    self.window[peer].popleft()
-                    if not self.window[peer]:
-                        del self.window[peer]
-                self.kept_bytes -= size
-                doomed.append(name)
-            self.pruned = int(doomed[-1][6:18])  # batch-<12 digits>.json
-            kept = {(p, b) for _, p, b, _, _ in self.batches}
-            gone = [{"peer": p, "batch_id": b, **r} for (p, b), r in self.replies.items() if (p, b) not in kept]
-        for name in self.copies:
-            self._write_atomic(name, _dumps({"seq": self.pruned, "replies": gone}))
-        while doomed:
-            self._remove(doomed.pop())
+        replies = [{"peer": p, "batch_id": b, **self.replies[(p, b)]} for p, b in self.gone]
+        try:
+            for name in self.copies:
+                self._write_atomic(name, _dumps({"seq": self.pruned, "replies": replies}))
+        except (OSError, BadRequest) as e:
+            return _log(f"cannot write pruned.json for now ({getattr(e, 'message', e)}); pruned files wait for it")
+        self.deleter.map(self._remove, self.doomed)  # (submitted at once)
+        self.doomed = []
+
+    def _prune(self, target):
+        """(self.lock held) The writers holding most lose their oldest batches, each down to the level at which
+        all holdings, so cut, add up to target (< their sum)."""
+        held = {writer: sum(batch.cost for batch in kept) for writer, kept in self.batches.items()}
+        costs, rest = sorted(held.values(), reverse=True), self.kept_bytes
+        for k, cost in enumerate(costs):  # the k + 1 largest cut to the level, the others under it
+            rest -= cost
+            level = (target - rest) / (k + 1)
+            if k + 1 == len(costs) or level >= costs[k + 1]:
+                break
+        dropped = set()
+        for writer in [w for w, cost in held.items() if cost > level]:
+            kept = self.batches[writer]
+            while kept and held[writer] > level and kept[0].seq != self.last_seq:
+                batch = kept.popleft()
+                held[writer] -= batch.cost
+                self.kept_bytes -= batch.cost
+                self.pruned = max(self.pruned, batch.seq)
+                self.doomed.append(_batch_file(batch.seq))
+                self.gone.append((writer, batch.batch_id))
+                dropped.add(batch.seq)
+            if not kept:
+                del self.batches[writer]
+                self._undraw(writer) if writer in self.fresh else None
+        self.index = [entry for entry in self.index if entry[3] not in dropped]
+        while len(self.gone) > min(Limits.replies, max(16, self.keep_bytes // 4096)):  # (a reply takes at most
+            del self.replies[self.gone.popleft()]  # 512 bytes in the two copies: an eighth of --keep-bytes in all)
 
     def _load(self):
         """Read the folder back: pruned.json, every batch file in seq order, metrics.jsonl. Whatever a file
         holds, a bad one is logged and skipped, and no seq named by a file is ever used again."""
         for pruned in filter(None, (self._read(name, PRUNED) for name in self.copies)):
-            self.pruned = self.last_seq = max(self.pruned, pruned[0]["seq"])
+            self.pruned = max(self.pruned, pruned[0]["seq"])
             for r in pruned[0]["replies"]:
-                self._remember(r["peer"], r["batch_id"], {"accepted": r["accepted"], "seq": r["seq"]})
-        for name in sorted(os.listdir(self.folder_fd)):  # 12-digit names: in seq order
-            found = re.fullmatch(r"batch-(\d{12})\.json", name)
+                if (r["peer"], r["batch_id"]) not in self.replies:
+                    self.gone.append((r["peer"], r["batch_id"]))
+                    self.replies[self.gone[-1]] = {"accepted": r["accepted"], "seq": r["seq"]}
+        gone = {self.replies[key]["seq"] for key in self.gone}
+        for name in sorted(os.listdir(self.folder_fd), key=lambda name: (len(name), name)):  # batches: by seq
+            found = re.fullmatch(r"batch-(\d{12,16})\.json", name)
             last = int(found.group(1)) if found else 0
-            if name.startswith(".tmp-") or (found and last <= self.pruned):
-                self._remove(name)  # a write that never finished (never acknowledged), or a deleted batch
+            if name.startswith(".tmp-") or last in gone:
+                self._remove(name)  # a write that never finished (never acknowledged), or a pruned batch
                 continue
             batch = self._read(name, BATCH) if found else None
             seqs = [g["seq"] for g in batch[0]["groups"]] if batch else []
             if seqs and seqs[0] > self.last_seq and seqs == list(range(seqs[0], last + 1)):
-                self._add(name, *batch)
+                self._add(*batch)
             elif batch:
                 _log(f"skipping batch file {name}: its groups are not numbered up to the seq in its name")
             self.last_seq = max(self.last_seq, last)  # its name alone uses up the numbers, even if unreadable
+        self.last_seq = max(self.last_seq, self.pruned)
         data, bad = self._read("metrics.jsonl"), 0
         for line in (data or b"").splitlines():
             try:
@@ -548,18 +644,19 @@ class RolloutStore(Store):
             _log(f"skipped {bad} unreadable lines in metrics.jsonl") if bad else None
             self._write_atomic("metrics.jsonl", b"".join(m[2] for m in self.metrics))
         if self.last_seq:
-            _log(f"reloaded {len(self.index)} groups in {len(self.batches)} batches from {self.folder}; "
-                 f"numbering continues after seq {self.last_seq}")
+            _log(f"reloaded {len(self.index)} groups in {sum(map(len, self.batches.values()))} batches from "
+                 f"{self.folder}; numbering continues after seq {self.last_seq}")
         self._retain()
 
     def _read(self, name, rule=None):
-        """A file of the folder -> its bytes, or with a rule (clean JSON, bytes); None if it is missing,
-        b"" or None if it is not a regular file or is unreadable or bad (logged)."""
+        """A file of the folder -> its bytes, or with a rule (clean JSON, the bytes it takes on disk); None if
+        it is missing, b"" or None if it is not a regular file or is unreadable or bad (logged)."""
         try:
             with self._open(name) as f:
                 data = f.read(4 * Limits.body_bytes + 1)  # more than this server ever writes in one file
+                size = max(len(data), os.fstat(f.fileno()).st_blocks * 512)
             _want(len(data) <= 4 * Limits.body_bytes, "it is larger than any file this server writes")
-            return (check(parse_json(data), rule, name), len(data)) if rule else data
+            return (check(parse_json(data), rule, name), size) if rule else data
         except FileNotFoundError:
             return None
         except (OSError, BadRequest) as e:
@@ -599,7 +696,7 @@ class RolloutStore(Store):
 
     def read_metrics(self, after):
         with self.lock:
-            return (*_page(self.metrics, after, None, None), self.metrics[-1][0] if self.metrics else 0)
+            return (*_page(self.metrics, after, None, None, self.page_bytes), self.metrics[-1][0] if self.metrics else 0)
 
     def snapshot(self, metrics=False):  # (/health, which cursor readers ask often, walks no metrics rows)
         with self.lock:
@@ -627,19 +724,22 @@ class RolloutStore(Store):
 
     def _write_atomic(self, name, data):
         """Bytes to folder/name, so that a reader or a restart after kill -9 sees all or nothing: a temporary
-        file, fsynced, renamed over the name (a link there is replaced, never followed), the rename fsynced."""
+        file, fsynced, renamed over the name (a link there is replaced, never followed), the rename fsynced.
+        -> the bytes it takes on disk (its blocks)."""
         try:
             self._remove(".tmp-" + name)  # whatever is in the way: a FIFO, a link, an empty folder
             with self._open(".tmp-" + name, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
+                size = max(len(data), os.fstat(f.fileno()).st_blocks * 512)
             try:
                 os.replace(".tmp-" + name, name, src_dir_fd=self.folder_fd, dst_dir_fd=self.folder_fd)
             except IsADirectoryError:  # an empty folder in the way goes (a full one: the error stands)
                 os.rmdir(name, dir_fd=self.folder_fd)
                 os.replace(".tmp-" + name, name, src_dir_fd=self.folder_fd, dst_dir_fd=self.folder_fd)
             os.fsync(self.folder_fd)
+            return size
         except OSError:
             self._remove(".tmp-" + name)
             raise
@@ -659,7 +759,15 @@ class RolloutStore(Store):
         with self.write_lock:
             if not self.closed:
                 self.closed = True
+                self.deleter.shutdown(wait=True)
                 os.close(self.folder_fd)  # releases the folder lock
+
+
+Batch = collections.namedtuple("Batch", "seq batch_id time texts cost")  # one kept batch (Store.batches)
+
+
+def _batch_file(seq):  # a batch's file, named after its last seq: 12 digits or more, read back by value
+    return f"batch-{seq:012d}.json"
 
 
 def _now():  # the server's clock as a TIME field holds it, so that no clock makes a stored file unreadable
@@ -671,7 +779,7 @@ def _now():  # the server's clock as a TIME field holds it, so that no clock mak
 
 ROUTES = {"/": "GET", "/health": "GET", "/peers": "GET", "/rollouts": "GET, POST", "/metrics": "GET, POST"}  # _route
 JSON = "application/json"
-Request = collections.namedtuple("Request", "method target headers body")
+Request = collections.namedtuple("Request", "method target headers body peer")  # peer: _read_request
 
 
 async def _readline(reader, status, what):
@@ -692,6 +800,13 @@ def _loop_error(loop, context):  # (Python 3.11 raises InvalidStateError when a 
         _log(f"{context['message']} {context.get('exception')!r:.200}")
 
 
+def _unsent(sock):  # bytes written to a socket that its peer has not acknowledged yet (0 where none can tell)
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except (AttributeError, OSError, ValueError):
+        return 0
+
+
 def _int_param(query, name, default, lowest, highest):
     value = query.get(name, [str(default)])[-1]
     _want(re.fullmatch(r"[0-9]{1,19}", value) and lowest <= int(value) <= highest,
@@ -703,10 +818,11 @@ class SwarmServer:
     """The HTTP side of the store. One asyncio loop (in a thread) reads each request whole under a
     deadline, so a slow or idle connection costs a buffer, not a thread; a pool of threads for reads and
     one for writes answer complete requests. A request's way: _accept -> _connection: _read_request (line,
-    headers, token, body: under one deadline), _answer and _route in a worker thread, _send, close."""
+    headers, credential, body: under one deadline), _answer and _route in a worker thread (a POST in its
+    writer's turn: _in_turn), _send, _hang_up. credentials: see credentials() (empty: no checks)."""
 
-    def __init__(self, store, host, port, token=None, public_reads=False, verbose=False):
-        self.store, self.token, self.public_reads, self.verbose = store, token, public_reads, verbose
+    def __init__(self, store, host, port, credentials=None, public_reads=False, verbose=False):
+        self.store, self.credentials, self.public_reads, self.verbose = store, credentials, public_reads, verbose
         self.listener = socket.create_server((host, port), backlog=Limits.backlog,
                                              family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.listener.setblocking(False)
@@ -719,6 +835,8 @@ class SwarmServer:
         self.pools = {method: ThreadPoolExecutor(Limits.workers, thread_name_prefix=f"swarm-{method}")
                       for method in ("GET", "POST")}
         self.large = threading.Lock()        # held while a large body is answered: see Limits.body_bytes
+        self.turns = weakref.WeakValueDictionary()  # writer -> the lock its POSTs take turns on, while any waits
+        self.posting = asyncio.Semaphore(Limits.workers)  # POSTs being answered; its waiters: one per writer
         self.loop = asyncio.new_event_loop()
         self.loop.set_exception_handler(_loop_error)
         self.accepting = self.loop.create_task(self._accept())
@@ -741,7 +859,8 @@ class SwarmServer:
                 sock.close()  # every connection is being answered: this one must go
                 continue
             await asyncio.sleep(0)
-            try:
+            try:  # (a small send buffer: what a reader that never reads leaves in the kernel)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, Limits.send_buffer)
                 reader, writer = await asyncio.open_connection(sock=sock, limit=Limits.line_bytes)
             except OSError:
                 sock.close()
@@ -762,7 +881,7 @@ class SwarmServer:
 
     async def _connection(self, reader, writer):
         """One request per connection (nothing rides behind a body), read whole under the deadline, answered
-        in a worker thread, then closed. The body counts in self.in_flight until the reply has gone."""
+        in a worker thread, then closed (_hang_up). The body counts in self.in_flight until it is answered."""
         writer.transport.set_write_buffer_limits(0)  # so that drain() returns once the reply has left
         self.waiting[writer], body = 0, bytearray()
         try:
@@ -770,8 +889,10 @@ class SwarmServer:
                 request = await asyncio.wait_for(self._read_request(reader, writer, body), Limits.request_seconds)
             except asyncio.TimeoutError:
                 raise BadRequest(f"The request did not arrive whole within {Limits.request_seconds:g} s.", 408) from None
-            reply = await self.loop.run_in_executor(self.pools.get(request.method, self.pools["GET"]),
-                                                    self._answer, request)
+            if request.method == "POST":
+                reply = await self._in_turn(request.peer, request)
+            else:
+                reply = await self.loop.run_in_executor(self.pools["GET"], self._answer, request)
             await self._send(writer, *reply, head_only=request.method == "HEAD")
             if self.verbose:
                 _log(f"{writer.get_extra_info('peername')} {request.method} {request.target[:200]} {reply[0]}")
@@ -787,13 +908,35 @@ class SwarmServer:
             pass  # a client that hangs up, idles or stops reading its reply is not news
         finally:
             self.in_flight -= len(body)
+            body.clear()
+            if writer in self.open:
+                self.waiting[writer] = 0  # while its reply drains: first to go at the cap
+                await self._hang_up(writer)
             self.open.discard(writer)
             self.waiting.pop(writer, None)
             writer.transport.abort()
 
+    async def _in_turn(self, writer, request):
+        """A POST's answer in its writer's turn: one POST of each per-peer credential at a time, so writers take
+        turns and one writer's many connections delay another's post by one of its own at most. Without
+        one, writers cannot be told apart (an address may be a proxy's): first come, first served."""
+        turn = self.turns.setdefault(writer, asyncio.Lock()) if writer else contextlib.nullcontext()
+        async with turn, self.posting:
+            return await self.loop.run_in_executor(self.pools["POST"], self._answer, request)
+
+    async def _hang_up(self, writer):
+        """Close once the kernel has delivered the reply, or at the deadline with a reset (SO_LINGER 0): a
+        reply its reader never takes does not stay in the kernel, as an orphaned socket's would, for minutes."""
+        sock, deadline = writer.get_extra_info("socket"), time.monotonic() + Limits.request_seconds
+        while _unsent(sock) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if _unsent(sock):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
     async def _read_request(self, reader, writer, body):
         """The request line, the headers and the body (into `body`) -> Request. Strict, so that no request
-        reads differently here and in a proxy in front. The token is checked before any body is read, and
+        reads differently here and in a proxy in front. The credential is checked before any body is read, and
         the body counts in self.in_flight as it arrives: a sender who only declares a length costs nothing."""
         if (first := await reader.read(1)) in (b"", b"\x16"):  # gone, or TLS (this server speaks plain HTTP)
             raise EOFError("no request")
@@ -809,12 +952,13 @@ class SwarmServer:
             _want(header, "Each header line must be 'Name: value'.")
             name = header[1].lower()  # a name given twice has both values, as RFC 9110 combines them
             headers[name] = f"{headers[name]}, {header[2]}" if name in headers else header[2]
-        if self.token and (method != "GET" or not self.public_reads):  # public reads: GETs need none
-            scheme, _, given = headers.get("authorization", "").partition(" ")
-            _want(scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("latin-1"),
-                                                                     self.token.encode()),  # constant time
-                  "This server needs the header 'Authorization: Bearer <token>'; pass the swarm token.", 401,
-                  {"WWW-Authenticate": "Bearer"})
+        peer = None  # the name the credential writes as; None: any (the shared token, or no credentials)
+        if self.credentials and (method != "GET" or not self.public_reads):  # public reads: GETs need none
+            scheme, _, given = headers.get("authorization", "").partition(" ")  # (by digest: a lookup's
+            given = hashlib.sha256(given.strip().encode("latin-1")).digest()     # timing tells nothing of a token)
+            peer = self.credentials.get(given, "") if scheme.lower() == "bearer" else ""
+            _want(peer != "", "This server needs the header 'Authorization: Bearer <token>'; pass the swarm token.",
+                  401, {"WWW-Authenticate": "Bearer"})
         length = headers.get("content-length", "0")
         _want("transfer-encoding" not in headers and (method != "POST" or "content-length" in headers),
               "A POST needs a Content-Length header (no chunked bodies).", 411)
@@ -832,7 +976,7 @@ class SwarmServer:
             self.in_flight += len(chunk)  # given back by _connection once the reply has gone
             body += chunk
         self.waiting.pop(writer, None)
-        return Request(method, target, headers, body)
+        return Request(method, target, headers, body, peer)
 
     async def _send(self, writer, status, content_type, body, headers=None, head_only=False):
         if len(body) > 65536 and self.in_flight + len(body) > Limits.in_flight_bytes:  # bound what waits
@@ -860,7 +1004,7 @@ class SwarmServer:
             _want(query.count("&") < 16, "The query string has too many fields.")
             q = parse_qs(query, keep_blank_values=True)
             with self.large if len(request.body) > Limits.body_bytes // 8 else contextlib.nullcontext():
-                reply = self._route(request.method, path, q, request.body)
+                reply = self._route(request.method, path, q, request.body, request.peer)
             return 200, "text/html; charset=utf-8" if path == "/" else JSON, reply, {}
         except BadRequest as e:
             return e.reply
@@ -873,11 +1017,12 @@ class SwarmServer:
             return BadRequest("The server hit an unexpected error; it was logged and the server keeps serving.",
                               500).reply
 
-    def _route(self, method, path, q, body):
-        """A request for one of ROUTES -> the reply's bytes. Groups are kept as JSON text, so a page of
-        them is joined, not encoded again."""
+    def _route(self, method, path, q, body, peer=None):
+        """A request for one of ROUTES (a write by `peer`'s credential) -> the reply's bytes. Groups are kept
+        as JSON text, so a page of them is joined, not encoded again."""
         if method == "POST":
             b = check(parse_json(body), PUBLISH if path == "/rollouts" else METRICS)
+            _want(peer in (None, b["peer"]), f"This credential is peer {peer}'s; it cannot write as {b['peer']}.", 403)
             if path == "/metrics":
                 self.store.add_metrics(b["peer"], b["round"], b["metrics"])
                 return b'{"ok":true}'
@@ -886,8 +1031,8 @@ class SwarmServer:
             texts, next_n, last_n = self.store.read_metrics(_int_param(q, "after", 0, 0, 10**15))
             return b'{"metrics":[' + b",".join(texts) + b'],"next":%d,"last":%d}' % (next_n, last_n)
         if path == "/rollouts":
-            exclude = q.get("exclude", [""])[-1]
-            _want(not exclude or NAME.fullmatch(exclude), f"exclude must be a peer name matching {NAME.pattern}.")
+            exclude = q.get("exclude", [""])[-1].lower()
+            _want(not exclude or NAME.fullmatch(exclude), f"exclude must be a peer name: {NAMES}.")
             if "sample" in q:  # a sampled read: K groups of the recent window
                 texts, last_seq = self.store.sample(_int_param(q, "sample", 1, 1, Limits.sample_groups), exclude,
                                                     _int_param(q, "seed", 0, 0, 2**63 - 1))
@@ -927,25 +1072,56 @@ class SwarmServer:
         self.store.close()
 
 
-def check_token(token):
+def check_token(token, what="the swarm token"):
     """None, or a token of 1 to 256 visible ASCII characters (it travels in an HTTP header)."""
     if token and not re.fullmatch(r"[!-~]{1,256}", token):
-        raise ValueError("the swarm token must be 1 to 256 printable ASCII characters without spaces.")
+        raise ValueError(f"{what} must be 1 to 256 printable ASCII characters without spaces.")
     return token or None
 
 
+def credentials(token=None, peers=None):
+    """The shared token and per-peer tokens ({name: token}) -> {SHA-256 of a token: the name it writes as,
+    or None (the shared token: any name)}; or ValueError, in one sentence: each name once (compared in
+    lower case, as stored), each token one peer's."""
+    table, names = {hashlib.sha256(check_token(token).encode()).digest(): None} if token else {}, set()
+    for name, secret in (peers or {}).items():
+        if not isinstance(name, str) or not NAME.fullmatch(name) or name.lower() in names:
+            raise ValueError(f"the peer name {str(name)[:80]!r} must be {NAMES}, and given once.")
+        secret = check_token(secret if isinstance(secret, str) and secret else " ", f"peer {name}'s token")
+        digest = hashlib.sha256(secret.encode()).digest()
+        if digest in table:
+            raise ValueError(f"peer {name}'s token is another's too; give each peer a token of its own.")
+        table[digest] = name.lower()
+        names.add(name.lower())
+    return table
+
+
+def read_peers(path):
+    """A --peers-file -> {name: token}: one 'name token' a line (blank lines and '#' lines skipped); ValueError,
+    in one sentence, if it cannot be read or holds no such line, or another."""
+    try:
+        with open(path, encoding="latin-1") as f:
+            rows = [line.split() for line in f.read(Limits.body_bytes).splitlines() if line.strip()[:1] not in "#"]
+    except OSError as e:
+        raise ValueError(f"cannot read --peers-file {path} ({e.strerror or e}).") from None
+    if not rows or any(len(row) != 2 for row in rows) or len(dict(rows)) < len(rows):
+        raise ValueError(f"--peers-file {path} must hold one 'name token' a line, each name once.")
+    return dict(rows)
+
+
 def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.keep_bytes,
-                 public_reads=False, verbose=False):
+                 public_reads=False, verbose=False, peers=None):
     """Start a server in a daemon thread -> (server, "http://host:port"); server.shutdown() stops it. With a
-    token every request needs it (GETs not, with public_reads). Bad settings: ValueError, in one sentence."""
-    token = check_token(token)
+    token or peers ({name: token}) every request needs one of them (GETs not, with public_reads), and a
+    peer's token writes only as that peer (403). Bad settings: ValueError, in one sentence."""
+    table = credentials(token, peers)
     if not isinstance(keep_bytes, int) or keep_bytes < 1:
         raise ValueError("--keep-bytes must be a size of at least 1 byte.")
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError("--port must be a whole number from 0 to 65535.")
     store = RolloutStore(dir, keep_bytes)
     try:
-        server = SwarmServer(store, host, port, token, public_reads, verbose)
+        server = SwarmServer(store, host, port, table, public_reads, verbose)
     except OSError as e:
         store.close()
         raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}); "
@@ -954,172 +1130,183 @@ def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.ke
 
 
 # -----------------------------------------------------------------------------
-# Client: what a peer's training loop uses. It never raises and never waits for the network.
+# Client: the thread's loop, and its transports: publish(round, JSON texts, batch_id) -> the acknowledgement,
+# post_metrics(round, [JSON text]), sample(k, seed) -> [(checked group, bytes)], close() (ends an exchange at
+# once). An OSError or BadRequest: "no usable answer now, try later"; Refused: "malformed, drop it".
 
-class SwarmClient(Client):
-    """Client over HTTP: the thread's exchanges through requests, under a deadline, and what it checks of
-    every reply. Any error in an exchange means "no usable answer now: try again later"."""
+class Refused(Exception):
+    """The store refused an outbox entry as malformed: the same bytes would be refused again."""
 
-    def __init__(self, url, peer, token=None, cursor=None, sample=None, seed=0):
-        if not isinstance(peer, str) or not NAME.fullmatch(peer):
-            raise ValueError("peer must be 1 to 64 characters from A-Z, a-z, 0-9, '_', '.' and '-'.")
-        if sample is not None and not (isinstance(sample, int) and 1 <= sample <= Limits.sample_groups):
-            raise ValueError(f"sample must be None or a whole number from 1 to {Limits.sample_groups}.")
-        self.peer = peer
-        self._connect(urlsplit(str(url)), token if token is not None else os.environ.get("SWARM_TOKEN"))
-        self.cond = threading.Condition()  # guards all that follows; notified when the thread gets somewhere
-        self.outbox, self.outbox_bytes = collections.deque(), 0  # (path, body, what, acknowledgement), oldest first
-        self.inbox, self.inbox_bytes = collections.deque(), 0    # (group, bytes), oldest first
-        self.polls_begun = self.caught_up = 0  # reads begun / the number of the last one that caught up
-        self.down, self.dropped, self.wake, self.closing, self.sockets = None, 0, False, False, []
-        self.cursor = self.read_up_to = cursor  # the seq fetch() has handed out / the thread has read up to
-        self.newest = 0  # the server's newest seq as /health last said it: no page may claim far more
-        self.sample, self.seeds, self.asked = sample, random.Random(seed), 0  # sampled mode: K, the seeds
-        self.seen, self.said = collections.deque(maxlen=Limits.seen_seqs), None  # (seq, time)s read; the last bad said
-        self.thread = threading.Thread(target=self._run, name=f"swarm-client-{peer}", daemon=True)
-        self.thread.start()
 
-    def _connect(self, u, token):  # the transport, self.session: HTTP through requests here (RedisClient: Redis)
+def _say(peer, message):  # a client's log line (a lone surrogate a reply carried is escaped: no stream refuses it)
+    print(f"swarm client {peer}: {message}".encode("utf-8", "backslashreplace").decode(), file=sys.stderr, flush=True)
+
+
+def _check_client(peer, sample):
+    if not isinstance(peer, str) or not NAME.fullmatch(peer):
+        raise ValueError(f"peer must be a name matching {NAME.pattern}.")
+    if type(sample) is not int or not 1 <= sample <= Limits.sample_groups:
+        raise ValueError(f"sample must be a whole number from 1 to {Limits.sample_groups}.")
+
+
+def _enqueue(client, what, send, make):
+    """make() -> (round, JSON texts, ...), send's arguments, at the end of the outbox; or a log line."""
+    try:
+        args = make()
+    except (TypeError, ValueError, OverflowError, AttributeError) as e:
+        return _say(client.peer, f"{what} cannot be sent ({e})")
+    size = sum(len(text) + 1 for text in args[1]) + 256  # (and room for what a request wraps them in)
+    if size > Limits.body_bytes:  # a server would refuse it (413): never held, even while it is down
+        return _say(client.peer, f"{what} is {size} bytes, over a request's {Limits.body_bytes}, so it is dropped")
+    with client.cond:
+        client.outbox.append((what, send, args, size))
+        client.outbox_bytes += size
+        while client.outbox_bytes > Limits.outbox_bytes and len(client.outbox) > 1:
+            client.outbox_bytes -= client.outbox.popleft()[3]
+            client.dropped += 1
+        client.wake = True
+        client.cond.notify_all()
+
+
+def _talk(client):
+    """The client's thread: the oldest outbox entry first, else the read asked for, else idle until a
+    publish, fetch or flush. Trouble is said once, however long it lasts, and waited out (0.25 s to 5 s)."""
+    backoff = 0.0
+    while not client.closing:
+        with client.cond:
+            entry = client.outbox[0] if client.outbox else None
+        try:
+            if entry is not None:
+                client._send(entry)
+            elif client._read():
+                _idle(client, Limits.poll_seconds)
+            if client.down:
+                lost = f"; {client.dropped} older entries did not fit the outbox" if client.dropped else ""
+                _say(client.peer, f"the server answers again{', sending what waited' * (entry is not None)}{lost}")
+                client.down, client.dropped = None, 0
+            backoff = 0.0
+        except Exception as e:  # (a bug must not end the thread either)
+            if not client.down and not client.closing:
+                cause = e if isinstance(e, (OSError, BadRequest)) else f"unexpected error {e!r:.200}"
+                _say(client.peer, f"{cause}; training goes on, and what is unsent waits in the outbox (up to "
+                                  f"{Limits.outbox_bytes >> 20} MB) until the server answers")
+            client.down, backoff = str(e) or type(e).__name__, min(5.0, max(0.25, 2 * backoff))
+            _idle(client, backoff)
+
+
+def _idle(client, seconds):  # until a publish, fetch or flush wakes it, except while it waits out trouble
+    with client.cond:
+        client.cond.wait_for(lambda: client.closing or (client.wake and not client.down), seconds)
+        client.wake = False
+
+
+class _Transport:
+    """What both transports share: the peer's name (lower-cased: `name`), and the checks of what a store says."""
+    def __init__(self, peer):
+        self.peer, self.name, self.said, self.closed = peer, peer.lower(), None, False
+
+    def _received(self, groups):
+        """Groups as a store sent them -> [(clean group, bytes)]; a bad one is dropped alone, said once."""
+        good, bad = [], []
+        for g in groups:
+            try:
+                g = check(g, STORED, "a received group")
+                good.append((g, len(_dumps(g))))
+            except (BadRequest, ValueError) as e:  # (ValueError: a lone surrogate, which UTF-8 cannot carry)
+                bad.append(getattr(e, "message", str(e)))
+        if bad and bad[0] != self.said:
+            self.said = bad[0]
+            _say(self.peer, f"dropped {len(bad)} malformed groups from the server (the first: {bad[0][:200]})")
+        return good
+
+
+def _acknowledged(reply, groups, where):  # a reply to a publish -> it, if it says all groups were stored
+    _want(isinstance(reply, dict) and reply.get("accepted") == groups, f"{where} acknowledges nothing")
+    return check(reply, fields({"accepted": number(groups), "seq": SEQ}), where)
+
+
+class HttpTransport(_Transport):
+    """A swarm.py server's side of the exchanges, through requests, under a deadline, every reply checked.
+    It sends only where it was told: no redirect is followed (a 3xx is the server's trouble), no credential
+    but its token goes (requests' trust in the environment is off: no ~/.netrc), and of the environment
+    only the proxies (HTTP_PROXY, HTTPS_PROXY, NO_PROXY) and a REQUESTS_CA_BUNDLE count."""
+
+    def __init__(self, url, peer, token):
+        super().__init__(peer)
+        u = urlsplit(url)
         if u.scheme not in ("http", "https") or not u.hostname:
-            raise ValueError(f"the swarm URL must look like http://HOST:PORT, not {u.geturl()[:80]!r}.")
-        token = check_token(token)
+            raise ValueError(f"the swarm URL must look like http://HOST:PORT, not {url[:80]!r}.")
+        token, self.sockets = check_token(token), []
         self.url, self.session = u.geturl().rstrip("/"), requests.Session()
+        self.session.trust_env, self.session.proxies = False, requests.utils.get_environ_proxies(self.url)
+        self.session.verify = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
         self.session.headers.update({"Content-Type": JSON, "Connection": "close", "Accept-Encoding": "identity",
                                      **({"Authorization": f"Bearer {token}"} if token else {})})
         for scheme in ("http://", "https://"):
             self.session.mount(scheme, _Adapter(self))
 
+    def publish(self, round_, texts, batch_id):
+        reply = self._post("/rollouts", b'{"peer":%s,"round":%d,"batch_id":%s,"groups":[%s]}' % (
+            _dumps(self.peer), round_, _dumps(batch_id), b",".join(texts)))
+        return _acknowledged(reply, len(texts), "a reply to /rollouts")
+
+    def post_metrics(self, round_, texts):
+        reply = self._post("/metrics", b'{"peer":%s,"round":%d,"metrics":%s}' % (_dumps(self.peer), round_, texts[0]))
+        _want(isinstance(reply, dict) and reply.get("ok") is True, "a reply to /metrics acknowledges nothing")
+
+    def sample(self, k, seed):
+        status, reply = self._request("GET", f"/rollouts?sample={k}&exclude={self.peer}&seed={seed}")
+        if status != 200:
+            raise ConnectionError(f"HTTP {status}: {_said(reply)}")
+        return self._received(check(reply, SAMPLE, "the reply to /rollouts")["groups"][:k])
+
     def close(self):
-        """Stop the thread: it ends its current exchange at once and sends nothing more."""
-        with self.cond:
-            self.closing = True
-            self.cond.notify_all()
+        self.closed = True
         _shut(self.sockets)
-        self.session.close()  # (Redis: disconnects even the connection in use, ending its exchange)
-        self.thread.join(5)
+        self.session.close()
 
-    def _log(self, message):  # (a lone surrogate a reply carried is escaped: no stream may refuse the line)
-        print(f"swarm client {self.peer}: {message}".encode("utf-8", "backslashreplace").decode(), file=sys.stderr,
-              flush=True)
-
-    def _sleep(self, seconds):  # until a publish, fetch or flush wakes it, except while it waits out trouble
-        with self.cond:
-            self.cond.wait_for(lambda: self.closing or (self.wake and not self.down), seconds)
-            self.wake = False
-
-    def _send(self, entry):
-        """POST the oldest outbox entry. It leaves the outbox once the server acknowledged it, or refused it
-        as malformed; a wrong token, a wrong URL or a 200 that acknowledges nothing keep it for later."""
-        path, body, what, ack = entry
+    def _post(self, path, body):  # -> the reply; a 400, 413 or 422 (the request's own fault) is Refused
         status, reply = self._request("POST", path, body)
-        if status != 200:  # 400, 413 or 422: the same bytes would be refused again
-            self._log(f"the server refused {what}, so it is dropped: HTTP {status}: {_said(reply)}")
-        else:  # the acknowledgement: every group accepted, under a seq (or, for metrics, ok)
-            _want(isinstance(reply, dict) and ack.items() <= reply.items(), f"a reply to {path} acknowledges nothing")
-            check(reply, fields({"seq": SEQ} if "accepted" in ack else {}), "the server's acknowledgement")
-        with self.cond:
-            if self.outbox and self.outbox[0] is entry:  # (a full outbox may have dropped it meanwhile)
-                self.outbox.popleft()
-                self.outbox_bytes -= len(body)
-                self.cond.notify_all()
-
-    def _read(self):
-        """One read into the inbox -> True if there is nothing more to read for now. sample=K: the sampled
-        read that fetch() or flush() asked for, if any. Else one page after read_up_to; a page it cannot use
-        (costly, malformed, past the server's newest seq, or a 400: the server lost our seq) never stops it:
-        it reads on from the server's newest group. A server may be buggy or hostile: each group is checked."""
-        with self.cond:
-            if self.sample and not self.asked:
-                return True
-            self.polls_begun += 1
-            poll, after, seed = self.polls_begun, self.read_up_to, self.seeds.getrandbits(63)
-        if self.sample:
-            page = self._get(f"/rollouts?sample={self.sample}&exclude={self.peer}&seed={seed}", SAMPLE)
-        else:
-            if after is None:  # a new peer: start from the newest groups, not from the whole history
-                after = max(0, self._newest() - Limits.recent_groups)
-            try:
-                page = self._get(f"/rollouts?after={after}&exclude={self.peer}", PAGE)
-                if page["last"] > self.newest:  # /health, asked after the page, says at least its last if honest
-                    self._newest()
-                _want(after <= page["next"] <= page["last"] <= self.newest, f"its seqs (next "
-                      f"{page['next']}, last {page['last']}) do not fit ours ({after}) and /health's ({self.newest})")
-            except BadRequest as e:
-                self.read_up_to = self._newest()
-                raise ConnectionError(f"a reply it cannot use ({e.message:.200}); reading on from the server's "
-                                      f"newest group ({self.read_up_to})") from None
-        groups, bad, seq = [], [], after
-        for g in page["groups"][:self.sample or None]:
-            try:
-                g = check(g, STORED, "a received group")
-                _want(self.sample or seq < g["seq"] <= page["next"], "its seq is out of order")  # (a page's: in order)
-                seq = g["seq"]
-                if g["peer"] != self.peer and not (self.sample and (seq, g["time"]) in self.seen):  # (never twice)
-                    self.seen.append((seq, g["time"]))
-                    groups.append((g, len(_dumps(g))))
-            except (BadRequest, ValueError) as e:  # (ValueError: a lone surrogate, which UTF-8 cannot carry)
-                bad.append(getattr(e, "message", str(e)))
-        if bad and bad[0] != self.said:  # (a sampled read may draw the same bad group again: said once)
-            self.said = bad[0]
-            self._log(f"dropped {len(bad)} malformed groups from the server (the first: {bad[0][:200]})")
-        with self.cond:
-            self.inbox.extend(groups)
-            self.inbox_bytes += sum(size for _, size in groups)
-            while self.inbox_bytes > Limits.inbox_bytes:  # beyond the bound the oldest go
-                self.inbox_bytes -= self.inbox.popleft()[1]
-            if self.sample:
-                self.asked -= 1
-            else:
-                self.read_up_to = page["next"]
-            if self.sample or page["next"] in (page["last"], after):  # caught up with the server
-                self.caught_up = poll
-                self.cond.notify_all()
-            return self.caught_up == poll and not self.asked
-
-    def _newest(self):  # the server's newest seq
-        self.newest = self._get("/health", HEALTH)["last_seq"]
-        return self.newest
-
-    def _get(self, path, fields):  # GET -> the reply, checked against fields; an error reply is BadRequest
-        status, reply = self._request("GET", path)
-        if status != 200:  # a 400: the server lost our seq; a 413 or 422 (a proxy's) keeps our place
-            raise (BadRequest if status == 400 else ConnectionError)(f"HTTP {status}: {_said(reply)}")
-        return check(reply, fields, f"the reply to {path.partition('?')[0]}")
+        if status != 200:
+            raise Refused(f"HTTP {status}: {_said(reply)}")
+        return reply
 
     def _request(self, method, path, body=None):
         """One HTTP exchange -> (status, its JSON or None): 200, or 400, 413 or 422 (the request's own fault).
-        Any other status (a wrong token or URL said naming the likely cause), or no whole reply within
-        Limits.request_seconds (a timer shuts the socket, as close() does: requests bounds each read, not a
-        reply), is an OSError. A 200 is BadRequest unless it is JSON within Limits.reply_bytes and json_values
-        values: parsing holds the interpreter lock, and with it the training loop."""
-        if self.closing:
+        Any other status (a wrong token or URL said naming the likely cause, a redirect naming where), or no
+        whole reply within Limits.request_seconds (a timer shuts the socket, as close() does: requests bounds
+        each read, not a reply), is an OSError. A 200 is BadRequest unless it is JSON within
+        Limits.reply_bytes and json_values values: parsing holds the interpreter lock, and with it training."""
+        if self.closed:
             raise ConnectionError("the client is closing")
         deadline, reply, self.sockets = time.monotonic() + Limits.request_seconds, bytearray(), []
         timer = threading.Timer(Limits.request_seconds, _shut, [self.sockets])
         timer.start()
         try:
-            with self.session.request(method, self.url + path, data=body, stream=True,
+            with self.session.request(method, self.url + path, data=body, stream=True, allow_redirects=False,
                                       timeout=Limits.request_seconds) as r:
                 for chunk in r.iter_content(1 << 16):
                     reply += chunk
                     if len(reply) > Limits.reply_bytes:
                         break
-        except (OSError, ValueError) as e:  # (requests' errors are OSErrors too; a bad redirect's, ValueErrors)
+        except (OSError, ValueError) as e:  # (requests' errors are OSErrors too)
             reply = e
         finally:
             timer.cancel()
             for sock in self.sockets:  # the duplicates _Adapter made
                 sock.close()
-        if (late := time.monotonic() > deadline) or self.closing or isinstance(reply, Exception):  # (cut by the timer?)
+        if (late := time.monotonic() > deadline) or self.closed or isinstance(reply, Exception):  # (cut by the timer?)
             raise ConnectionError(f"server unreachable ({_reason(None if late else reply)})")
         if (r.status_code != 200 and not 400 <= r.status_code < 500) or r.status_code in (408, 429):
-            raise ConnectionError(f"server unreachable (HTTP {r.status_code})")
+            moved = f", a redirect to {r.headers.get('Location', '')[:100]!r}, which this client does not follow" \
+                if 300 <= r.status_code < 400 else ""
+            raise ConnectionError(f"server unreachable (HTTP {r.status_code}{moved})")
         try:
             _want(len(reply) <= Limits.reply_bytes, f"a reply of more than {Limits.reply_bytes} bytes")
             reply = parse_json(reply, surrogates=True)
-        except BadRequest:
+        except BadRequest as e:
             if r.status_code == 200:
-                raise
+                raise BadRequest(f"a reply it cannot use ({e.message[:200]})") from None
             reply = None
         if r.status_code not in (200, 400, 413, 422):
             raise ConnectionError(f"HTTP {r.status_code} from {self.url}{path.partition('?')[0]}: "
@@ -1128,21 +1315,21 @@ class SwarmClient(Client):
 
 
 class _Adapter(requests.adapters.HTTPAdapter):
-    """requests' own transport, but each connection it opens joins client.sockets, which the deadline and
-    close() shut (at once, if the client is closing)."""
-    def __init__(self, client):
+    """requests' own transport, but each connection it opens joins transport.sockets, which the deadline
+    and close() shut (at once, if the client is closing)."""
+    def __init__(self, transport):
         super().__init__()
-        self.client = client
+        self.transport = transport
 
     def get_connection_with_tls_context(self, *args, **kwargs):
-        pool, client = super().get_connection_with_tls_context(*args, **kwargs), self.client
+        pool, transport = super().get_connection_with_tls_context(*args, **kwargs), self.transport
         if "ConnectionCls" not in vars(pool):  # once per pool: its ConnectionCls makes every connection
             class Connection(pool.ConnectionCls):
                 def _new_conn(self):  # the TCP socket before any TLS handshake (which takes the object over,
                     sock = super()._new_conn()  # so a duplicate descriptor): a stalled handshake is cut too
-                    client.sockets.append(sock.dup())
-                    if client.closing:
-                        _shut(client.sockets)
+                    transport.sockets.append(sock.dup())
+                    if transport.closed:
+                        _shut(transport.sockets)
                     return sock
             pool.ConnectionCls = Connection
         return pool
@@ -1164,104 +1351,177 @@ def _reason(e):  # the words that matter in requests' long messages ("Connection
     return "".join(found[-1]).strip() if found else type(e).__name__
 
 
-def _said(data):  # the one sentence of an error reply, cut short (_log escapes any lone surrogate)
+def _said(data):  # the one sentence of an error reply, cut short (_say escapes any lone surrogate)
     return str(data.get("error"))[:200] if isinstance(data, dict) else "(no message)"
 
 
 # -----------------------------------------------------------------------------
-# Redis Streams as the store. A batch, atomically. KEYS: seq counter, stream (an entry a group, its ID the
-# seq), producers by newest batch time, the batch's reply (kept ARGV[5] s: a retry is stored once). ARGV: peer,
-# round, MAXLEN, window seconds, ARGV[5], groups. sapo:window:PEER: the seq ranges of PEER's newest 2 batches.
-PUBLISH_LUA = """local reply, t, n = redis.call('GET', KEYS[4]), redis.call('TIME'), #ARGV - 5
+# Redis as the store: sapo:seq numbers the groups, sapo:producers holds the writers by their newest batch's
+# time, and a writer's own keys, sapo:writer:NAME:* (NAME lower-cased), only its ACL user may write: :window
+# ("FIRST LAST ROUND TIME" of its newest Limits.window_batches batches, newest first), :groups (seq -> group
+# JSON) and :reply:BATCH_ID. Window and groups expire Limits.window_seconds after its newest batch.
+
+# A batch, atomically. KEYS: the writer's window, groups and reply, which Redis checks against the caller's
+# ACL before the script runs. ARGV: name, round, window batches, window ms, reply seconds, batch groups, groups.
+PUBLISH_LUA = """local reply, n = redis.call('GET', KEYS[3]), #ARGV - 6
 if reply then return reply end
-local now, last, window = t[1] + t[2] / 1e6, redis.call('INCRBY', KEYS[1], n), 'sapo:window:' .. ARGV[1]
-for i = 1, n do redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], (last - n + i) .. '-0', 'peer', ARGV[1],
-  'round', ARGV[2], 'time', now, 'group', ARGV[5 + i]) end
-redis.call('SET', window, (last - n + 1) .. ' ' .. last .. ' ' .. ((redis.call('GET', window) or ''):match('^%d+ %d+')
-  or ''), 'EX', ARGV[4])
-redis.call('ZADD', KEYS[3], now, ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - ARGV[4])
+local t, last, kept = redis.call('TIME'), redis.call('INCRBY', 'sapo:seq', n), {}
+local now = t[1] + t[2] / 1e6
+for i = 1, n do redis.call('HSET', KEYS[2], last - n + i, ARGV[6 + i]) end
+kept[1] = (last - n + 1) .. ' ' .. last .. ' ' .. ARGV[2] .. ' ' .. now
+for a, b, rest in (redis.call('GET', KEYS[1]) or ''):gmatch('(%d+) (%d+) (%S+ %S+)') do
+  if #kept < tonumber(ARGV[3]) then kept[#kept + 1] = a .. ' ' .. b .. ' ' .. rest
+  else for s = tonumber(a), math.min(tonumber(b), a + ARGV[6]) do redis.call('HDEL', KEYS[2], s) end end
+end
+redis.call('SET', KEYS[1], table.concat(kept, ' '), 'PX', ARGV[4])
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+redis.call('ZADD', 'sapo:producers', now, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', 'sapo:producers', '-inf', now - ARGV[4] / 1000)
 reply = '{"accepted":' .. n .. ',"seq":' .. last .. '}'
-redis.call('SET', KEYS[4], reply, 'EX', ARGV[5])
+redis.call('SET', KEYS[3], reply, 'EX', ARGV[5])
 return reply"""
-# The sampled read (RolloutStore's window and draw), read-only. KEYS: stream, producers. ARGV: K, peer to
-# exclude, seed, byte cap. A lazy shuffle of the producers' ranks takes out those excluded, stale or drawn
-# dry, so each pick is uniform over those left and a read costs O(K), whatever the number of producers.
+# The sampled read (Store.sample's draw), read-only. KEYS: sapo:producers. ARGV: K, the name left out, seed,
+# page bytes, group bytes, window batches, batch groups. A lazy shuffle of the producers' ranks takes out those
+# left out, silent or drawn dry: each pick is uniform over the writers left, and a read costs O(K) whatever
+# their number. What no publish writes is passed over. -> [writer, seq, round, time, group JSON] a group.
 SAMPLE_LUA = """local k, x = tonumber(ARGV[1]), tonumber(ARGV[3]:sub(-9)) % 2147483646 + 1
-local n, out, undrawn, moved, size = redis.call('ZCARD', KEYS[2]), {}, {}, {}, 0
+local n, out, undrawn, moved, size = redis.call('ZCARD', KEYS[1]), {}, {}, {}, 0
 local function rand(m) x = x * 16807 % 2147483647 return x % m end
+local function window(p)
+  local w, seqs = p ~= ARGV[2] and redis.pcall('GETRANGE', 'sapo:writer:' .. p .. ':window', 0, 80 * ARGV[6]), {}
+  for a, b, r, t in (type(w) == 'string' and w or ''):gmatch('(%d+) (%d+) (%S+) (%S+)') do
+    a, b = tonumber(a), tonumber(b)
+    if b >= a and b - a < tonumber(ARGV[7]) and #seqs < ARGV[6] * ARGV[7] then
+      for s = a, b do seqs[#seqs + 1] = {s, r, t} end end end
+  return seqs
+end
 for _ = 1, 4 * k + 64 do
   if #out == k or n == 0 or size > tonumber(ARGV[4]) then break end
   local j = rand(n)
-  local p = redis.call('ZRANGE', KEYS[2], moved[j] or j, moved[j] or j)[1]
-  if not undrawn[p] then
-    undrawn[p] = {}
-    for a, b in (p ~= ARGV[2] and redis.call('GET', 'sapo:window:' .. p) or ''):gmatch('(%d+) (%d+)') do
-      for s = tonumber(a), tonumber(b) do table.insert(undrawn[p], s) end end end
-  local seqs = undrawn[p]
+  local p = redis.call('ZRANGE', KEYS[1], moved[j] or j, moved[j] or j)[1]
+  undrawn[p] = undrawn[p] or window(p)
+  local seqs, key = undrawn[p], 'sapo:writer:' .. p .. ':groups'
   if #seqs > 0 then
     local i = rand(#seqs) + 1
-    local e = redis.call('XRANGE', KEYS[1], seqs[i] .. '-0', seqs[i] .. '-0')[1]
+    local s = seqs[i]
     seqs[i] = seqs[#seqs]
     seqs[#seqs] = nil
-    if e then out[#out + 1], size = e, size + #e[2][8] end end
+    local len = redis.pcall('HSTRLEN', key, s[1])
+    if type(len) == 'number' and 0 < len and len <= tonumber(ARGV[5]) then
+      out[#out + 1], size = {p, s[1], s[2], s[3], redis.call('HGET', key, s[1])}, size + len end end
   if #seqs == 0 then n = n - 1 moved[j] = moved[n] or n end
 end
 return out"""
-KEYS = ("sapo:seq", "sapo:rollouts", "sapo:producers")
 
 
-class RedisClient(SwarmClient):
-    """SwarmClient with a Redis server as the store: redis://USER:PASSWORD@HOST:PORT/DB (rediss:// for TLS;
-    the password may come from $SWARM_TOKEN instead). Only the exchanges differ (_request). Two ACL users
-    take the token's part: one that may write, and one that may only read (its batches wait)."""
+class RedisTransport(_Transport):
+    """A Redis server's side of the exchanges (redis-py and the scripts above): redis://USER@HOST:PORT/DB,
+    rediss:// for TLS, the scheme in any case. The password is the token ($SWARM_TOKEN) or the URL's, never
+    both: which should win is not the client's to guess. One option, ?ssl_ca_certs=FILE with rediss://;
+    timeouts, retries and the rest are the client's own. Each exchange is bounded as HTTP's is: within
+    Limits.request_seconds in all, a reply within Limits.reply_bytes (_bounded) and json_values values."""
 
-    def _connect(self, u, token):
-        if u.scheme not in ("redis", "rediss") or not u.hostname:
-            raise ValueError("the swarm URL must look like redis://USER:PASSWORD@HOST:PORT/0 (rediss:// for TLS).")
+    def __init__(self, url, peer, token):
+        super().__init__(peer)
         try:
             import redis
         except ImportError:
             raise ValueError("a redis:// swarm needs the redis package: pip install redis") from None
-        self.session, self.redis_error = redis.Redis.from_url(  # (bytes not UTF-8: lone surrogates, dropped per group)
-            u.geturl(), password=token, decode_responses=True, encoding_errors="surrogateescape",
-            socket_timeout=Limits.request_seconds), redis.RedisError
-
-    def _request(self, method, path, body=b""):
-        """The exchange SwarmClient's thread asks for, in Redis commands -> (200, the reply's JSON). Redis
-        unreachable or refusing (a read-only user's publish) is an OSError: the batch waits."""
-        path, _, query = path.partition("?")
-        q = {k: v[-1] for k, v in parse_qs(query).items()}
+        u, shape = urlsplit(url), "the swarm URL must look like redis://USER@HOST:PORT/0 (rediss:// for TLS)"
         try:
-            if method == "POST":
-                b = json.loads(body)
-                if path == "/metrics":
-                    return 200, {"ok": bool(self.session.xadd("sapo:metrics", {"row": body}, maxlen=1 << 16))}
-                keys = (*KEYS, f"sapo:reply:{b['peer']}:{b['batch_id']}")
-                return 200, json.loads(self.session.eval(PUBLISH_LUA, 4, *keys, b["peer"], b["round"],
-                                                         Limits.stream_groups, Limits.window_seconds, 86400,
-                                                         *map(_dumps, b["groups"])))
-            if "sample" in q:
-                found = self.session.eval_ro(SAMPLE_LUA, 2, *KEYS[1:], q["sample"], q.get("exclude", ""),
-                                             q.get("seed", "0"), Limits.page_bytes)
-            else:  # ?after=SEQ: the page after it (/health asks for none)
-                found = self.session.xrange(KEYS[1], f"{int(q['after']) + 1}-0", count=256) if "after" in q else []
-            last = int(self.session.get(KEYS[0]) or 0)  # after the read, so no group found is newer than it
-            if "sample" in q:
-                return 200, {"groups": [_stored(*e) for e in found], "last": last}
-            return 200, {"groups": [_stored(*e) for e in found if e[1].get("peer") != q.get("exclude")], "last": last,
-                         "next": int(found[-1][0][:-2]) if found else int(q.get("after", last)), "last_seq": last}
-        except self.redis_error as e:
-            raise ConnectionError(f"Redis: {e}") from None
+            tls, port, options = u.scheme.lower() == "rediss", u.port, parse_qs(u.query, keep_blank_values=True)
+        except ValueError:
+            raise ValueError(shape + ".") from None
+        if not u.hostname or not re.fullmatch(r"/?[0-9]{0,5}", u.path):
+            raise ValueError(shape + ".")
+        if set(options) - {"ssl_ca_certs"} or (options and not tls):
+            raise ValueError(f"{shape}: it takes one option, ?ssl_ca_certs=FILE with rediss://, not "
+                             f"{', '.join(sorted(options))[:80]}.")
+        if u.password is not None and token:
+            raise ValueError("give the Redis password in the URL or as the token ($SWARM_TOKEN, --token), not both.")
+        pool = redis.ConnectionPool(  # (decoded, a group that is not UTF-8 is dropped alone)
+            connection_class=redis.SSLConnection if tls else redis.Connection, parser_class=_bounded(redis),
+            host=u.hostname, port=port or 6379, db=int(u.path.strip("/") or 0), protocol=2,
+            username=unquote(u.username) if u.username else None,
+            password=unquote(u.password) if u.password is not None else token or None,
+            socket_timeout=Limits.request_seconds, decode_responses=True, encoding_errors="surrogateescape",
+            **({"ssl_ca_certs": options["ssl_ca_certs"][-1]} if options else {}))
+        self.redis, self.error = redis.Redis(connection_pool=pool), redis.RedisError
+
+    def publish(self, round_, texts, batch_id):
+        if len(texts) > Limits.batch_groups:
+            raise Refused(f"a batch holds at most {Limits.batch_groups} groups")
+        keys = [f"sapo:writer:{self.name}:{key}" for key in ("window", "groups", f"reply:{batch_id}")]
+        reply = self._call(self.redis.eval, PUBLISH_LUA, 3, *keys, self.name, round_, Limits.window_batches,
+                           int(1000 * Limits.window_seconds), Limits.reply_seconds, Limits.batch_groups, *texts)
+        return _acknowledged(parse_json(reply) if isinstance(reply, str) else None, len(texts), "Redis's reply")
+
+    def post_metrics(self, round_, texts):
+        row = b'{"peer":%s,"round":%d,"metrics":%s}' % (_dumps(self.peer), round_, texts[0])
+        self._call(self.redis.xadd, "sapo:metrics", {"row": row}, maxlen=Limits.metrics_rows)
+
+    def sample(self, k, seed):
+        found = self._call(self.redis.eval_ro, SAMPLE_LUA, 1, "sapo:producers", k, self.name, seed, Limits.page_bytes,
+                           Limits.body_bytes, Limits.window_batches, Limits.batch_groups)
+        entries = [e for e in found if isinstance(e, list) and len(e) == 5 and isinstance(e[4], str)][:k]
+        _want(sum(_values(e[4]) for e in entries) <= Limits.json_values,  # (the groups' values, in all)
+              f"a reply of more than {Limits.json_values} values")
+        return self._received([_stored(*e) for e in entries])
+
+    def close(self):
+        self.closed = True
+        self.redis.connection_pool.disconnect()  # (even the connection in use, which ends its exchange)
+
+    def _call(self, command, *args, **kwargs):
+        """One Redis command within Limits.request_seconds in all (a timer drops the connection, as close()
+        does) -> its reply. Redis unreachable or refusing (a read-only user's publish) is an OSError."""
+        if self.closed:
+            raise ConnectionError("the client is closing")
+        timer = threading.Timer(Limits.request_seconds, self.redis.connection_pool.disconnect)
+        timer.start()
+        try:
+            return command(*args, **kwargs)
+        except self.error as e:  # (a key it may not write: most likely another writer's)
+            hint = f"; may this user write sapo:writer:{self.name}:*, as --name {self.peer}?" * ("access" in str(e))
+            raise ConnectionError(f"Redis: {e}{hint}") from None
+        finally:
+            timer.cancel()
 
 
-def _stored(seq, fields):  # a stream entry -> the group as served, or None (check() judges either)
-    f = fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2]))
+def _stored(writer, seq, round_, time_, text):  # an entry the sampled read drew -> the group as served, or None
     try:
-        return {**parse_json(f["group"]), "peer": f["peer"], "round": int(f["round"]), "seq": int(seq[:-2]),
-                "time": float(f["time"])}
-    except (BadRequest, KeyError, ValueError, TypeError):
+        return {**parse_json(text, surrogates=True), "peer": writer, "round": int(round_), "seq": int(seq),
+                "time": float(time_)}
+    except (BadRequest, TypeError, ValueError):
         return None
+
+
+def _bounded(redis):
+    """redis-py's RESP2 parser, bounded as the HTTP client is (else it reads whatever a store sends): a reply
+    past Limits.reply_bytes, or more values than a sampled read of Limits.sample_groups groups (6 a group),
+    is refused as it arrives, and redis-py drops the connection, unread."""
+    class Bounded(redis._parsers._RESP2Parser):
+        def on_connect(self, connection):
+            super().on_connect(connection)  # (its buffer reads the socket through recv and settimeout only)
+            sock, self.most = self._buffer._sock, (Limits.reply_bytes, 8 * Limits.sample_groups)
+            self.left = list(self.most)
+            self._buffer._sock = types.SimpleNamespace(recv=lambda size: self._spend(0, sock.recv(size)),
+                                                       settimeout=sock.settimeout)
+
+        def read_response(self, *args, **kwargs):
+            self.left = list(self.most)  # the bytes and values this reply may still take
+            return super().read_response(*args, **kwargs)
+
+        def _read_response(self, *args, **kwargs):
+            self._spend(1, "-")
+            return super()._read_response(*args, **kwargs)
+
+        def _spend(self, which, data):
+            self.left[which] -= len(data)
+            if self.left[which] < 0:
+                raise ConnectionError(f"a reply of more than {self.most[which]} {('bytes', 'values')[which]}")
+            return data
+    return Bounded
 
 
 # -----------------------------------------------------------------------------
@@ -1270,9 +1530,17 @@ def _stored(seq, fields):  # a stream entry -> the group as served, or None (che
 COLOURS = "#1f77b4 #ff7f0e #2ca02c #d62728 #9467bd #8c564b #e377c2 #7f7f7f #bcbd22 #17becf".split()
 
 
+def _ticks(lo, hi, least=0):
+    """Round numbers from lo to hi, three to eight: multiples of 1, 2 or 5 times a power of ten, and of least."""
+    step = 10.0 ** math.floor(math.log10((hi - lo) / 8))
+    step = max(least, next(step * m for m in (1, 2, 5, 10) if (hi - lo) / (step * m) < 8))
+    return [round(k * step, 9) for k in range(math.ceil(lo / step), math.floor(hi / step) + 1)]
+
+
 def render_svg(series, title="reward per round", ylabel="reward", xlabel="round", width=760, height=360,
-               bands=None, hline=None):
-    """{name: [(round, value), ...]} -> a standalone SVG document (a string) with one line per name.
+               bands=None, hline=None, mean_over=5):
+    """{name: [(round, value), ...]} -> a standalone SVG document (a string) with one line per name: each
+    point a faint dot, and the line the running mean over `mean_over` points (0: the points themselves).
     bands: {name: [(round, low, high), ...]}, shaded in that line's colour; hline: a dashed level."""
     left, top, plot_w, plot_h = 60, 34, width - 230, height - 80  # margins for the axes and the legend
     lines = {name: sorted((x, y) for x, y in pts if _sane(x) and _sane(y)) for name, pts in sorted(series.items())}
@@ -1297,11 +1565,11 @@ def render_svg(series, title="reward per round", ylabel="reward", xlabel="round"
         return top + (y1 - y) / (y1 - y0) * plot_h
 
     out.append(f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#444"/>')
-    for xv in sorted({round(x0 + (x1 - x0) * k / 5) for k in range(6)}):  # rounds along the bottom
-        out.append(f'<text x="{px(xv):.1f}" y="{top + plot_h + 18}" text-anchor="middle">{xv}</text>')
-    for yv in (y0 + (y1 - y0) * k / 5 for k in range(6)):  # values up the side, with grid lines
+    for xv in _ticks(x0, x1, least=1 if all(x == int(x) for x in xs) else 0):  # rounds along the bottom (whole ones)
+        out.append(f'<text x="{px(xv):.1f}" y="{top + plot_h + 18}" text-anchor="middle">{xv:g}</text>')
+    for yv in _ticks(y0, y1):  # values up the side, with grid lines
         out.append(f'<line x1="{left}" y1="{py(yv):.1f}" x2="{left + plot_w}" y2="{py(yv):.1f}" stroke="#ddd"/>'
-                   f'<text x="{left - 6}" y="{py(yv) + 4:.1f}" text-anchor="end">{yv:.3g}</text>')
+                   f'<text x="{left - 6}" y="{py(yv) + 4:.1f}" text-anchor="end">{yv:g}</text>')
     out.append(f'<text x="{left + plot_w / 2}" y="{height - 8}" text-anchor="middle">{html.escape(xlabel)}</text>'
                f'<text x="16" y="{top + plot_h / 2}" text-anchor="middle" '
                f'transform="rotate(-90 16 {top + plot_h / 2})">{html.escape(ylabel)}</text>')
@@ -1314,6 +1582,11 @@ def render_svg(series, title="reward per round", ylabel="reward", xlabel="round"
         if edge:
             out.append(f'<polygon fill="{colour}" fill-opacity="0.15" stroke="none" points="'
                        + " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in edge) + '"/>')
+        if mean_over and len(pts) > 1:  # each point a dot, and the running mean through them
+            out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2" fill="{colour}" fill-opacity="0.5"/>'
+                    for x, y in pts[::max(1, len(pts) // 500)]]
+            pts = [(x, sum(y for _, y in pts[max(0, i + 1 - mean_over):i + 1]) / min(i + 1, mean_over))
+                   for i, (x, _) in enumerate(pts)]
         pts = pts[::max(1, len(pts) // 2000)]  # a chart needs no more than ~2000 points a line
         coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
         out.append(f'<circle cx="{px(pts[0][0]):.1f}" cy="{py(pts[0][1]):.1f}" r="3" fill="{colour}"/>' if len(pts) == 1
@@ -1332,7 +1605,8 @@ def render_page(snap, groups=()):
         if row["peer"] in drawn and row["metrics"].get("local_reward") is not None:
             series.setdefault(row["peer"], {})[row["round"]] = row["metrics"]["local_reward"]
         last.setdefault(row["peer"], {}).update(row["metrics"], round=row["round"])
-    chart = render_svg({p: sorted(s.items()) for p, s in series.items()}, title="local_reward per round")
+    chart = render_svg({p: sorted(s.items()) for p, s in series.items()},
+                       title="local_reward per round (dots), mean of the last 5 rounds (lines)")
     newest = {g["peer"]: g for g in groups if g["peer"] in drawn}  # the last group of each peer wins
     said = "".join(f"<h3>{html.escape(p)}, round {g['round']}: {html.escape(g['question'][:300])}</h3>"
                    + "".join(f"<pre>{html.escape(c[:500])}</pre>" for c in g["completions"][:2])
@@ -1371,7 +1645,8 @@ def _size(text):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="nanoSAPO swarm rollout server (see the docstring of swarm.py).")
+    parser = argparse.ArgumentParser(description="nanoSAPO swarm rollout server (see the docstring of swarm.py).",
+                                     epilog=f"Peer names are {NAMES}.")
     parser.error = lambda message: parser.exit(2, f"swarm.py: {message}; see python swarm.py --help.\n")  # one line
     parser.add_argument("--dir", default="swarm_data", help="batch folder, made if missing (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on, 0.0.0.0: any (default: %(default)s)")
@@ -1379,20 +1654,31 @@ def main(argv=None):
     parser.add_argument("--token", default=os.environ.get("SWARM_TOKEN"), help="require 'Authorization: Bearer "
                         "TOKEN' on every request (default: $SWARM_TOKEN, which, unlike this flag, does not show in ps)")
     parser.add_argument("--token-file", type=argparse.FileType(encoding="latin-1"), help="the token, from a file")
+    parser.add_argument("--peers-file", help="per-peer credentials, one 'NAME TOKEN' a line, read again on SIGHUP: "
+                        "a peer's token writes only as that peer; with it, --token writes as any")
     parser.add_argument("--public-reads", action="store_true",
-                        help="with a token: let anyone GET (dashboard, rollouts, metrics); writes still need it")
-    parser.add_argument("--keep-bytes", type=_size, default=f"{Limits.keep_bytes >> 20}M",
-                        help="batch bytes kept on disk and in memory; the oldest go first (default: %(default)s)")
+                        help="with credentials: let anyone GET (dashboard, rollouts, metrics); writes still need one")
+    parser.add_argument("--keep-bytes", type=_size, default=f"{Limits.keep_bytes >> 20}M", help="what kept batches "
+                        "may cost, on disk and in memory; the writer holding most loses its oldest (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="log every request on stderr")
     args = parser.parse_args(argv)
     if args.token_file:  # (a token that is not printable ASCII fails in start_server)
         args.token = args.token_file.read().strip()
     try:
-        server, url = start_server(args.dir, args.host, args.port, args.token, args.keep_bytes,
-                                   args.public_reads, args.verbose)
+        server, url = start_server(args.dir, args.host, args.port, args.token, args.keep_bytes, args.public_reads,
+                                   args.verbose, read_peers(args.peers_file) if args.peers_file else None)
     except (ValueError, OSError) as e:  # e.g. a folder or port it cannot use: one sentence, exit status 2
         parser.exit(2, f"swarm.py: {e}\n")
     print(f"swarm server: {url}", flush=True)  # a launcher reads this line
+
+    def reload(signum, frame):  # SIGHUP: the peers file again; a bad one leaves the credentials as they were
+        try:
+            server.credentials = credentials(args.token, read_peers(args.peers_file))
+            _log(f"read {args.peers_file} again: {len(server.credentials)} credentials")
+        except ValueError as e:
+            _log(f"kept the credentials as they were: {e}")
+    if args.peers_file:
+        signal.signal(signal.SIGHUP, reload)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it like Ctrl-C
     try:
         while True:

@@ -35,7 +35,7 @@ text inside one is just characters, and a completion is trained and scored only 
 
 Deviations from the paper, and why:
 - Learning rate: the paper's text says Adam at 0.001, its code 1e-5 or 1e-6. We use AdamW at
-  --lr 1e-5 with gradient clipping at 1.0: measured against 1e-6 on SmolLM2-135M (see README).
+  --lr 1e-5 with gradient clipping at 1.0: measured against 1e-6 on SmolLM2-135M (docs/learning-rate.md).
 - Tasks: the paper's nine ReasoningGYM families are rewritten from scratch in reward.py. With the
   default 135M model they give ~0 reward, so `--tasks auto` picks an easy mix for that model and
   the paper's nine for any other model.
@@ -43,7 +43,7 @@ Deviations from the paper, and why:
   task family as an earlier chat turn; without it a 135M model almost never uses the answer tags.
 - Old log-probs: the paper's peers share no probabilities, so "old" is the local model at the start of
   the round for external rollouts too: with --inner-steps 1 the ratio is 1 (REINFORCE with group-
-  normalised advantages). Beyond the paper, --shared-logprobs makes it the sender's (grpo.py, README).
+  normalised advantages). Beyond the paper, --shared-logprobs makes it the sender's (grpo.py, docs/offpolicy.md).
 - Trust: external groups whose answer does not follow from their question are dropped
   (reward.verify_item); the paper trusts the sender's ground truth.
 - Weights are trained in float32 (autocast to bfloat16 where native: model.autocast_dtype) and copied into
@@ -228,15 +228,14 @@ class Algorithm1:
         adds the sampled token ids and their log-probs (to 1e-4), for a receiver's off-policy correction."""
         if self.client is None:
             return
-        shared = []
+        shared, model = [], os.path.basename(str(self.args.model).rstrip("/"))
         for g in groups:
-            group = dict(task=g.item["task"], question=g.item["question"], answer=g.item["answer"],
-                         metadata=g.item["metadata"], completions=g.texts, stopped=g.stopped,
-                         model=os.path.basename(str(self.args.model).rstrip("/")))
+            extra = {}
             if self.args.shared_logprobs and g.logprobs:
-                group.update(token_ids=g.completions, tokenizer=tokenizer_fingerprint(self.tok),
+                extra = dict(token_ids=g.completions, tokenizer=tokenizer_fingerprint(self.tok),
                              logprobs=[[round(max(x, -1e4), 4) for x in lp] for lp in g.logprobs])
-            shared.append(group)
+            shared.append(swarm.wire_group(g.item["task"], g.item["question"], g.item["answer"], g.texts, g.stopped,
+                                           g.item["metadata"], model, **extra))
         self.client.publish(r, shared)
 
     def choose_external(self, r):
@@ -401,8 +400,8 @@ def parser(device, I, J):
     a("--swarm", type=matching(r"(https?|rediss?)://\S+", "a URL such as http://10.0.0.5:8000 or redis://USER@HOST:6379/0"),
       help="URL of a swarm to join: its server (http://HOST:PORT) or a Redis store (redis://USER:PASSWORD@HOST:PORT/0, "
            "rediss:// for TLS; the password may come from --token)")
-    a("--name", type=matching(r"[A-Za-z0-9_.-]{1,64}", "1-64 letters, digits, '_', '.' or '-'"),
-      help="this peer's name in the swarm (default: the host name and a random suffix)")
+    a("--name", type=matching(swarm.NAME.pattern, swarm.NAMES),
+      help=f"this peer's name in the swarm: {swarm.NAMES} (default: the host name and a random suffix)")
     a("--token", default=argparse.SUPPRESS,  # never shown: --help would print the secret of $SWARM_TOKEN
       help="bearer token of the swarm server, for reads and writes (default: $SWARM_TOKEN, which ps does not show)")
     a("--plot", metavar="RUN_DIR", help="write RUN_DIR/reward.svg from its metrics and exit")
@@ -425,7 +424,7 @@ def parser(device, I, J):
     a("--max-new-tokens", type=at_least(1), default=64 if cpu else 256, help="completion length limit in tokens")
     a("--temperature", type=positive, default=1.0, help="sampling temperature")
     # GRPO
-    a("--lr", type=positive, default=1e-5, help="AdamW learning rate (measured, see README)")
+    a("--lr", type=positive, default=1e-5, help="AdamW learning rate (measured: docs/learning-rate.md)")
     a("--epsilon", type=fraction, default=0.2, help="lower clip: ratio >= 1 - epsilon")
     a("--epsilon-high", type=at_least(0.0, float), default=0.28, help="upper clip: ratio <= 1 + epsilon_high (DAPO)")
     a("--beta", type=at_least(0.0, float), default=0.0, help="weight of the k3 KL penalty to the initial model")
@@ -665,7 +664,7 @@ def peer_name(args, log):
     the server and the client leave out a peer's own groups by name."""
     if args.name:
         return args.name
-    name = f"{re.sub(r'[^A-Za-z0-9_.-]', '-', socket.gethostname())[:57] or 'peer'}-{secrets.token_hex(3)}"
+    name = f"{re.sub(r'[^A-Za-z0-9_.-]', '-', socket.gethostname())[:57].lstrip('_.-') or 'peer'}-{secrets.token_hex(3)}"
     log(f"this peer's name in the swarm: {name} (--name sets it)")
     return name
 
@@ -694,13 +693,14 @@ def release_memory():
 # the launcher: a server and N peers on one machine
 
 # One peer's peak memory per model parameter, measured for SmolLM2-135M with the CPU defaults (3.2-3.3 GB,
-# README "Memory") plus a margin: 16 bytes are float32 weights, gradients and AdamW state, the rest runtime
+# docs/performance.md) plus a margin: 16 bytes are float32 weights, gradients and AdamW state, the rest runtime
 # and activations. On CUDA and for other models a rough guide, scaled by size.
 PEER_BYTES_PER_PARAM = 26
 
 
 def launch(args, argv):
-    """A swarm server on a free loopback port, in this process, and args.peers peer processes; their progress
+    """A swarm server on a free loopback port, in this process, and args.peers peer processes, each with a
+    credential of its own (so each writes only as itself; reads need none unless --token); their progress
     together, from the metrics they post; on Ctrl-C all stop (each saves its last completed round). A peer
     that dies is reported and the others go on; the launcher then exits non-zero, saying why."""
     if not args.resume and glob.glob(os.path.join(args.out, "*", "metrics.jsonl")):
@@ -709,7 +709,9 @@ def launch(args, argv):
         sizes = {m: count_params(M.resolve(m)) for m in models(args)}
         check_memory(args.device, [sizes[peer_model(args, k)] for k in range(args.peers)])
         os.makedirs(args.out, exist_ok=True)
-        server, url = swarm.start_server(os.path.join(args.out, "swarm"), token=args.token)  # in this process
+        tokens = {f"peer{k}": secrets.token_urlsafe(24) for k in range(args.peers)}  # one credential per peer
+        server, url = swarm.start_server(os.path.join(args.out, "swarm"), token=args.token, peers=tokens,
+                                         public_reads=not args.token)  # in this process
     except (OSError, ValueError, RuntimeError) as e:
         raise SystemExit(f"train.py: {e}") from None
     children, failed, stopped = [], {}, False
@@ -717,7 +719,7 @@ def launch(args, argv):
     signal.signal(signal.SIGHUP, signal.default_int_handler)  # the terminal closed: stop the children too
     try:
         print(f"dashboard: {url}/ (open it in a browser to see each peer's reward and latest completions)")
-        procs = {f"peer{k}": start_peer(args, argv, k, url, children) for k in range(args.peers)}
+        procs = {name: start_peer(args, argv, k, url, children, tokens[name]) for k, name in enumerate(tokens)}
         mixed = len(sizes) > 1  # then each bar names its peer's model
         bars = {n: tqdm(total=args.rounds, desc=f"{n} ({label(peer_model(args, k))})" if mixed else n, position=k,
                         dynamic_ncols=True, bar_format=BAR) for k, n in enumerate(procs)}
@@ -761,17 +763,17 @@ def without_token(argv):
                                                   or (k and argv[k - 1] == "--token"))]
 
 
-def start_peer(args, argv, k, url, children):
+def start_peer(args, argv, k, url, children, token=None):
     """Peer k as a child process: this command line's flags (a later flag wins) with its own name, seed
-    (peer_seed), model (peer_model), the server's URL and the run folder, and the token in its environment.
-    It reads the flags as the launcher did: the same machine, so the same defaults; --tasks auto as the
-    launcher resolved it, so peers of different models draw from the same task families."""
+    (peer_seed), model (peer_model), the server's URL and the run folder, and its token (else --token) in its
+    environment. It reads the flags as the launcher did: the same machine, so the same defaults; --tasks auto
+    as the launcher resolved it, so peers of different models draw from the same task families."""
     name, mixed = f"peer{k}", args.tasks == "auto" and len(models(args)) > 1
     tasks = ["--tasks", ",".join(args.task_list)] * mixed  # the mix 'auto' gave the launcher, for every model
     flags = [*without_token(argv), "--peers", "0", "--swarm", url, "--name", name, "--quiet", *tasks,
              "--seed", str(peer_seed(args.seed, k)), "--model", peer_model(args, k), "--out", args.out]
     os.makedirs(os.path.join(args.out, name), exist_ok=True)
-    env = dict(os.environ, **({"SWARM_TOKEN": args.token} if args.token else {}))
+    env = dict(os.environ, **({"SWARM_TOKEN": token or args.token} if token or args.token else {}))
     if args.device.type == "cpu":  # share the cores instead of every peer fighting for all of them
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.peers)))
     proc = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), *flags],
@@ -849,12 +851,12 @@ def check_memory(device, params):
                      + (f"try --peers {fits}." if fits else "not even one peer fits; free some memory first."))
 
 
-def plot(run_dir, window=10):
-    """RUN_DIR/reward.svg, every peer's reward per round (a running mean over `window` rounds): on top the
-    local reward, the peer's skill; below it the batch reward, the paper's figure, which also counts the
-    external groups trained on (always of mixed reward, so it reads higher). A run in silo trains on
-    its local groups only, where the two are the same: it gets the top chart alone. In a swarm of several
-    models each line is named by its peer and its model (settings.json). The charts are
+def plot(run_dir):
+    """RUN_DIR/reward.svg, every peer's reward per round (a dot a round, a line through the running mean
+    of the last 5): on top the local reward, the peer's skill; below it the batch reward, the paper's figure,
+    which also counts the external groups trained on (always of mixed reward, so it reads higher). A run in
+    silo trains on its local groups only, where the two are the same: it gets the top chart alone. In a
+    swarm of several models each line is named by its peer and its model (settings.json). The charts are
     drawn by swarm.render_svg (swarm.py, the dashboard's, below its marker line)."""
     runs = {}
     for path in sorted(glob.glob(os.path.join(glob.escape(run_dir), "*", "metrics.jsonl"))):
@@ -872,9 +874,8 @@ def plot(run_dir, window=10):
         kinds = kinds[:1]
     charts = []
     for k, (key, title) in enumerate(kinds):
-        series = {name: [(row["round"], mean([x[key] for x in rows[max(0, i + 1 - window):i + 1]]))
-                         for i, row in enumerate(rows)] for name, rows in runs.items()}
-        chart = swarm.render_svg(series, title=f"{title}, running mean over {window} rounds")
+        series = {name: [(row["round"], row[key]) for row in rows] for name, rows in runs.items()}
+        chart = swarm.render_svg(series, title=f"{title}: dots, mean of the last 5 rounds (lines)")
         charts.append(chart.replace("<svg ", f'<svg y="{360 * k}" ', 1))  # one above the other
     out = os.path.join(run_dir, "reward.svg")
     with open(out, "w") as f:

@@ -1598,8 +1598,8 @@ def render_svg(series, title="reward per round", ylabel="reward", xlabel="round"
 
 def render_page(snap, groups=()):
     """The dashboard: local_reward per round of the 10 peers seen most recently, each one's newest completions
-    among `groups` (escaped), and a table, with the model each one's newest group names. A peer that has
-    finished round 0 shows last round 0, as its log."""
+    among `groups` (escaped), and a table with the model its newest group names. A peer that has finished
+    round 0 shows last round 0, as its log."""
     series, last, drawn = {}, {}, list(snap["peers"])[-len(COLOURS):]
     for row in snap["metrics"]:  # later rows for the same round (after a resume) replace earlier ones
         if row["peer"] in drawn and row["metrics"].get("local_reward") is not None:
@@ -1616,9 +1616,8 @@ def render_page(snap, groups=()):
         m = last.get(peer, {})
         cells = "".join(f"<td>{'' if m.get(k) is None else f'{m[k]:.3f}'}</td>" for k in ("local_reward", "batch_reward"))
         seen = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(info["last_seen"]))
-        model = html.escape(models.get(peer, ""))  # as its newest group names it
-        rows.append(f"<tr><td>{html.escape(peer)}</td><td>{model}</td><td>{m.get('round', '')}</td><td>{info['groups']}"
-                    f"</td>{cells}<td>{seen}</td></tr>")
+        rows.append(f"<tr><td>{html.escape(peer)}</td><td>{html.escape(models.get(peer, ''))}</td>"
+                    f"<td>{m.get('round', '')}</td><td>{info['groups']}</td>{cells}<td>{seen}</td></tr>")
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><meta http-equiv="refresh" content="5"><title>nanoSAPO swarm</title>
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}} h3{{font-size:1em}}

@@ -4620,6 +4620,7 @@ def test_train_peers_of_two_tokenizers_train_on_each_others_text_and_sender_logp
                 "peer" not in g.item or {n, g.item["peer"]} != {"w", "w2"} for g, _ in rows]
 
 
+@pytest.mark.slow
 def test_train_launcher_runs_a_swarm_of_two_models_and_says_which_peer_runs_which(tmp_path, monkeypatch):
     """python train.py --peers 2 --model A,B: peer0 runs A, peer1 B, to the end; the memory check counts
     each peer's own model; the plot names each line's model; a comma list without --peers is refused."""
@@ -4649,7 +4650,7 @@ def test_train_launcher_runs_a_swarm_of_two_models_and_says_which_peer_runs_whic
     monkeypatch.setattr(train, "free_memory", lambda device: free)  # room for words, chars, words: not a 2nd chars
     with pytest.raises(SystemExit) as e:
         train.main(["--peers", "4", "--model", models, "--out", str(tmp_path / "too-many")])
-    assert "4 peers need about" in str(e.value) and "try --peers 3." in str(e.value) and " to " in str(e.value)
+    assert "4 peers need about" in str(e.value) and "try --peers 3." in str(e.value) and "up to " in str(e.value)
     train.check_memory(torch.device("cpu"), [sizes[str(tmp_path / m)] for m in ("words", "chars", "words")])
 
 
@@ -5231,6 +5232,7 @@ def test_reproduce_each_seed_trains_on_a_toy_built_with_that_seed(tmp_path):
     assert not all(torch.equal(weights[0][k], weights[2][k]) for k in weights[0])
 
 
+@pytest.mark.slow
 def test_reproduce_mixed_swarm_measures_each_kind_against_its_own_silo(tmp_path):
     """--mixed: peers take the word-level toy and the character toy in turn; each kind's ratio is its own
     peers' cumulative local reward over the same peers' in 8/0; the external groups each kind trained on

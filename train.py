@@ -58,7 +58,6 @@ import dataclasses
 import functools
 import glob
 import hashlib
-import itertools
 import json
 import os
 import random
@@ -348,10 +347,11 @@ def parse_args(argv=None):
     args.token = getattr(args, "token", None) or os.environ.get("SWARM_TOKEN")
     if args.resume and not args.out:
         p.error("--resume needs --out: the run folder to continue")
-    if len(models(args)) > 1 and not args.peers:
+    args.models = [args.model] if os.path.isdir(args.model) else args.model.split(",")  # a folder is one model
+    if len(args.models) > 1 and not args.peers:
         p.error("--model takes a comma list only with --peers N, whose peers take the models in turn")
     try:
-        auto = "easy" if M.DEFAULT_MODEL in models(args) else "paper"  # 'auto': the easy mix for the 135M default
+        auto = "easy" if M.DEFAULT_MODEL in args.models else "paper"  # 'auto': the easy mix for the 135M default
         args.task_list = reward.task_names(auto if args.tasks == "auto" else args.tasks)  # a ValueError names them
         swarm.check_token(args.token)
     except ValueError as e:
@@ -366,10 +366,6 @@ def parse_args(argv=None):
     check_resume(p, args)
     args.out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     return args
-
-
-def models(args):  # --model as a list: peer k of the launcher runs models(args)[k % len]; a folder is one model
-    return [args.model] if os.path.isdir(args.model) else args.model.split(",")
 
 
 def small_defaults(device):  # whether a torch.device gets the smaller defaults: a CPU, or anything but CUDA
@@ -706,8 +702,9 @@ def launch(args, argv):
     if not args.resume and glob.glob(os.path.join(args.out, "*", "metrics.jsonl")):
         raise SystemExit(f"{args.out} already holds a run: pass --resume to continue it, or another --out")
     try:  # each model once, here: a first download or GGUF dequantisation must not run in every peer at once
-        sizes = {m: count_params(M.resolve(m)) for m in models(args)}
-        check_memory(args.device, [sizes[peer_model(args, k)] for k in range(args.peers)])
+        models = [args.models[k % len(args.models)] for k in range(args.peers)]  # peer k's: the models in turn
+        sizes = {m: count_params(M.resolve(m)) for m in models}
+        check_memory(args.device, [sizes[m] for m in models])
         os.makedirs(args.out, exist_ok=True)
         tokens = {f"peer{k}": secrets.token_urlsafe(24) for k in range(args.peers)}  # one credential per peer
         server, url = swarm.start_server(os.path.join(args.out, "swarm"), token=args.token, peers=tokens,
@@ -720,9 +717,8 @@ def launch(args, argv):
     try:
         print(f"dashboard: {url}/ (open it in a browser to see each peer's reward and latest completions)")
         procs = {name: start_peer(args, argv, k, url, children, tokens[name]) for k, name in enumerate(tokens)}
-        mixed = len(sizes) > 1  # then each bar names its peer's model
-        bars = {n: tqdm(total=args.rounds, desc=f"{n} ({label(peer_model(args, k))})" if mixed else n, position=k,
-                        dynamic_ncols=True, bar_format=BAR) for k, n in enumerate(procs)}
+        bars = {n: tqdm(total=args.rounds, desc=f"{n} ({label(models[k])})" if len(sizes) > 1 else n, position=k,
+                        dynamic_ncols=True, bar_format=BAR) for k, n in enumerate(procs)}  # mixed: each bar names its model
         seen, last = 0, {}  # the peers' metrics as the server got them: the newest row of each
         while len(failed) < len(procs) and any(p.poll() is None for p in procs.values()):
             time.sleep(1.0)
@@ -768,10 +764,10 @@ def start_peer(args, argv, k, url, children, token=None):
     (peer_seed), model (peer_model), the server's URL and the run folder, and its token (else --token) in its
     environment. It reads the flags as the launcher did: the same machine, so the same defaults; --tasks auto
     as the launcher resolved it, so peers of different models draw from the same task families."""
-    name, mixed = f"peer{k}", args.tasks == "auto" and len(models(args)) > 1
+    name, mixed = f"peer{k}", args.tasks == "auto" and len(args.models) > 1
     tasks = ["--tasks", ",".join(args.task_list)] * mixed  # the mix 'auto' gave the launcher, for every model
     flags = [*without_token(argv), "--peers", "0", "--swarm", url, "--name", name, "--quiet", *tasks,
-             "--seed", str(peer_seed(args.seed, k)), "--model", peer_model(args, k), "--out", args.out]
+             "--seed", str(peer_seed(args.seed, k)), "--model", args.models[k % len(args.models)], "--out", args.out]
     os.makedirs(os.path.join(args.out, name), exist_ok=True)
     env = dict(os.environ, **({"SWARM_TOKEN": token or args.token} if token or args.token else {}))
     if args.device.type == "cpu":  # share the cores instead of every peer fighting for all of them
@@ -781,10 +777,6 @@ def start_peer(args, argv, k, url, children, token=None):
                             start_new_session=True, env=env)
     children.append(proc)
     return proc
-
-
-def peer_model(args, k):  # peer k's model: the models of --model in turn
-    return models(args)[k % len(models(args))]
 
 
 def label(model):  # a model in a legend or a table: its folder or Hub name, without the path
@@ -842,12 +834,10 @@ def check_memory(device, params):
     need, free = [n * PEER_BYTES_PER_PARAM for n in params], free_memory(device)
     if free is None or sum(need) <= free:
         return
-    fits = sum(total <= free for total in itertools.accumulate(need))  # peers 0, 1, ... in turn
+    fits = next(k for k in range(len(need)) if sum(need[:k + 1]) > free)  # peers 0, 1, ... in turn
     where = "GPU memory" if device.type == "cuda" else "memory"
-    each = f"{max(need) / 1e9:.1f} GB each" if min(need) == max(need) else \
-        f"{min(need) / 1e9:.1f} to {max(need) / 1e9:.1f} GB each"
     raise SystemExit(f"train.py: {len(need)} peers need about {sum(need) / 1e9:.1f} GB of {where} "
-                     f"({each}) but {free / 1e9:.1f} GB is free: "
+                     f"(up to {max(need) / 1e9:.1f} GB each) but {free / 1e9:.1f} GB is free: "
                      + (f"try --peers {fits}." if fits else "not even one peer fits; free some memory first."))
 
 

@@ -21,7 +21,7 @@ I, J or what arrived). The ratio of a configuration to 8/0 is taken seed by seed
 of the luck of the draw; results.json and table.md give it as mean +- standard error over seeds, its
 95% interval, and the seed-to-seed standard deviation (how far one seed's ratio may land from another's).
 The toy is part of the seed: seed s builds its own (weights and pre-training questions drawn with seed
-s; seed 0's is the toy every seed shared before), so the spread includes the toy's own variation.
+s; seed 0's is the toy of a one-seed run), so the spread includes the toy's own variation.
 
 Why sharing can help, in plain words. GRPO learns only from a group whose completions got different
 rewards: if all 8 are wrong (or all right), every advantage is 0 and the group teaches nothing. When
@@ -357,7 +357,7 @@ def pretrain_toy(model, tok, task_name, guess, known=0.0, steps=1000, batch=16, 
 def build_toy(folder, guess, known=0.0, task_name="alphabet_position", steps=1000, log=print, seed=0, kind="toy"):
     """The toy model `kind` (TOYS) as a Hugging Face folder (built once; a folder already there is reused):
     its weights drawn and its pre-training questions drawn with `seed`, so seed s of a run has a toy of
-    its own (seed 0's is the toy every seed shared before)."""
+    its own (seed 0's is the toy of a one-seed run)."""
     if os.path.exists(os.path.join(folder, "config.json")):
         return folder
     t0, toy = time.time(), TOYS[kind]
@@ -392,7 +392,7 @@ def build_toys(s, seeds, root, guess, known, base="toy", log=print):
     kinds = s.model.split(",")
     folders = {seed: [toy_folder(root, f"{base}-{'model' if kind == 'toy' else kind}", seed) for kind in kinds]
                for seed in seeds}
-    threads = max(1, (os.cpu_count() or 1) // s.jobs)  # as in main: seed 0's toy is the one built before
+    threads = max(1, (os.cpu_count() or 1) // s.jobs)  # as in main, so seed 0's toy is a one-seed run's
     jobs = [(folders[seed][i], kind, guess, known, s.tasks, s.pretrain_steps, seed, s.max_new_tokens, threads)
             for seed in seeds for i, kind in enumerate(kinds)]
     done = {}

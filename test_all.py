@@ -4671,7 +4671,7 @@ def test_train_launcher_gives_each_peer_its_model_in_turn_and_one_task_mix(monke
         assert all(c.task_list == reward.task_names(mix) for c in children), models
     one = train.parse_args(["--model", "some/model", "--peers", "2", "--device", "cpu", "--out", "/tmp/launched"])
     train.start_peer(one, ["--model", "some/model", "--peers", "2"], 1, "http://127.0.0.1:9", [])
-    assert train.parse_args(started.pop()[3:]).tasks == "auto"  # one model: as before, the peer resolves it
+    assert train.parse_args(started.pop()[3:]).tasks == "auto"  # one model: the peer resolves it itself
 
 
 # -- a fair comparison, honest external groups, metrics that say what they mean, memory --
@@ -5221,7 +5221,7 @@ def test_reproduce_small_run_writes_the_table_and_figure_and_pairs_the_seeds(tmp
 
 def test_reproduce_each_seed_trains_on_a_toy_built_with_that_seed(tmp_path):
     """Seed s's toy is drawn and pre-trained with seed s, so the seed-to-seed spread includes the toy's own;
-    seed 0's is exactly the toy built with seed 0 (the one every seed shared before)."""
+    seed 0's is exactly the toy a lone build with seed 0 gives."""
     s = reproduce.parse_args(["--seeds", "2", "--pretrain-steps", "5", "--jobs", "1", "--out", str(tmp_path)])
     models, before = reproduce.build_toys(s, [0, 1], str(tmp_path), s.guess, s.known, log=quiet)
     assert models == {0: [str(tmp_path / "toy-model")], 1: [str(tmp_path / "toy-model-seed1")]}

@@ -771,6 +771,14 @@ class PropositionalLogic(Task):
         return self._grade([_parse_logic(p) for p in meta["premises"]], _parse_logic(answer))  # no formula: raises, 0
 
 
+def _row(n, start, block):
+    """n empty cells, `block` written from cell `start` on, around the end: _row(5, 4, [7, 8]) -> [8, 0, 0, 0, 7]."""
+    row = [0] * n
+    for i, color in enumerate(block):
+        row[(start + i) % n] = color
+    return row
+
+
 def _arc_move(rng, n, k, solid, wrap):
     """A block (one color, or many) moves k cells right; with wrap it runs around the row's end."""
     if wrap:
@@ -779,10 +787,7 @@ def _arc_move(rng, n, k, solid, wrap):
         size = rng.randint(1, n - k - 1)
         pos = rng.randint(0, n - size - k)
     block = [rng.randint(1, 9)] * size if solid else [rng.randint(1, 9) for _ in range(size)]
-    inp, out = [0] * n, [0] * n
-    for i, color in enumerate(block):
-        inp[(pos + i) % n], out[(pos + k + i) % n] = color, color
-    return inp, out
+    return _row(n, pos, block), _row(n, pos + k, block)
 
 
 def _arc_scattered(rng, n, kind):
@@ -821,18 +826,14 @@ def _arc_reflect(rng, n):
     block = [c1] * size
     block[0 if rng.random() < 0.5 else -1] = c2
     pos = rng.randint(0, n - size)
-    inp, out = [0] * n, [0] * n
-    inp[pos:pos + size], out[pos:pos + size] = block, block[::-1]
-    return inp, out
+    return _row(n, pos, block), _row(n, pos, block[::-1])
 
 
 def _arc_own_size(rng, n):
     """A block moves right by its own length."""
     size = rng.randint(1, n // 2)
     pos, color = rng.randint(0, n - 2 * size), rng.randint(1, 9)
-    inp, out = [0] * n, [0] * n
-    inp[pos:pos + size], out[pos + size:pos + 2 * size] = [color] * size, [color] * size
-    return inp, out
+    return _row(n, pos, [color] * size), _row(n, pos + size, [color] * size)
 
 
 def _arc_touch(rng, n):
@@ -846,9 +847,8 @@ def _arc_touch(rng, n):
         start, end = rng.randint(0, dot - size), dot - size
     else:
         start, end = rng.randint(dot + 1, n - size), dot + 1
-    inp, out = [0] * n, [0] * n
-    inp[dot] = out[dot] = 1
-    inp[start:start + size], out[end:end + size] = [color] * size, [color] * size
+    inp, out = _row(n, start, [color] * size), _row(n, end, [color] * size)
+    inp[dot] = out[dot] = 1  # the block never covers the dot
     return inp, out
 
 

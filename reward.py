@@ -209,21 +209,15 @@ def solution(item):
     return (work + "\n" if work else "") + f"<answer>{item['answer']}</answer>"
 
 
-def example_turns(task_name):
-    """A fixed worked example of the family (its solution), as a user turn and an assistant turn."""
-    item = get_task(task_name).generate(random.Random(f"one-shot example of {task_name}"))
-    return [{"role": "user", "content": item["question"]}, {"role": "assistant", "content": solution(item)}]
-
-
 def prompt_ids(tokenizer, item, one_shot, system="default"):
-    """Token ids of the chat prompt a peer samples and trains with: the system prompt, [a worked example],
-    the question, the assistant's turn (the tokenizer's chat template)."""
+    """Token ids of the chat prompt a peer samples and trains with: the system prompt, [a worked example:
+    a fixed item of the family and its solution], the question, the assistant's turn (the chat template)."""
     messages = [{"role": "system", "content": SYSTEM_PROMPTS[system]}]
     if one_shot:
-        try:
-            messages += example_turns(item["task"])
-        except Exception:  # a family this peer cannot generate (e.g. rg: without reasoning_gym)
-            pass
+        with contextlib.suppress(Exception):  # a family this peer cannot generate (e.g. rg: without reasoning_gym)
+            example = get_task(item["task"]).generate(random.Random(f"one-shot example of {item['task']}"))
+            messages += [{"role": "user", "content": example["question"]},
+                         {"role": "assistant", "content": solution(example)}]
     messages.append({"role": "user", "content": item["question"]})
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

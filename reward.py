@@ -431,12 +431,10 @@ class BasicArithmetic(Task):
     def make(self, rng, min_terms, max_terms, min_digits, max_digits, **fixed):  # fixed: + - * /, ( ), negation
         while True:
             terms, digits = rng.randint(min_terms, max_terms), rng.randint(min_digits, max_digits)
-            try:
+            with contextlib.suppress(ArithmeticError):  # a division that rounds, or a dividend too large to factor
                 expression = " ".join(self._terms(rng, terms, digits))
                 value = _int_value(expression)
                 break
-            except ArithmeticError:  # a division that rounds, or a dividend too large to factor
-                continue
         return rng.choice(self.TEMPLATES).format(expression), str(value), {"expression": expression}
 
 
@@ -464,12 +462,9 @@ class DecimalArithmetic(Task):
                 places = rng.randint(min_num_decimal_places, max_num_decimal_places)
                 numbers.append(f"{rng.randint(1, 10 * 10**places) / 10**places:.{places}f}")
             expression = self._group(rng, numbers, [rng.choice("+-*/") for _ in numbers[1:]])
-            try:
-                with localcontext(Context(prec=precision)):
-                    answer = str(_evaluate(ast.parse(expression, mode="eval").body))
+            with contextlib.suppress(ArithmeticError), localcontext(Context(prec=precision)):
+                answer = str(_evaluate(ast.parse(expression, mode="eval").body))  # x / 0 raises: draw again
                 break
-            except ArithmeticError:  # a division by a group worth 0: draw again
-                continue
         question = f"Compute this to {precision} significant digits and reply with the final value only."
         return question + f"\n{expression} = ?", answer, {"expression": expression}
 

@@ -67,12 +67,9 @@ TASKS = {}  # name -> Task, filled as each family below is defined
 
 
 def extract_answer(text):
-    """The stripped text of the last <answer>...</answer> span, or None.
-
-    Same result as the last match of re.finditer(r"<answer>(.*?)</answer>", text, re.DOTALL), as
-    ReasoningGym reads it, found with str.find so it is linear time on any input:
-    "a <answer>1</answer> b <answer> 2 </answer>" -> "2".
-    """
+    """The stripped text of the last <answer>...</answer> span, or None: the last match of
+    re.finditer(r"<answer>(.*?)</answer>", text, re.DOTALL), as ReasoningGym reads it, found with
+    str.find in linear time on any input: "a <answer>1</answer> b <answer> 2 </answer>" -> "2"."""
     if not isinstance(text, str):
         return None
     found, pos = None, 0
@@ -85,17 +82,15 @@ def extract_answer(text):
 
 
 class Task:
-    """One task family. A family writes make(rng, **config) -> (question, answer, metadata), drawing
-    only from rng, its config being its entry of PAPER_CONFIGS (none for an easy family);
-    score_answer(answer, item) -> reward in [0, 1] for an extracted answer (None when the completion
-    has none; it may raise on an answer it cannot read, which scores 0), by default ReasoningGym's
-    default rule; and WORKING, a line of working for the worked example, filled in with the item's
-    answer and metadata (or a working(item) of its own).
+    """One task family: make(rng, **config) -> (question, answer, metadata), drawing only from rng,
+    config being its entry of PAPER_CONFIGS (none for an easy family); score_answer(answer, item) ->
+    reward in [0, 1] of an extracted answer (None for none; raising scores 0), by default ReasoningGym's
+    default rule; WORKING, the worked example's line of working, filled in with the item's answer and
+    metadata (or a working(item) of its own).
 
-    An item is trusted by making it again. A seeded family (the paper's nine) makes each item from
-    random.Random(seed) and records the seed in metadata["seed"]; an unseeded one (the easy families)
-    makes it from the caller's rng and records every value it drew as its metadata, which verify()
-    replays to make() (see _Replay)."""
+    An item is trusted by making it again: a seeded family (the paper's nine) makes it from
+    random.Random(seed), recorded as metadata["seed"]; an unseeded one (the easy families) from the
+    caller's rng, recording every value drawn as metadata, which verify() replays to make() (_Replay)."""
 
     seeded = True
     max_answer_chars = None  # a longer answer scores 0 (for scorers whose parsing is not linear time)
@@ -143,8 +138,7 @@ class Task:
 class _Replay:
     """What an unseeded family's make() draws from when an item is made again: each draw returns the
     item's next recorded value if make() could have drawn it there (same type, in the range or among
-    the choices), else raises ValueError. So a forged easy item whose numbers lie outside its
-    generator's ranges ("What is 1000000000 + 999999999?" as one_digit_addition) is rejected."""
+    the choices), else raises ValueError ("What is 1000000000 + 999999999?" as one_digit_addition)."""
 
     def __init__(self, values):
         self.values = iter(values)
@@ -176,11 +170,9 @@ def score(item, completion):
 
 
 def verify_item(item, tasks=None):
-    """True iff the item is of one of `tasks` (the receiver's choice; by default every family of this
-    file and the nine rg:paper ones), is well formed, and is exactly what its family's generator
-    makes again from the item's own seed (easy families: its recorded values), within
-    VERIFY_SECONDS for an rg: task. The sender's question and ground truth are never trusted; never
-    raises."""
+    """True iff the item is of one of `tasks` (the receiver's choice; by default every family here and
+    the nine rg:paper ones), well formed, and exactly what its family makes again from the item's seed
+    (easy families: its recorded values), within VERIFY_SECONDS for an rg: task. Never raises."""
     allowed = list(TASKS) + ["rg:" + n for n in PAPER_TASKS] if tasks is None else tasks
     allowed = [allowed] if isinstance(allowed, str) else list(allowed)  # one name, or a list of them
     if not (isinstance(item, dict) and isinstance(item.get("task"), str) and item["task"] in allowed):
@@ -284,11 +276,6 @@ def _to_base(n, base):
             return digits
 
 
-def _base_name(base):
-    """How the question names a base: "binary", "hexadecimal" or "base-7"."""
-    return {2: "binary", 16: "hexadecimal"}.get(base, f"base-{base}")
-
-
 class BaseConversion(Task):
     """Convert a number 0..1000 between two different bases 2..16, digits above 9 as lowercase
     letters: "... convert the base-7 number 1234 to hexadecimal" -> "1d2". ReasoningGym's default
@@ -301,9 +288,10 @@ class BaseConversion(Task):
     def make(self, rng, min_base, max_base, min_value, max_value):
         value = rng.randint(min_value, max_value)
         source, target = rng.sample(range(min_base, max_base + 1), 2)
+        names = [{2: "binary", 16: "hexadecimal"}.get(base, f"base-{base}") for base in (source, target)]
         question = ("Convert a number from one base to another. If the target base is above 10, write "
                     "the digits above 9 as lowercase letters a-z.\n\n"
-                    f"Now, convert the {_base_name(source)} number {_to_base(value, source)} to {_base_name(target)}.")
+                    f"Now, convert the {names[0]} number {_to_base(value, source)} to {names[1]}.")
         return question, _to_base(value, target), {"decimal_value": value, "source_base": source, "target_base": target}
 
 
@@ -589,10 +577,9 @@ def _grid(rows):
 
 
 class BinaryMatrix(Task):
-    """For every cell of an n x n matrix of 0s and 1s (n = 3..10, a quarter 0s, at least one 0), the
-    number of up/down/left/right steps to the nearest 0. The answer is the matrix, one row per line,
-    numbers separated by single spaces. ReasoningGym's rule: 1.0 for exactly that text, 0.1 for the
-    same matrix written as a Python list of lists, else 0.0."""
+    """Each cell's taxicab distance to the nearest 0 in an n x n matrix of 0s and 1s (n = 3..10, a quarter
+    0s, at least one), as rows of numbers separated by single spaces. ReasoningGym's rule: 1.0 for exactly
+    that text, 0.1 for the same matrix as a Python list of lists, else 0.0."""
 
     name = "binary_matrix"
     max_answer_chars = MAX_ANSWER_CHARS  # the exact answer is at most 299 characters
@@ -660,21 +647,15 @@ class BF(Task):
 
 
 def _parse_logic(s):
-    """A formula as ReasoningGym reads one, as a tree: a variable name (any other text is a variable
-    too), ("¬", x), or (op, left, right) for ∧ ∨ → ↔. Outer parentheses are dropped; ↔ binds
-    loosest, then →, ∨, ∧ (each split at its rightmost occurrence outside parentheses), then ¬:
-    "¬P ∧ (Q → R)" -> ("∧", ("¬", "P"), ("→", "Q", "R"))."""
+    """A formula as ReasoningGym reads one, as a tree: a variable (any other text too), ("¬", x), or
+    (op, left, right); outer parentheses dropped, ↔ binds loosest, then →, ∨, ∧ (each split at its
+    rightmost occurrence outside parentheses), then ¬: "¬P ∧ (Q → R)" -> ("∧", ("¬", "P"), ("→", "Q", "R"))."""
     s = s.strip()
     if not s:
         raise ValueError("empty formula")
-    if s[0] == "(" and s[-1] == ")":
-        depth = 0
-        for c in s[1:-1]:
-            depth += {"(": 1, ")": -1}.get(c, 0)
-            if depth < 0:
-                break
-        if depth == 0:
-            return _parse_logic(s[1:-1])
+    depths = list(itertools.accumulate(({"(": 1, ")": -1}.get(c, 0) for c in s[1:-1]), initial=0))
+    if s[0] == "(" and s[-1] == ")" and min(depths) == 0 == depths[-1]:  # one pair around it all
+        return _parse_logic(s[1:-1])
     for op in (op for op in "↔→∨∧" if op in s):
         depth = 0
         for i in range(len(s) - 1, -1, -1):
@@ -780,10 +761,9 @@ def _arc_move(rng, n, k, solid, wrap):
 
 
 def _arc_scattered(rng, n, kind):
-    """A row with about half of its cells colored 1..9, and what the rule `kind` makes of it:
-    "gravity": the colored cells fall to the left, in order; "gravity_counting": they are counted, as
-    that many 1s at the left; "gravity_one_step": each one with an empty cell on its left moves into
-    it (scanning from the left); "change_to_five": each one becomes 5."""
+    """A row about half colored 1..9, and what `kind` makes of it: "gravity": the colored cells fall to
+    the left, in order; "gravity_counting": as that many 1s at the left; "gravity_one_step": each one
+    with an empty cell on its left moves into it (scanning from the left); "change_to_five": each is 5."""
     inp = [rng.randint(1, 9) if rng.random() < 0.5 else 0 for _ in range(n)]
     kept = [c for c in inp if c]
     if kind == "gravity":
@@ -855,10 +835,9 @@ ARC_RULES.update({"change_to_five": (_arc_scattered, {"kind": "change_to_five"},
 
 
 class Arc1D(Task):
-    """A 1-D ARC puzzle: three input -> output rows of 10..30 cells (colors 0..9) share one rule;
-    apply it to a test row. The answer is the output row, cells separated by single spaces. We have
-    43 of ReasoningGym's 77 rules (see ARC_RULES and the module docstring). ReasoningGym's default
-    rule: exactly that text ("0,0,5" or "[0 0 5]" earn nothing, "Output: 0 0 5" partial credit)."""
+    """A 1-D ARC puzzle: three input -> output rows of 10..30 cells (colors 0..9) share one of ARC_RULES;
+    the answer is the test row's output, cells separated by single spaces. ReasoningGym's default rule:
+    exactly that text ("0,0,5" or "[0 0 5]" earn nothing, "Output: 0 0 5" partial credit)."""
 
     name = "arc_1d"
 
@@ -895,9 +874,8 @@ class RepeatNumber(EasyTask):
 
 
 class AlphabetPosition(EasyTask):
-    """The position of a lowercase letter in the alphabet, counting from 1. To a model that does not
-    know the alphabet these are 26 separate facts: reproduce.py's toy, where each fact must be found
-    by a lucky guess. "What is the position of the letter q in the alphabet?" -> "17"."""
+    """The position of a lowercase letter in the alphabet, from 1: "... the letter q ..." -> "17". To a
+    model that does not know the alphabet, 26 facts each found by a lucky guess: reproduce.py's toy."""
 
     name = "alphabet_position"
     WORKING = "{letter} is letter number {answer}."
@@ -925,14 +903,13 @@ _RG_BUSY = threading.Lock()  # held while an rg: item is made again, by one thre
 
 
 class ReasoningGymTask(Task):
-    """A task backed by the reasoning_gym package (only if installed): "rg:bf" draws from
-    reasoning_gym.create_dataset("bf", ...) with the paper's config for the nine (rg's defaults for
-    other names) and scores with that dataset's score_answer. An item is entry 0 of the dataset with
-    the item's seed; its metadata is rg's (made JSON-safe) plus that seed and the config. An entry
-    without an answer (propositional_logic) takes its example answer. For the nine, an entry whose
-    own answer does not score 1.0 (rg's fallback conclusion, an empty base_conversion answer) is
-    never made: generate() draws another seed, verify() rejects it. rg's scorers trust the metadata:
-    score a peer's rg item only after verify_item accepted it."""
+    """A reasoning_gym dataset as a task (if the package is installed): an "rg:bf" item is entry 0 of
+    reasoning_gym.create_dataset("bf", seed=its seed, size=1, **the paper's config; rg's defaults beyond
+    the nine), scored by that dataset's score_answer; its metadata is rg's (JSON-safe), the seed and the
+    config; without an answer (propositional_logic) it takes the example answer. For the nine, an entry
+    whose own answer scores below 1.0 (rg's fallback conclusion, an empty base_conversion answer) is never
+    made: generate() draws another seed, verify() rejects it. rg's scorers trust the metadata: score a
+    peer's rg item only after verify_item accepted it."""
 
     max_answer_chars = MAX_ANSWER_CHARS  # rg's parsers are not all linear time
 

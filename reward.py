@@ -378,11 +378,10 @@ def _divisors(n):
 
 
 class BasicArithmetic(Task):
-    """Evaluate an integer expression of 2..6 numbers with 1..4 digits (either sign), + - * /,
-    parentheses and negated groups: "Compute -( 12 * -5 ) / 4 + 7." -> "22". Expressions are drawn
-    as ReasoningGym draws them (so a divisor is a divisor of its dividend, which can have 5 to 8
-    digits), and drawn again where a division would round. ReasoningGym's default rule: the answer is
-    the exact integer text ("22.0" earns 2/4)."""
+    """Evaluate an integer expression of 2..6 numbers with 1..4 digits (either sign), + - * /, parentheses
+    and negated groups: "Compute -( 12 * -5 ) / 4 + 7." -> "22". Drawn as ReasoningGym draws them (a divisor
+    divides its dividend, which can have 5 to 8 digits), again where a division would round. ReasoningGym's
+    default rule: the answer is the exact integer text ("22.0" earns 2/4)."""
 
     name = "basic_arithmetic"
     TEMPLATES = ("What is {}?", "Calculate {}.", "Compute {}.", "Evaluate: {}.")
@@ -390,10 +389,9 @@ class BasicArithmetic(Task):
 
     def _terms(self, rng, n, digits):
         """The tokens of an expression of n numbers: a first part of k numbers (a group in parentheses,
-        negated half of the time, or numbers joined by + - *), then an operator and the rest. After a
-        /, the next number is a divisor of the first part's value (of its last number, unless it is a
-        group); where the rest ends in a group, a correction added inside that group makes the whole
-        rest such a divisor instead."""
+        negated half of the time, or numbers joined by + - *), then an operator and the rest. After a /,
+        the next number divides the first part's value (its last number's, unless it is a group); where
+        the rest ends in a group, a correction inside that group makes the whole rest such a divisor."""
         number = lambda: str(rng.randint(1 - 10**digits, 10**digits - 1))
         k = rng.randint(1, n)
         if k > 1 and rng.random() < 0.5:
@@ -463,10 +461,9 @@ class DecimalArithmetic(Task):
 
 
 class FractionSimplification(Task):
-    """Reduce a fraction to lowest terms, written plain or in LaTeX, and answered in the same style:
-    "Simplify the fraction $\\frac{5952}{6624}$ ..." -> "$\\frac{62}{69}$". ReasoningGym's rule: 1.0
-    for the reduced fraction in any of the styles ("62/69" too), 0.1 for a fraction that keeps the
-    question's numerator or denominator, 0.05 for another fraction, 0.01 for no fraction at all."""
+    """Reduce a fraction, plain or LaTeX, answered in the same style: "Simplify the fraction $\\frac{5952}{6624}$
+    ..." -> "$\\frac{62}{69}$". ReasoningGym's rule: 1.0 for the reduced fraction in any style ("62/69" too), 0.1
+    for one keeping the question's numerator or denominator, 0.05 another fraction, 0.01 no fraction at all."""
 
     name = "fraction_simplification"
     STYLES = {"plain": "{}/{}", "latex_frac": "$\\frac{{{}}}{{{}}}$", "latex_dfrac": "$\\dfrac{{{}}}{{{}}}$"}
@@ -513,11 +510,10 @@ def _long_date(d, weekday=False):
 
 
 class CalendarArithmetic(Task):
-    """Four kinds of calendar question about 2023: the weekday of a date ("Monday"), how many times a
-    weekday occurs between two dates at most 100 days apart ("8"), whether a year 1923..2123 is a leap
-    year ("Yes"/"No"), and the day of the month of the first..fourth or last weekday of a month ("19").
-    ReasoningGym's rules: an exact weekday scores 1.0, another weekday 0.1, a weekday in other case
-    0.05; a count or day scores exp(-5 x relative error); Yes/No in any case."""
+    """Four kinds of calendar question about 2023: the weekday of a date ("Monday"), how many times a weekday
+    occurs between two dates at most 100 days apart ("8"), whether a year 1923..2123 is a leap year ("Yes"/"No"),
+    the day of the month of the first..fourth or last weekday of a month ("19"). ReasoningGym's rules: an exact
+    weekday 1.0, another 0.1, one in other case 0.05; a count or day exp(-5 x relative error); Yes/No any case."""
 
     name = "calendar_arithmetic"
     ORDINALS = ("first", "second", "third", "fourth", "last")
@@ -681,13 +677,12 @@ def _variables(f):
 
 
 class PropositionalLogic(Task):
-    """State a conclusion that follows from 2..4 premises over 2..4 variables P, Q, R, S (formulas up
-    to 3 levels deep with ¬ ∧ ∨ → ↔). ReasoningGym's rule, by truth table: 1.0 for a conclusion that
-    follows and is not trivial, 0.25 for a trivial one (a bare variable or a tautology), 0.05 for one
-    that does not follow, 0 for a capital letter that is no variable, or no formula at all. From
-    "(P → Q)" and "P": "(P ∧ Q)" and "Q ∧ P" score 1.0, "Q" 0.25, "¬Q" 0.05. The item's answer is just
-    one conclusion worth 1.0. Premises are drawn as ReasoningGym draws them, so about a fifth of the
-    sets contradict themselves, and then every formula follows from them."""
+    """State a conclusion that follows from 2..4 premises over 2..4 variables P, Q, R, S (formulas up to 3
+    levels deep with ¬ ∧ ∨ → ↔). ReasoningGym's rule, by truth table: 1.0 for a conclusion that follows and
+    is not trivial, 0.25 for a trivial one (a bare variable or a tautology), 0.05 for one that does not
+    follow, 0 for a capital letter that is no variable, or no formula. From "(P → Q)" and "P": "(P ∧ Q)" and
+    "Q ∧ P" score 1.0, "Q" 0.25, "¬Q" 0.05; the item's answer is one conclusion worth 1.0. Premises are drawn
+    as ReasoningGym draws them: about a fifth contradict themselves, and then every formula follows."""
 
     name = "propositional_logic"
     max_answer_chars = MAX_ANSWER_CHARS
@@ -720,13 +715,12 @@ class PropositionalLogic(Task):
             premises = [self._formula(rng, variables, rng.randint(min_complexity, max_complexity))
                         for _ in range(rng.randint(min_statements, max_statements))]
             parsed = [_parse_logic(p) for p in premises]
-            shapes = [("¬", a) for a in variables] + [(op, a, b) for a in variables for b in variables
-                                                       if a != b for op in "∧∨→↔"]  # none is trivial
-            good = [f for f in shapes if self._grade(parsed, f) == 1.0]  # those that follow
+            shapes = ["¬" + a for a in variables] + [f"({a} {op} {b})" for a in variables for b in variables
+                                                      if a != b for op in "∧∨→↔"]  # none is trivial
+            good = [f for f in shapes if self._grade(parsed, _parse_logic(f)) == 1.0]  # those that follow
             if good:  # else only trivial conclusions follow: draw again
                 break
-        f = rng.choice(good)
-        answer = "¬" + f[1] if f[0] == "¬" else f"({f[1]} {f[0]} {f[2]})"
+        answer = rng.choice(good)
         listed = "\n".join(f"{i}. {p}" for i, p in enumerate(premises, 1))
         question = ("This is a propositional logic question. Given the premises below, state a conclusion "
                     "that follows from them; a bare variable or a tautology earns partial credit only.\n"

@@ -3,12 +3,11 @@ The verifiable tasks of nanoSAPO: a question generator and a scorer per task fam
 prompts and the chat prompt (prompt_ids), answer extraction from the last <answer>...</answer> span,
 and `verify_item`, which lets a peer trust a question that another peer shared.
 
-SAPO (arXiv 2509.08721, §4.1) trains on nine ReasoningGym families (base_conversion, basic_arithmetic,
-arc_1d, bf, propositional_logic, fraction_simplification, decimal_arithmetic, calendar_arithmetic,
-binary_matrix) with the configs of the paper's code (PAPER_CONFIGS), rewarded by ReasoningGym's own
-`score_answer`. Here all nine are written with the standard library only: each scorer gives what
-reasoning_gym 0.1.25's gives (same formats, same partial credit); each generator follows the paper's
-config with our own code and wording, so items are alike, not identical (`python bench.py --parity`).
+SAPO (arXiv 2509.08721, §4.1) trains on nine ReasoningGym families (PAPER_TASKS) with the configs of
+the paper's code (PAPER_CONFIGS), rewarded by ReasoningGym's own `score_answer`. Here all nine are
+written with the standard library only: each scorer gives what reasoning_gym 0.1.25's gives (same
+formats, same partial credit); each generator follows the paper's config with our own code and
+wording, so items are alike, not identical (`python bench.py --parity`).
 
 Deviations, and why:
 - Where our families differ from ReasoningGym's, for fewer lines or to skip degenerate items (43 of
@@ -99,12 +98,9 @@ class Task:
     def score_answer(self, answer, item):
         """ReasoningGym's default rule: 1.0 for exactly the item's answer, len(item's answer) /
         len(answer) for an answer that contains it ("The answer is 42" -> 2/16), else 0.0."""
-        oracle = item["answer"]
-        if not answer:
+        if not answer or item["answer"] not in answer:
             return 0.0
-        if answer == oracle:
-            return 1.0
-        return len(oracle) / len(answer) if oracle in answer else 0.0
+        return len(item["answer"]) / len(answer)  # 1.0 for the answer itself
 
     def working(self, item):
         return self.WORKING.format_map({**item["metadata"], "answer": item["answer"]})

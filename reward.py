@@ -645,9 +645,10 @@ def _parse_logic(s):
     s = s.strip()
     if not s:
         raise ValueError("empty formula")
-    depths = list(itertools.accumulate(({"(": 1, ")": -1}.get(c, 0) for c in s[1:-1]), initial=0))
-    if s[0] == "(" and s[-1] == ")" and min(depths) == 0 == depths[-1]:  # one pair around it all
-        return _parse_logic(s[1:-1])
+    if s[0] == "(" and s[-1] == ")":
+        depths = list(itertools.accumulate(map({"(": 1, ")": -1}.get, s[1:-1], itertools.repeat(0)), initial=0))
+        if min(depths) == 0 == depths[-1]:  # one pair around it all
+            return _parse_logic(s[1:-1])
     for op in (op for op in "↔→∨∧" if op in s):
         depth = 0
         for i in range(len(s) - 1, -1, -1):

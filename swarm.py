@@ -1246,36 +1246,29 @@ class HttpTransport(_Transport):
             self.session.mount(scheme, _Adapter(self))
 
     def publish(self, round_, texts, batch_id):
-        reply = self._post("/rollouts", b'{"peer":%s,"round":%d,"batch_id":%s,"groups":[%s]}' % (
+        reply = self._call("/rollouts", b'{"peer":%s,"round":%d,"batch_id":%s,"groups":[%s]}' % (
             _dumps(self.peer), round_, _dumps(batch_id), b",".join(texts)))
         return _acknowledged(reply, len(texts), "a reply to /rollouts")
 
     def post_metrics(self, round_, texts):
-        reply = self._post("/metrics", b'{"peer":%s,"round":%d,"metrics":%s}' % (_dumps(self.peer), round_, texts[0]))
+        reply = self._call("/metrics", b'{"peer":%s,"round":%d,"metrics":%s}' % (_dumps(self.peer), round_, texts[0]))
         _want(isinstance(reply, dict) and reply.get("ok") is True, "a reply to /metrics acknowledges nothing")
 
     def sample(self, k, seed):
-        status, reply = self._request("GET", f"/rollouts?sample={k}&exclude={self.peer}&seed={seed}")
-        if status != 200:
-            raise ConnectionError(f"HTTP {status}: {_said(reply)}")
-        return self._received(check(reply, SAMPLE, "the reply to /rollouts")["groups"][:k])
+        reply = self._call(f"/rollouts?sample={k}&exclude={self.peer}&seed={seed}")
+        return self._received(SAMPLE(reply, "the reply to /rollouts")["groups"][:k])
 
     def close(self):
         self.closed = True
         _shut(self.sockets)
         self.session.close()
 
-    def _post(self, path, body):  # -> the reply; a 400, 413 or 422 (the request's own fault) is Refused
-        status, reply = self._request("POST", path, body)
-        if status != 200:
-            raise Refused(f"HTTP {status}: {_said(reply)}")
-        return reply
-
-    def _request(self, method, path, body=None):
-        """One HTTP exchange -> (status, its JSON or None): 200, or 400, 413 or 422 (the request's own fault).
-        Any other status (a wrong token or URL said naming the likely cause, a redirect naming where), or no
-        whole reply within Limits.request_seconds (a timer shuts the socket, as close() does: requests bounds
-        each read, not a reply), is an OSError. A 200 is BadRequest unless it is JSON within
+    def _call(self, path, body=None):
+        """One HTTP exchange, a POST of body (else a GET) -> the JSON of a 200. A 400, 413 or 422 (the request's
+        own fault) is Refused for a POST: the same bytes would be refused again; for a GET (a proxy's), an
+        OSError. Any other status (a wrong token or URL said naming the likely cause, a redirect naming where),
+        or no whole reply within Limits.request_seconds (a timer shuts the socket, as close() does: requests
+        bounds each read, not a reply), is an OSError. A 200 is BadRequest unless it is JSON within
         Limits.reply_bytes and json_values values: parsing holds the interpreter lock, and with it training."""
         if self.closed:
             raise ConnectionError("the client is closing")
@@ -1283,8 +1276,8 @@ class HttpTransport(_Transport):
         timer = threading.Timer(Limits.request_seconds, _shut, [self.sockets])
         timer.start()
         try:
-            with self.session.request(method, self.url + path, data=body, stream=True, allow_redirects=False,
-                                      timeout=Limits.request_seconds) as r:
+            with self.session.request("GET" if body is None else "POST", self.url + path, data=body, stream=True,
+                                      allow_redirects=False, timeout=Limits.request_seconds) as r:
                 for chunk in r.iter_content(1 << 16):
                     reply += chunk
                     if len(reply) > Limits.reply_bytes:
@@ -1297,21 +1290,23 @@ class HttpTransport(_Transport):
                 sock.close()
         if (late := time.monotonic() > deadline) or self.closed or isinstance(reply, Exception):  # (cut by the timer?)
             raise ConnectionError(f"server unreachable ({_reason(None if late else reply)})")
-        if (r.status_code != 200 and not 400 <= r.status_code < 500) or r.status_code in (408, 429):
+        if (status := r.status_code) != 200 and not 400 <= status < 500 or status in (408, 429):
             moved = f", a redirect to {r.headers.get('Location', '')[:100]!r}, which this client does not follow" \
-                if 300 <= r.status_code < 400 else ""
-            raise ConnectionError(f"server unreachable (HTTP {r.status_code}{moved})")
+                if 300 <= status < 400 else ""
+            raise ConnectionError(f"server unreachable (HTTP {status}{moved})")
         try:
             _want(len(reply) <= Limits.reply_bytes, f"a reply of more than {Limits.reply_bytes} bytes")
             reply = parse_json(reply, surrogates=True)
         except BadRequest as e:
-            if r.status_code == 200:
+            if status == 200:
                 raise BadRequest(f"a reply it cannot use ({e.message[:200]})") from None
             reply = None
-        if r.status_code not in (200, 400, 413, 422):
-            raise ConnectionError(f"HTTP {r.status_code} from {self.url}{path.partition('?')[0]}: "
-                                  f"{_REFUSED.get(r.status_code) or _said(reply)}")
-        return r.status_code, reply
+        if status not in (200, 400, 413, 422):
+            raise ConnectionError(f"HTTP {status} from {self.url}{path.partition('?')[0]}: "
+                                  f"{_REFUSED.get(status) or _said(reply)}")
+        if status != 200:
+            raise (ConnectionError if body is None else Refused)(f"HTTP {status}: {_said(reply)}")
+        return reply
 
 
 class _Adapter(requests.adapters.HTTPAdapter):

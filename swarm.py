@@ -333,7 +333,8 @@ class Limits:
 
 # -----------------------------------------------------------------------------
 # What may arrive from outside (requests, files read back, a server's replies) is checked by rules: a
-# rule takes (value, where) and returns a clean copy of the value, or raises BadRequest in one sentence.
+# rule takes (value, where) and returns a clean copy of the value, or raises BadRequest naming the first
+# problem in one sentence (where: what the value is; a fields() rule's may be left out, for a body).
 
 class BadRequest(Exception):
     """What the other side got wrong, in one sentence, with the HTTP status that says so."""
@@ -389,7 +390,7 @@ def items(most, each=None, least=0):  # a list of least to most values, each pas
 def fields(table, optional={}, also=()):
     """The rule for a JSON object with the fields of `table` (field -> rule) -> a copy with only those.
     optional: field -> the value a missing field takes; also: (test of the copy, what it says) pairs."""
-    def checked(value, where):
+    def checked(value, where=""):
         _want(isinstance(value, dict), f"{where or 'The body'} must be a JSON object.")
         clean = {}
         for field, each in table.items():
@@ -402,11 +403,6 @@ def fields(table, optional={}, also=()):
             _want(test(clean), f"In {where or 'the body'}, {says}.")
         return clean
     return checked
-
-
-def check(value, rule, where=""):
-    """A JSON value checked by a rule -> its clean copy, or BadRequest naming the first problem."""
-    return rule(value, where)
 
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # peer names: safe in URLs, logs and HTML
@@ -635,7 +631,7 @@ class RolloutStore(Store):
         data, bad = self._read("metrics.jsonl"), 0
         for line in (data or b"").splitlines():
             try:
-                row = check(parse_json(line), ROW)
+                row = ROW(parse_json(line))
                 _want(not self.metrics or row["n"] > self.metrics[-1][0], "out of order")
                 self._keep_metrics(row)
             except BadRequest:
@@ -656,7 +652,7 @@ class RolloutStore(Store):
                 data = f.read(4 * Limits.body_bytes + 1)  # more than this server ever writes in one file
                 size = max(len(data), os.fstat(f.fileno()).st_blocks * 512)
             _want(len(data) <= 4 * Limits.body_bytes, "it is larger than any file this server writes")
-            return (check(parse_json(data), rule, name), size) if rule else data
+            return (rule(parse_json(data), name), size) if rule else data
         except FileNotFoundError:
             return None
         except (OSError, BadRequest) as e:
@@ -1021,7 +1017,7 @@ class SwarmServer:
         """A request for one of ROUTES (a write by `peer`'s credential) -> the reply's bytes. Groups are kept
         as JSON text, so a page of them is joined, not encoded again."""
         if method == "POST":
-            b = check(parse_json(body), PUBLISH if path == "/rollouts" else METRICS)
+            b = (PUBLISH if path == "/rollouts" else METRICS)(parse_json(body))
             _want(peer in (None, b["peer"]), f"This credential is peer {peer}'s; it cannot write as {b['peer']}.", 403)
             if path == "/metrics":
                 self.store.add_metrics(b["peer"], b["round"], b["metrics"])
@@ -1210,7 +1206,7 @@ class _Transport:
         good, bad = [], []
         for g in groups:
             try:
-                g = check(g, STORED, "a received group")
+                g = STORED(g, "a received group")
                 good.append((g, len(_dumps(g))))
             except (BadRequest, ValueError) as e:  # (ValueError: a lone surrogate, which UTF-8 cannot carry)
                 bad.append(getattr(e, "message", str(e)))
@@ -1222,7 +1218,7 @@ class _Transport:
 
 def _acknowledged(reply, groups, where):  # a reply to a publish -> it, if it says all groups were stored
     _want(isinstance(reply, dict) and reply.get("accepted") == groups, f"{where} acknowledges nothing")
-    return check(reply, fields({"accepted": number(groups), "seq": SEQ}), where)
+    return fields({"accepted": number(groups), "seq": SEQ})(reply, where)
 
 
 class HttpTransport(_Transport):

@@ -4011,7 +4011,7 @@ def test_swarm_wire_group_is_what_a_server_takes():
     full = swarm.wire_group("t", "What?", "4", ["a", "b"], [True, True], {"n": 1}, "m", [[5, 2], [7]],
                             [[-0.5, -0.1], [-3.0]], "vocab-1")
     body = {"peer": "p", "round": 0, "batch_id": "b", "groups": [plain, full]}
-    assert swarm.check(body, swarm.PUBLISH)["groups"] == [plain, full]
+    assert swarm.PUBLISH(body)["groups"] == [plain, full]
     assert plain == {"task": "t", "question": "What?", "answer": "4", "metadata": {}, "model": "",
                      "completions": ["<answer>4</answer>", "5"], "stopped": [True, False]}
     assert {"token_ids", "logprobs", "tokenizer"} <= set(full)
@@ -4692,7 +4692,7 @@ def test_train_shared_logprobs_publishes_them_and_trains_shared_rows_against_the
         collected = peer.collect(0)
         published = peer.client.published[0][1]
         for g, local in zip(published, collected["groups"]):
-            assert swarm.check(g, swarm.fields(swarm.GROUP, swarm.OPTIONAL, swarm.ALSO)) == g  # what the server accepts, unchanged
+            assert swarm.fields(swarm.GROUP, swarm.OPTIONAL, swarm.ALSO)(g) == g  # what the server accepts, unchanged
             if flag == "--shared-logprobs":
                 assert g["token_ids"] == local.completions and g["tokenizer"] == train.tokenizer_fingerprint(peer.tok)
                 assert [len(x) for x in g["logprobs"]] == [len(c) for c in local.completions]

@@ -251,7 +251,7 @@ class Client:
         try:
             send(*args)
         except Refused as e:
-            _say(self.peer, f"the server refused {what}, so it is dropped: {e}")
+            _log(f"the server refused {what}, so it is dropped: {e}", self.peer)
         with self.cond:
             if self.outbox and self.outbox[0] is entry:  # (a full outbox may have dropped it meanwhile)
                 self.outbox.popleft()
@@ -486,8 +486,9 @@ def _values(text):  # what parsing a JSON text costs: its commas, objects and li
     return bare.count(",") + bare.count("{") + bare.count("[")
 
 
-def _log(message):
-    print(f"swarm server: {message}", file=sys.stderr, flush=True)
+def _log(message, peer=None):  # a line of the server's log, or of peer's client's, lone surrogates escaped
+    who = f"client {peer}" if peer else "server"  # (a reply may carry one, and no stream may refuse the line)
+    print(f"swarm {who}: {message}".encode("utf-8", "backslashreplace").decode(), file=sys.stderr, flush=True)
 
 
 # -----------------------------------------------------------------------------
@@ -1134,10 +1135,6 @@ class Refused(Exception):
     """The store refused an outbox entry as malformed: the same bytes would be refused again."""
 
 
-def _say(peer, message):  # a client's log line (a lone surrogate a reply carried is escaped: no stream refuses it)
-    print(f"swarm client {peer}: {message}".encode("utf-8", "backslashreplace").decode(), file=sys.stderr, flush=True)
-
-
 def _check_client(peer, sample):
     if not isinstance(peer, str) or not NAME.fullmatch(peer):
         raise ValueError(f"peer must be a name matching {NAME.pattern}.")
@@ -1150,10 +1147,10 @@ def _enqueue(client, what, send, make):
     try:
         args = make()
     except (TypeError, ValueError, OverflowError, AttributeError) as e:
-        return _say(client.peer, f"{what} cannot be sent ({e})")
+        return _log(f"{what} cannot be sent ({e})", client.peer)
     size = sum(len(text) + 1 for text in args[1]) + 256  # (and room for what a request wraps them in)
     if size > Limits.body_bytes:  # a server would refuse it (413): never held, even while it is down
-        return _say(client.peer, f"{what} is {size} bytes, over a request's {Limits.body_bytes}, so it is dropped")
+        return _log(f"{what} is {size} bytes, over a request's {Limits.body_bytes}, so it is dropped", client.peer)
     with client.cond:
         client.outbox.append((what, send, args, size))
         client.outbox_bytes += size
@@ -1178,14 +1175,14 @@ def _talk(client):
                 _idle(client, Limits.poll_seconds)
             if client.down:
                 lost = f"; {client.dropped} older entries did not fit the outbox" if client.dropped else ""
-                _say(client.peer, f"the server answers again{', sending what waited' * (entry is not None)}{lost}")
+                _log(f"the server answers again{', sending what waited' * (entry is not None)}{lost}", client.peer)
                 client.down, client.dropped = None, 0
             backoff = 0.0
         except Exception as e:  # (a bug must not end the thread either)
             if not client.down and not client.closing:
                 cause = e if isinstance(e, (OSError, BadRequest)) else f"unexpected error {e!r:.200}"
-                _say(client.peer, f"{cause}; training goes on, and what is unsent waits in the outbox (up to "
-                                  f"{Limits.outbox_bytes >> 20} MB) until the server answers")
+                _log(f"{cause}; training goes on, and what is unsent waits in the outbox (up to "
+                     f"{Limits.outbox_bytes >> 20} MB) until the server answers", client.peer)
             client.down, backoff = str(e) or type(e).__name__, min(5.0, max(0.25, 2 * backoff))
             _idle(client, backoff)
 
@@ -1212,7 +1209,7 @@ class _Transport:
                 bad.append(getattr(e, "message", str(e)))
         if bad and bad[0] != self.said:
             self.said = bad[0]
-            _say(self.peer, f"dropped {len(bad)} malformed groups from the server (the first: {bad[0][:200]})")
+            _log(f"dropped {len(bad)} malformed groups from the server (the first: {bad[0][:200]})", self.peer)
         return good
 
 
@@ -1342,7 +1339,7 @@ def _reason(e):  # the words that matter in requests' long messages ("Connection
     return "".join(found[-1]).strip() if found else type(e).__name__
 
 
-def _said(data):  # the one sentence of an error reply, cut short (_say escapes any lone surrogate)
+def _said(data):  # the one sentence of an error reply, cut short (_log escapes any lone surrogate)
     return str(data.get("error"))[:200] if isinstance(data, dict) else "(no message)"
 
 

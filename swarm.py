@@ -99,9 +99,6 @@ class Store:
         self.replies = {}   # (writer, batch_id) -> the reply, of every kept batch and of the newest pruned ones
         self.drawable = []  # the writers a sampled read draws from: each one's newest batch is in the window
         self.last_seq = 0   # seq of the newest group ever stored: never reused
-        self.window_batches = Limits.window_batches  # a sampled read draws from each writer's newest batches,
-        self.window_seconds = Limits.window_seconds  # of the writers whose newest arrived within these seconds,
-        self.page_bytes = Limits.page_bytes          # and a reply (of any read) stops past this many bytes
 
     def publish(self, peer, round_, batch_id, groups):
         """Store one batch (or recognise a retry of one) -> {"accepted": groups, "seq": its last seq}."""
@@ -120,27 +117,27 @@ class Store:
     def read(self, after, exclude, limit):
         """Groups with seq > after not from `exclude` -> (their JSON texts, next cursor, last seq)."""
         with self.lock:
-            return (*_page(self.index, after, limit, exclude, self.page_bytes), self.last_seq)
+            return (*_page(self.index, after, limit, exclude), self.last_seq)
 
     def sample(self, k, exclude, seed):
         """K groups drawn from the window, none of them `exclude`'s -> (their JSON texts, last seq). The
-        window is decided here, never by what a sender claims: each writer's newest window_batches batches
-        by arrival, if its newest arrived within window_seconds (self.drawable). K times: a writer uniformly
-        among those with window groups left, then one of those uniformly. So each writer has the same
-        chance whatever its speed or I, and a reply holds at most K groups (it stops past page_bytes)
-        whatever the swarm's size. The same state and seed give the same draw. Cost: K draws, whatever
-        the number of writers (a writer drawn dry is swapped out of the first n places: a lazy shuffle)."""
+        window is decided here, never by what a sender claims: each writer's newest Limits.window_batches
+        batches by arrival, if its newest arrived within Limits.window_seconds (self.drawable). K times: a
+        writer uniformly among those with window groups left, then one of those uniformly. So each writer has
+        the same chance whatever its speed or I, and a reply holds at most K groups (it stops past
+        Limits.page_bytes) whatever the swarm's size. The same state and seed give the same draw. Cost: K
+        draws, whatever the number of writers (a writer drawn dry is swapped out of the first n places)."""
         rng, texts, size, left, moved = random.Random(seed), [], 0, {}, {}
         with self.lock:
-            self._expire(time.time() - self.window_seconds)
+            self._expire(time.time() - Limits.window_seconds)
             n = len(self.drawable)
-            while n and len(texts) < k and size < self.page_bytes:
+            while n and len(texts) < k and size < Limits.page_bytes:
                 i = rng.randrange(n)
                 writer = self.drawable[moved.get(i, i)]
                 if writer not in left:
                     kept = self.batches[writer]
                     left[writer] = [] if writer == exclude else [
-                        t for j in range(1, min(len(kept), self.window_batches) + 1) for t in kept[-j].texts]
+                        t for j in range(1, min(len(kept), Limits.window_batches) + 1) for t in kept[-j].texts]
                 if left[writer]:
                     texts.append(left[writer].pop(rng.randrange(len(left[writer]))))
                     size += len(texts[-1])
@@ -159,14 +156,14 @@ class Store:
         self._seen(peer, record["round"], record["time"], len(groups))
 
 
-def _page(entries, after, limit, exclude, most):
+def _page(entries, after, limit=None, exclude=None):
     """entries: (number, peer, UTF-8 JSON, ...) in number order -> (the JSON texts after `after` that are
     not `exclude`'s, the number to continue after, past the excluded ones too): at most `limit` (None:
-    any) and `most` bytes, unless one text alone is larger."""
+    any) and Limits.page_bytes, unless one text alone is larger."""
     start = bisect.bisect_right(entries, after, key=lambda entry: entry[0])
     texts, size, next_number = [], 0, after
     for number, peer, text, *_ in entries[start:start + Limits.scan_groups]:
-        if len(texts) == limit or (texts and size + len(text) > most):
+        if len(texts) == limit or (texts and size + len(text) > Limits.page_bytes):
             break
         next_number = number
         if peer != exclude:
@@ -320,7 +317,7 @@ class Limits:
     backlog = 128               # connections the kernel queues before the server accepts them
     outbox_bytes = 64 << 20     # client: unsent batches and metrics; the oldest go first beyond it
     inbox_bytes = 64 << 20      # client: received groups not yet fetched; the oldest go first beyond it
-    reply_bytes = body_bytes + (64 << 10)  # client: the largest reply read (a page of one group of at most a body)
+    reply_bytes = body_bytes + (64 << 10)  # client: the largest reply read (one group of at most a body, and more)
     poll_seconds = 1.0          # client: the longest its thread idles before it looks at its queues again
     sample_groups = 256         # groups one sampled read may ask for (?sample=K)
     window_batches = 2          # a sampled read draws from each producer's newest this many batches,
@@ -693,7 +690,7 @@ class RolloutStore(Store):
 
     def read_metrics(self, after):
         with self.lock:
-            return (*_page(self.metrics, after, None, None, self.page_bytes), self.metrics[-1][0] if self.metrics else 0)
+            return (*_page(self.metrics, after), self.metrics[-1][0] if self.metrics else 0)
 
     def snapshot(self, metrics=False):  # (/health, which cursor readers ask often, walks no metrics rows)
         with self.lock:

@@ -2416,7 +2416,7 @@ def test_swarm_utf8_on_disk_and_pages_bounded_in_bytes(_sw_server, monkeypatch):
     assert _sw_post(url, "alice", 0, [_sw_group(0, completions=[text], stopped=[True])]).status_code == 200
     data = open(os.path.join(folder, _sw_files(folder)[0]), "rb").read()
     assert text.encode() in data and len(data) < len(text.encode()) + 1000  # UTF-8, not \uXXXX escapes
-    monkeypatch.setattr(server.store, "page_bytes", 20_000)
+    monkeypatch.setattr(swarm.Limits, "page_bytes", 20_000)
     for r in range(1, 6):
         _sw_post(url, "alice", r, [_sw_group(10 * r + j, completions=["x" * 4000], stopped=[True]) for j in range(4)])
     seen, after, pages = [], 0, 0

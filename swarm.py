@@ -812,8 +812,8 @@ class SwarmServer:
     """The HTTP side of the store. One asyncio loop (in a thread) reads each request whole under a
     deadline, so a slow or idle connection costs a buffer, not a thread; a pool of threads for reads and
     one for writes answer complete requests. A request's way: _accept -> _connection: _read_request (line,
-    headers, credential, body: under one deadline), _answer and _route in a worker thread (a POST in its
-    writer's turn: _in_turn), _send, _hang_up. credentials: see credentials() (empty: no checks)."""
+    headers, credential, body: under one deadline), _in_turn (_answer and _route in a worker thread), _send,
+    _hang_up. credentials: see credentials() (empty: no checks)."""
 
     def __init__(self, store, host, port, credentials=None, public_reads=False, verbose=False):
         self.store, self.credentials, self.public_reads, self.verbose = store, credentials, public_reads, verbose
@@ -883,10 +883,7 @@ class SwarmServer:
                 request = await asyncio.wait_for(self._read_request(reader, writer, body), Limits.request_seconds)
             except asyncio.TimeoutError:
                 raise BadRequest(f"The request did not arrive whole within {Limits.request_seconds:g} s.", 408) from None
-            if request.method == "POST":
-                reply = await self._in_turn(request.peer, request)
-            else:
-                reply = await self.loop.run_in_executor(self.pools["GET"], self._answer, request)
+            reply = await self._in_turn(request)
             await self._send(writer, *reply, head_only=request.method == "HEAD")
             if self.verbose:
                 _log(f"{writer.get_extra_info('peername')} {request.method} {request.target[:200]} {reply[0]}")
@@ -910,11 +907,13 @@ class SwarmServer:
             self.waiting.pop(writer, None)
             writer.transport.abort()
 
-    async def _in_turn(self, writer, request):
-        """A POST's answer in its writer's turn: one POST of each per-peer credential at a time, so writers take
-        turns and one writer's many connections delay another's post by one of its own at most. Without
-        one, writers cannot be told apart (an address may be a proxy's): first come, first served."""
-        turn = self.turns.setdefault(writer, asyncio.Lock()) if writer else contextlib.nullcontext()
+    async def _in_turn(self, request):
+        """A request's answer from a worker thread, a POST's in its writer's turn: one POST of each per-peer
+        credential at a time, so one writer's many connections delay another's post by one of its own at most.
+        Without one, writers cannot be told apart (an address may be a proxy's): first come, first served."""
+        if request.method != "POST":
+            return await self.loop.run_in_executor(self.pools["GET"], self._answer, request)
+        turn = self.turns.setdefault(request.peer, asyncio.Lock()) if request.peer else contextlib.nullcontext()
         async with turn, self.posting:
             return await self.loop.run_in_executor(self.pools["POST"], self._answer, request)
 

@@ -8,19 +8,15 @@ questions, shares those decoded rollouts (text: question, answer, completions; n
 weights; beyond the paper, optionally the sampled token ids and log-probs) with the swarm, and trains on
 its I local groups plus J groups drawn from what the other peers shared. Peers never wait for each other.
 
-How this file does it, in reading order (a reader who stops at the marker line has read all of SAPO's
-sharing; what follows it makes the same thing durable, bounded and safe against hostile input):
-- Store, the rules of the shared pool: publish() numbers a batch's groups 1, 2, 3, ... (`seq`) in
-  arrival order and stores a retry once; sample(K) draws K recent groups, every writer alike (what a
-  peer trains on); read(after) gives every group after a seq (the dashboard, the load test).
-- Client, a peer's side: its training loop only touches two queues (publish() into the outbox, fetch()
-  out of the inbox) and one thread does the talking, so training never waits for the network. With
-  the store down a peer trains in silo (the paper's baseline) and catches up when it returns.
-- connect(url) picks the store's transport: an HTTP server (HttpTransport), or Redis (RedisTransport,
-  for a swarm one Python server cannot carry, with one Redis ACL user per peer in the token's place).
-- Below the marker: RolloutStore (the Store on disk) and SwarmServer, the HTTP around it (`python
-  swarm.py --dir swarm_data --port 8000`, standard library only, built so that slow or hostile clients
-  cannot take it down), the transports, a dashboard (GET /) and the command line.
+In reading order (the marker line ends SAPO's sharing; what follows makes it durable, bounded and safe
+against hostile input): Store, the rules of the shared pool (numbered, retried once, sampled every writer
+alike); Client, a peer's side (two queues and one thread, so training never waits for the network; with
+the store down a peer trains in silo, the paper's baseline, and catches up when it returns); connect(url),
+which picks the transport: an HTTP server (HttpTransport) or Redis (RedisTransport, for a swarm one Python
+server cannot carry, one Redis ACL user per peer in the token's place). Below the marker: RolloutStore (the
+Store on disk), SwarmServer, the HTTP around it (`python swarm.py --dir swarm_data --port 8000`, standard
+library only, built so that slow or hostile clients cannot take it down), the transports, a dashboard (GET
+/) and the command line.
 
 Deviations from the paper, and why:
 - The paper's swarm ran on Gensyn's RL Swarm, where peers exchange rollouts over a peer-to-peer DHT.
@@ -79,16 +75,15 @@ except ImportError:
 # The store's rules: groups numbered in arrival order, read after a cursor, or drawn as a sample.
 
 class Store:
-    """The heart of the server: an in-memory index of every kept group, and the rules it is read by.
-    (RolloutStore, below the marker line, adds the folder of batch files, retention and the draw's bookkeeping.)
+    """The heart of the server: an in-memory index of every kept group, and the rules it is read by
+    (RolloutStore, below the marker line, adds the folder of batch files, retention and the draw's bookkeeping).
 
         publish()  POST /rollouts: number the groups after the newest seq, write them as one batch file
-                   named after its last seq (batch-000000000042.json), then index them
-        read()     GET /rollouts?after=SEQ: the indexed groups with seq > SEQ, from memory
+                   named after its last seq (batch-000000000042.json), durable before it answers, then index
+        read()     GET /rollouts?after=SEQ: the indexed groups with seq > SEQ (the dashboard, the load test)
         sample()   GET /rollouts?sample=K: K groups drawn from the recent window, every writer alike
 
-    A writer is a peer name; with per-peer credentials, the name its credential belongs to. A batch is
-    durable (written atomically, fsynced) before publish() answers, so an acknowledged batch survives kill -9."""
+    A writer is a peer name; with per-peer credentials, the name its credential belongs to."""
 
     def __init__(self):
         self.write_lock = threading.Lock()  # orders the writers: one batch is stored at a time
@@ -329,9 +324,8 @@ class Limits:
 
 
 # -----------------------------------------------------------------------------
-# What may arrive from outside (requests, files read back, a server's replies) is checked by rules: a
-# rule takes (value, where) and returns a clean copy of the value, or raises BadRequest naming the first
-# problem in one sentence (where: what the value is; a fields() rule's may be left out, for a body).
+# What arrives from outside (requests, files read back, replies) is checked by rules: rule(value, where) ->
+# a clean copy, or BadRequest naming the first problem (where: what the value is; a body's may be left out).
 
 class BadRequest(Exception):
     """What the other side got wrong, in one sentence, with the HTTP status that says so."""
@@ -489,11 +483,10 @@ def _log(message, peer=None):  # a line of the server's log, or of peer's client
 
 
 # -----------------------------------------------------------------------------
-# Storage: one file per accepted batch, and an in-memory index of everything kept.
+# Storage: one file per accepted batch (written atomically, fsynced), and an in-memory index of all kept.
 
 class RolloutStore(Store):
-    """Store on disk, behind the HTTP server: the folder of batch files (locked, written atomically and
-    fsynced), retention by what batches cost, the draw's bookkeeping, and the metrics rows."""
+    """Store on disk: the locked folder of batch files, retention by cost, the draw's bookkeeping, metrics rows."""
     copies = ("pruned.json", "pruned-copy.json")  # two copies: a damaged one alone loses nothing
 
     def __init__(self, folder, keep_bytes=Limits.keep_bytes):
@@ -574,9 +567,7 @@ class RolloutStore(Store):
         self.deleter.map(self._remove, self.doomed)  # (submitted at once)
         self.doomed = []
 
-    def _prune(self, target):
-        """(self.lock held) The writers holding most lose their oldest batches, each down to the level at which
-        all holdings, so cut, add up to target (< their sum)."""
+    def _prune(self, target):  # (self.lock held) _retain's cut, to a level at which all holdings add up to target
         held = {writer: sum(batch.cost for batch in kept) for writer, kept in self.batches.items()}
         costs, rest = sorted(held.values(), reverse=True), self.kept_bytes
         for k, cost in enumerate(costs):  # the k + 1 largest cut to the level, the others under it
@@ -643,8 +634,8 @@ class RolloutStore(Store):
         self._retain()
 
     def _read(self, name, rule=None):
-        """A file of the folder -> its bytes, or with a rule (clean JSON, the bytes it takes on disk); None if
-        it is missing, b"" or None if it is not a regular file or is unreadable or bad (logged)."""
+        """A file of the folder -> its bytes, or with a rule (clean JSON, its bytes on disk); None if missing,
+        and if unreadable or bad (logged): b"", or None with a rule."""
         try:
             with self._open(name) as f:
                 data = f.read(4 * Limits.body_bytes + 1)  # more than this server ever writes in one file
@@ -717,9 +708,8 @@ class RolloutStore(Store):
         return f
 
     def _write_atomic(self, name, data):
-        """Bytes to folder/name, so that a reader or a restart after kill -9 sees all or nothing: a temporary
-        file, fsynced, renamed over the name (a link there is replaced, never followed), the rename fsynced.
-        -> the bytes it takes on disk (its blocks)."""
+        """Bytes to folder/name, all or nothing even after kill -9: a temporary file, fsynced, renamed over the
+        name (a link there is replaced, never followed), the rename fsynced -> the bytes it takes on disk."""
         try:
             self._remove(".tmp-" + name)  # whatever is in the way: a FIFO, a link, an empty folder
             with self._open(".tmp-" + name, "wb") as f:
@@ -727,11 +717,9 @@ class RolloutStore(Store):
                 f.flush()
                 os.fsync(f.fileno())
                 size = max(len(data), os.fstat(f.fileno()).st_blocks * 512)
-            try:
-                os.replace(".tmp-" + name, name, src_dir_fd=self.folder_fd, dst_dir_fd=self.folder_fd)
-            except IsADirectoryError:  # an empty folder in the way goes (a full one: the error stands)
+            with contextlib.suppress(OSError):  # an empty folder in the way goes (a full one: the rename fails)
                 os.rmdir(name, dir_fd=self.folder_fd)
-                os.replace(".tmp-" + name, name, src_dir_fd=self.folder_fd, dst_dir_fd=self.folder_fd)
+            os.replace(".tmp-" + name, name, src_dir_fd=self.folder_fd, dst_dir_fd=self.folder_fd)
             os.fsync(self.folder_fd)
             return size
         except OSError:
@@ -776,8 +764,7 @@ JSON = "application/json"
 Request = collections.namedtuple("Request", "method target headers body peer")  # peer: _read_request
 
 
-async def _readline(reader, status, what):
-    """One line of a request's head; one longer than Limits.line_bytes is answered with `status`."""
+async def _readline(reader, status, what):  # a line of a request's head; past Limits.line_bytes: `status`
     try:
         return (await reader.readuntil(b"\n")).decode("latin-1")
     except asyncio.LimitOverrunError:
@@ -809,11 +796,9 @@ def _int_param(query, name, default, lowest, highest):
 
 
 class SwarmServer:
-    """The HTTP side of the store. One asyncio loop (in a thread) reads each request whole under a
-    deadline, so a slow or idle connection costs a buffer, not a thread; a pool of threads for reads and
-    one for writes answer complete requests. A request's way: _accept -> _connection: _read_request (line,
-    headers, credential, body: under one deadline), _in_turn (_answer and _route in a worker thread), _send,
-    _hang_up. credentials: see credentials() (empty: no checks)."""
+    """The HTTP side of the store. One asyncio loop (in a thread) reads each request whole under a deadline,
+    so a slow or idle connection costs a buffer, not a thread; worker threads answer whole requests. A
+    request's way: _accept, _connection (_read_request, _in_turn, _send, _hang_up). credentials: credentials()'s."""
 
     def __init__(self, store, host, port, credentials=None, public_reads=False, verbose=False):
         self.store, self.credentials, self.public_reads, self.verbose = store, credentials, public_reads, verbose
@@ -838,8 +823,8 @@ class SwarmServer:
         self.thread.start()
 
     async def _accept(self):
-        """One connection at a time, so the cap holds before the next. At the cap, or out of descriptors, _evict
-        closes one for it; with none to close, a new connection is refused, and accept() pauses, never spins."""
+        """One connection at a time, so the cap holds. At the cap, or out of descriptors, _evict closes one for
+        it; with none to close, a new connection is refused, and accept() pauses, never spins."""
         while True:
             try:
                 sock, _ = await self.loop.sock_accept(self.listener)
@@ -863,8 +848,8 @@ class SwarmServer:
             self.loop.create_task(self._connection(reader, writer))
 
     def _evict(self):
-        """Close the connection waiting longest among those idle or still sending a head (which proves
-        nothing, not even the token), else among those sending a body -> False if there is none."""
+        """Close the oldest of those idle or sending a head (which proves nothing, not even the token), else
+        of those sending a body -> False if there is none."""
         if not self.waiting:
             return False
         writer = min(self.waiting, key=self.waiting.get)  # the first of the lowest rank
@@ -874,8 +859,8 @@ class SwarmServer:
         return True
 
     async def _connection(self, reader, writer):
-        """One request per connection (nothing rides behind a body), read whole under the deadline, answered
-        in a worker thread, then closed (_hang_up). The body counts in self.in_flight until it is answered."""
+        """One request per connection (nothing rides behind a body), read whole under the deadline, answered,
+        closed. The body counts in self.in_flight until it is answered."""
         writer.transport.set_write_buffer_limits(0)  # so that drain() returns once the reply has left
         self.waiting[writer], body = 0, bytearray()
         try:
@@ -918,8 +903,8 @@ class SwarmServer:
             return await self.loop.run_in_executor(self.pools["POST"], self._answer, request)
 
     async def _hang_up(self, writer):
-        """Close once the kernel has delivered the reply, or at the deadline with a reset (SO_LINGER 0): a
-        reply its reader never takes does not stay in the kernel, as an orphaned socket's would, for minutes."""
+        """Close once the kernel has delivered the reply, or at the deadline with a reset (SO_LINGER 0), so no
+        reply its reader never takes stays in the kernel for minutes, as an orphaned socket's would."""
         sock, deadline = writer.get_extra_info("socket"), time.monotonic() + Limits.request_seconds
         while _unsent(sock) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -928,9 +913,9 @@ class SwarmServer:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
     async def _read_request(self, reader, writer, body):
-        """The request line, the headers and the body (into `body`) -> Request. Strict, so that no request
-        reads differently here and in a proxy in front. The credential is checked before any body is read, and
-        the body counts in self.in_flight as it arrives: a sender who only declares a length costs nothing."""
+        """The request line, the headers and the body (into `body`) -> Request. Strict: no request reads
+        differently in a proxy in front. The credential is checked before the body is read, which counts in
+        self.in_flight as it arrives: a sender who only declares a length costs nothing."""
         if (first := await reader.read(1)) in (b"", b"\x16"):  # gone, or TLS (this server speaks plain HTTP)
             raise EOFError("no request")
         line = first.decode("latin-1") + await _readline(reader, 414, "The request line")
@@ -985,8 +970,7 @@ class SwarmServer:
         finally:
             self.in_flight -= len(data)
 
-    def _answer(self, request):
-        """A complete request -> (status, content type, body, headers). Runs in a worker thread."""
+    def _answer(self, request):  # (in a worker thread) a whole request -> (status, content type, body, headers)
         try:
             path, _, query = request.target.partition("?")
             _want(path.startswith("/"), "The request target must be a path such as /rollouts.")
@@ -1011,8 +995,8 @@ class SwarmServer:
                               500).reply
 
     def _route(self, method, path, q, body, peer=None):
-        """A request for one of ROUTES (a write by `peer`'s credential) -> the reply's bytes. Groups are kept
-        as JSON text, so a page of them is joined, not encoded again."""
+        """A request for one of ROUTES (a write: by `peer`'s credential) -> the reply's bytes. Groups are kept as
+        JSON text: a page of them is joined, not encoded again."""
         if method == "POST":
             b = (PUBLISH if path == "/rollouts" else METRICS)(parse_json(body))
             _want(peer in (None, b["peer"]), f"This credential is peer {peer}'s; it cannot write as {b['peer']}.", 403)
@@ -1044,9 +1028,6 @@ class SwarmServer:
 
     def shutdown(self):
         """Stop serving: close the listener and every connection, let running answers finish, close the store."""
-        if self.loop.is_closed():
-            return
-
         async def stop():
             self.accepting.cancel()
             self.listener.close()
@@ -1056,6 +1037,8 @@ class SwarmServer:
             if tasks:  # each ends on its own once its connection is gone (or its answer is done)
                 await asyncio.wait(tasks, timeout=Limits.request_seconds)
 
+        if self.loop.is_closed():
+            return
         asyncio.run_coroutine_threadsafe(stop(), self.loop).result(timeout=30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(30)
@@ -1065,17 +1048,15 @@ class SwarmServer:
         self.store.close()
 
 
-def check_token(token, what="the swarm token"):
-    """None, or a token of 1 to 256 visible ASCII characters (it travels in an HTTP header)."""
+def check_token(token, what="the swarm token"):  # -> None, or 1 to 256 visible ASCII characters (a header's)
     if token and not re.fullmatch(r"[!-~]{1,256}", token):
         raise ValueError(f"{what} must be 1 to 256 printable ASCII characters without spaces.")
     return token or None
 
 
 def credentials(token=None, peers=None):
-    """The shared token and per-peer tokens ({name: token}) -> {SHA-256 of a token: the name it writes as,
-    or None (the shared token: any name)}; or ValueError, in one sentence: each name once (compared in
-    lower case, as stored), each token one peer's."""
+    """The shared token and per-peer tokens ({name: token}) -> {SHA-256 of a token: the name it writes as, or
+    None (the shared token: any)}; or ValueError: each name once (in lower case, as stored), each token one's."""
     table, names = {hashlib.sha256(check_token(token).encode()).digest(): None} if token else {}, set()
     for name, secret in (peers or {}).items():
         if not isinstance(name, str) or not NAME.fullmatch(name) or name.lower() in names:
@@ -1090,8 +1071,7 @@ def credentials(token=None, peers=None):
 
 
 def read_peers(path):
-    """A --peers-file -> {name: token}: one 'name token' a line (blank lines and '#' lines skipped); ValueError,
-    in one sentence, if it cannot be read or holds no such line, or another."""
+    """A --peers-file -> {name: token}: one 'name token' a line (blank and '#' lines skipped), else ValueError."""
     try:
         with open(path, encoding="latin-1") as f:
             rows = [line.split() for line in f.read(Limits.body_bytes).splitlines() if line.strip()[:1] not in "#"]
@@ -1105,8 +1085,8 @@ def read_peers(path):
 def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.keep_bytes,
                  public_reads=False, verbose=False, peers=None):
     """Start a server in a daemon thread -> (server, "http://host:port"); server.shutdown() stops it. With a
-    token or peers ({name: token}) every request needs one of them (GETs not, with public_reads), and a
-    peer's token writes only as that peer (403). Bad settings: ValueError, in one sentence."""
+    token or peers ({name: token}) every request needs one (GETs not, with public_reads), and a peer's token
+    writes only as that peer (403). Bad settings: ValueError."""
     table = credentials(token, peers)
     if not isinstance(keep_bytes, int) or keep_bytes < 1:
         raise ValueError("--keep-bytes must be a size of at least 1 byte.")
@@ -1123,9 +1103,7 @@ def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.ke
 
 
 # -----------------------------------------------------------------------------
-# Client: the thread's loop, and its transports: publish(round, JSON texts, batch_id) -> the acknowledgement,
-# post_metrics(round, [JSON text]), sample(k, seed) -> [(checked group, bytes)], close() (ends an exchange at
-# once). An OSError or BadRequest: "no usable answer now, try later"; Refused: "malformed, drop it".
+# Client: the thread's loop, and its transports (_Transport).
 
 class Refused(Exception):
     """The store refused an outbox entry as malformed: the same bytes would be refused again."""
@@ -1190,7 +1168,10 @@ def _idle(client, seconds):  # until a publish, fetch or flush wakes it, except 
 
 
 class _Transport:
-    """What both transports share: the peer's name (lower-cased: `name`), and the checks of what a store says."""
+    """What both transports share: the peer's name (lower-cased: `name`), and the checks of what a store says.
+    A transport's calls: publish(round, JSON texts, batch_id) -> the acknowledgement, post_metrics(round, [JSON
+    text]), sample(k, seed) -> [(checked group, bytes)], close() (ends an exchange at once). They raise
+    OSError or BadRequest for "no usable answer now, try later", Refused for "malformed, drop it"."""
     def __init__(self, peer):
         self.peer, self.name, self.said, self.closed = peer, peer.lower(), None, False
 
@@ -1215,10 +1196,9 @@ def _acknowledged(reply, groups, where):  # a reply to a publish -> it, if it sa
 
 
 class HttpTransport(_Transport):
-    """A swarm.py server's side of the exchanges, through requests, under a deadline, every reply checked.
-    It sends only where it was told: no redirect is followed (a 3xx is the server's trouble), no credential
-    but its token goes (requests' trust in the environment is off: no ~/.netrc), and of the environment
-    only the proxies (HTTP_PROXY, HTTPS_PROXY, NO_PROXY) and a REQUESTS_CA_BUNDLE count."""
+    """A swarm.py server's side of the exchanges, through requests, under a deadline, every reply checked. It
+    sends only where told: no redirect is followed, no credential but its token goes (no ~/.netrc), and of the
+    environment only the proxies (HTTP_PROXY, HTTPS_PROXY, NO_PROXY) and a REQUESTS_CA_BUNDLE count."""
 
     def __init__(self, url, peer, token):
         super().__init__(peer)
@@ -1253,11 +1233,10 @@ class HttpTransport(_Transport):
         self.session.close()
 
     def _call(self, path, body=None):
-        """One HTTP exchange, a POST of body (else a GET) -> the JSON of a 200. A 400, 413 or 422 (the request's
-        own fault) is Refused for a POST: the same bytes would be refused again; for a GET (a proxy's), an
-        OSError. Any other status (a wrong token or URL said naming the likely cause, a redirect naming where),
-        or no whole reply within Limits.request_seconds (a timer shuts the socket, as close() does: requests
-        bounds each read, not a reply), is an OSError. A 200 is BadRequest unless it is JSON within
+        """One HTTP exchange, a POST of body (else a GET) -> the JSON of a 200. A 400, 413 or 422 is Refused for
+        a POST (the same bytes would be refused again), an OSError for a GET (a proxy's). Any other status (said
+        with its likely cause), or no whole reply within Limits.request_seconds (a timer shuts the socket:
+        requests bounds each read, not a reply), is an OSError. A 200 is BadRequest unless it is JSON within
         Limits.reply_bytes and json_values values: parsing holds the interpreter lock, and with it training."""
         if self.closed:
             raise ConnectionError("the client is closing")
@@ -1299,8 +1278,7 @@ class HttpTransport(_Transport):
 
 
 class _Adapter(requests.adapters.HTTPAdapter):
-    """requests' own transport, but each connection it opens joins transport.sockets, which the deadline
-    and close() shut (at once, if the client is closing)."""
+    """requests' own, but each connection it opens joins transport.sockets, which the deadline and close() shut."""
     def __init__(self, transport):
         super().__init__()
         self.transport = transport
@@ -1344,9 +1322,8 @@ def _said(data):  # the one sentence of an error reply, cut short (_log escapes 
 # time, and a writer's own keys, sapo:writer:NAME:* (NAME lower-cased), only its ACL user may write: :window
 # ("FIRST LAST ROUND TIME" of its newest Limits.window_batches batches, newest first), :groups (seq -> group
 # JSON) and :reply:BATCH_ID. Window and groups expire Limits.window_seconds after its newest batch.
-
-# A batch, atomically. KEYS: the writer's window, groups and reply, which Redis checks against the caller's
-# ACL before the script runs. ARGV: name, round, window batches, window ms, reply seconds, batch groups, groups.
+# PUBLISH_LUA stores a batch atomically. KEYS: the writer's window, groups and reply, which Redis checks
+# against the caller's ACL. ARGV: name, round, window batches, window ms, reply seconds, batch groups, groups.
 PUBLISH_LUA = """local reply, n = redis.call('GET', KEYS[3]), #ARGV - 6
 if reply then return reply end
 local t, last, kept = redis.call('TIME'), redis.call('INCRBY', 'sapo:seq', n), {}
@@ -1364,10 +1341,9 @@ redis.call('ZREMRANGEBYSCORE', 'sapo:producers', '-inf', now - ARGV[4] / 1000)
 reply = '{"accepted":' .. n .. ',"seq":' .. last .. '}'
 redis.call('SET', KEYS[3], reply, 'EX', ARGV[5])
 return reply"""
-# The sampled read (Store.sample's draw), read-only. KEYS: sapo:producers. ARGV: K, the name left out, seed,
-# page bytes, group bytes, window batches, batch groups. A lazy shuffle of the producers' ranks takes out those
-# left out, silent or drawn dry: each pick is uniform over the writers left, and a read costs O(K) whatever
-# their number. What no publish writes is passed over. -> [writer, seq, round, time, group JSON] a group.
+# SAMPLE_LUA, Store.sample's draw, read-only. KEYS: sapo:producers. ARGV: K, the name left out, seed, page
+# bytes, group bytes, window batches, batch groups. A lazy shuffle of the producers' ranks (as Store.sample's)
+# costs O(K) whatever their number; what no publish writes is passed over. -> [writer, seq, round, time, JSON].
 SAMPLE_LUA = """local k, x = tonumber(ARGV[1]), tonumber(ARGV[3]:sub(-9)) % 2147483646 + 1
 local n, out, undrawn, moved, size = redis.call('ZCARD', KEYS[1]), {}, {}, {}, 0
 local function rand(m) x = x * 16807 % 2147483647 return x % m end
@@ -1400,10 +1376,9 @@ return out"""
 
 class RedisTransport(_Transport):
     """A Redis server's side of the exchanges (redis-py and the scripts above): redis://USER@HOST:PORT/DB,
-    rediss:// for TLS, the scheme in any case. The password is the token ($SWARM_TOKEN) or the URL's, never
-    both: which should win is not the client's to guess. One option, ?ssl_ca_certs=FILE with rediss://;
-    timeouts, retries and the rest are the client's own. Each exchange is bounded as HTTP's is: within
-    Limits.request_seconds in all, a reply within Limits.reply_bytes (_bounded) and json_values values."""
+    rediss:// for TLS. The password is the token ($SWARM_TOKEN) or the URL's, never both (which should win is
+    not the client's to guess). One option: ?ssl_ca_certs=FILE with rediss://. Each exchange is bounded as
+    HTTP's: within Limits.request_seconds, a reply within Limits.reply_bytes (_bounded) and json_values values."""
 
     def __init__(self, url, peer, token):
         super().__init__(peer)
@@ -1457,8 +1432,8 @@ class RedisTransport(_Transport):
         self.redis.connection_pool.disconnect()  # (even the connection in use, which ends its exchange)
 
     def _call(self, command, *args, **kwargs):
-        """One Redis command within Limits.request_seconds in all (a timer drops the connection, as close()
-        does) -> its reply. Redis unreachable or refusing (a read-only user's publish) is an OSError."""
+        """One Redis command within Limits.request_seconds (a timer drops the connection) -> its reply; Redis
+        unreachable or refusing (a read-only user's publish) is an OSError."""
         if self.closed:
             raise ConnectionError("the client is closing")
         timer = threading.Timer(Limits.request_seconds, self.redis.connection_pool.disconnect)
@@ -1481,9 +1456,8 @@ def _stored(writer, seq, round_, time_, text):  # an entry the sampled read drew
 
 
 def _bounded(redis):
-    """redis-py's RESP2 parser, bounded as the HTTP client is (else it reads whatever a store sends): a reply
-    past Limits.reply_bytes, or more values than a sampled read of Limits.sample_groups groups (6 a group),
-    is refused as it arrives, and redis-py drops the connection, unread."""
+    """redis-py's RESP2 parser, bounded as the HTTP client is: a reply past Limits.reply_bytes, or of more values
+    than a sampled read of Limits.sample_groups groups (6 a group), is refused as it arrives, unread."""
     class Bounded(redis._parsers._RESP2Parser):
         def on_connect(self, connection):
             super().on_connect(connection)  # (its buffer reads the socket through recv and settimeout only)

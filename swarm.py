@@ -282,23 +282,19 @@ def connect(url, peer, sample, token=None, seed=0):
 
 
 # ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
-# The bounds, the checks of what arrives, the store on disk, the HTTP server, the client's transport
-# (HTTP and Redis), the dashboard and the command line.
 
 
 class Limits:
     """Every bound in one place (sizes in bytes): on what a sender may make the server hold, and a server a client."""
     body_bytes = 8 << 20        # one request body (413 beyond it); those over 1/8 of it are parsed one at a time
-    json_values = 1 << 20       # commas, objects and lists outside strings in one JSON text, counted before it
-                                # is parsed: a body (413 beyond) or a client's reply (parsing 2**20: ~45 ms)
+    json_values = 1 << 20       # values in a body (413 beyond) or a reply, counted before parsing (2**20: ~45 ms)
     group_tokens = 1 << 17      # token ids in one group, so that any reply of groups stays within json_values
     completion_tokens = 8192    # token ids (and log-probs) of one completion in a group
     page_bytes = 1 << 20        # one reply page of /rollouts or /metrics (a page holds at least one item)
     page_groups = 1024          # groups in one /rollouts page (?limit=, default 256)
     scan_groups = 16 * 1024     # groups one read may step over (the reader's own, which it excludes)
     keep_bytes = 256 << 20      # default --keep-bytes: what kept batches cost (7/8 of it) and pruned.json (1/8)
-    batch_overhead = 2048       # what a kept batch costs beyond its blocks on disk: its share of memory (a
-                                # tiny batch takes about 2.3 KB in all, its text included, measured)
+    batch_overhead = 2048       # a kept batch's cost beyond its disk blocks: memory (a tiny one: ~2.3 KB, measured)
     metrics_bytes = 8 << 20     # metrics rows kept, in memory and in metrics.jsonl
     replies = 20_000            # idempotency records of pruned batches (those of kept batches are all kept)
     peers = 1024                # peers in the table; the one seen least recently goes first
@@ -761,7 +757,7 @@ def _now():  # the server's clock as a TIME field holds it, so that no clock mak
 
 ROUTES = {"/": "GET", "/health": "GET", "/peers": "GET", "/rollouts": "GET, POST", "/metrics": "GET, POST"}  # _route
 JSON = "application/json"
-Request = collections.namedtuple("Request", "method target headers body peer")  # peer: _read_request
+Request = collections.namedtuple("Request", "method target body peer")  # peer: _read_request
 
 
 async def _readline(reader, status, what):  # a line of a request's head; past Limits.line_bytes: `status`
@@ -954,7 +950,7 @@ class SwarmServer:
             self.in_flight += len(chunk)  # given back by _connection once the reply has gone
             body += chunk
         self.waiting.pop(writer, None)
-        return Request(method, target, headers, body, peer)
+        return Request(method, target, body, peer)
 
     async def _send(self, writer, status, content_type, body, headers=None, head_only=False):
         if len(body) > 65536 and self.in_flight + len(body) > Limits.in_flight_bytes:  # bound what waits
@@ -1387,12 +1383,12 @@ class RedisTransport(_Transport):
         except ImportError:
             raise ValueError("a redis:// swarm needs the redis package: pip install redis") from None
         u, shape = urlsplit(url), "the swarm URL must look like redis://USER@HOST:PORT/0 (rediss:// for TLS)"
-        try:
+        try:  # (u.port raises ValueError on a port that is no number)
             tls, port, options = u.scheme.lower() == "rediss", u.port, parse_qs(u.query, keep_blank_values=True)
+            if not u.hostname or not re.fullmatch(r"/?[0-9]{0,5}", u.path):
+                raise ValueError(shape)
         except ValueError:
             raise ValueError(shape + ".") from None
-        if not u.hostname or not re.fullmatch(r"/?[0-9]{0,5}", u.path):
-            raise ValueError(shape + ".")
         if set(options) - {"ssl_ca_certs"} or (options and not tls):
             raise ValueError(f"{shape}: it takes one option, ?ssl_ca_certs=FILE with rediss://, not "
                              f"{', '.join(sorted(options))[:80]}.")

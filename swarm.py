@@ -1185,10 +1185,9 @@ class _Transport:
             _log(f"dropped {len(bad)} malformed groups from the server (the first: {bad[0][:200]})", self.peer)
         return good
 
-
-def _acknowledged(reply, groups, where):  # a reply to a publish -> it, if it says all groups were stored
-    _want(isinstance(reply, dict) and reply.get("accepted") == groups, f"{where} acknowledges nothing")
-    return fields({"accepted": number(groups), "seq": SEQ})(reply, where)
+    def _acknowledged(self, reply, groups, where):  # a reply to a publish -> it, if it says all were stored
+        _want(isinstance(reply, dict) and reply.get("accepted") == groups, f"{where} acknowledges nothing")
+        return fields({"accepted": number(groups), "seq": SEQ})(reply, where)
 
 
 class HttpTransport(_Transport):
@@ -1213,7 +1212,7 @@ class HttpTransport(_Transport):
     def publish(self, round_, texts, batch_id):
         reply = self._call("/rollouts", b'{"peer":%s,"round":%d,"batch_id":%s,"groups":[%s]}' % (
             _dumps(self.peer), round_, _dumps(batch_id), b",".join(texts)))
-        return _acknowledged(reply, len(texts), "a reply to /rollouts")
+        return self._acknowledged(reply, len(texts), "a reply to /rollouts")
 
     def post_metrics(self, round_, texts):
         reply = self._call("/metrics", b'{"peer":%s,"round":%d,"metrics":%s}' % (_dumps(self.peer), round_, texts[0]))
@@ -1409,7 +1408,7 @@ class RedisTransport(_Transport):
         keys = [f"sapo:writer:{self.name}:{key}" for key in ("window", "groups", f"reply:{batch_id}")]
         reply = self._call(self.redis.eval, PUBLISH_LUA, 3, *keys, self.name, round_, Limits.window_batches,
                            int(1000 * Limits.window_seconds), Limits.reply_seconds, Limits.batch_groups, *texts)
-        return _acknowledged(parse_json(reply) if isinstance(reply, str) else None, len(texts), "Redis's reply")
+        return self._acknowledged(parse_json(reply) if isinstance(reply, str) else None, len(texts), "Redis's reply")
 
     def post_metrics(self, round_, texts):
         row = b'{"peer":%s,"round":%d,"metrics":%s}' % (_dumps(self.peer), round_, texts[0])

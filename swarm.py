@@ -8,15 +8,18 @@ questions, shares those decoded rollouts (text: question, answer, completions; n
 weights; beyond the paper, optionally the sampled token ids and log-probs) with the swarm, and trains on
 its I local groups plus J groups drawn from what the other peers shared. Peers never wait for each other.
 
-In reading order (the marker line ends SAPO's sharing; what follows makes it durable, bounded and safe
-against hostile input): Store, the rules of the shared pool (numbered, retried once, sampled every writer
-alike); Client, a peer's side (two queues and one thread, so training never waits for the network; with
-the store down a peer trains in silo, the paper's baseline, and catches up when it returns); connect(url),
-which picks the transport: an HTTP server (HttpTransport) or Redis (RedisTransport, for a swarm one Python
-server cannot carry, one Redis ACL user per peer in the token's place). Below the marker: RolloutStore (the
-Store on disk), SwarmServer, the HTTP around it (`python swarm.py --dir swarm_data --port 8000`, standard
-library only, built so that slow or hostile clients cannot take it down), the transports, a dashboard (GET
-/) and the command line.
+In reading order (a reader who stops at the marker line has read all of SAPO's sharing; what follows makes
+it durable, bounded and safe against hostile input):
+- Store, the rules of the shared pool: publish() numbers groups in arrival order (`seq`) and stores a retry
+  once; sample(K) draws K recent groups, every writer alike; read(after) gives every group after a seq.
+- Client, a peer's side: two queues (publish() into the outbox, fetch() out of the inbox) and one thread
+  that talks, so training never waits for the network; with the store down a peer trains in silo (the
+  paper's baseline) and catches up when it returns.
+- connect(url) picks the transport: an HTTP server (HttpTransport) or Redis (RedisTransport, for a swarm one
+  Python server cannot carry, one Redis ACL user per peer in the token's place).
+- Below the marker: RolloutStore (the Store on disk), SwarmServer (`python swarm.py --dir swarm_data --port
+  8000`, standard library only, built so that slow or hostile clients cannot take it down), the transports,
+  the dashboard (GET /) and the command line.
 
 Deviations from the paper, and why:
 - The paper's swarm ran on Gensyn's RL Swarm, where peers exchange rollouts over a peer-to-peer DHT.

@@ -993,7 +993,7 @@ class SwarmServer:
             return BadRequest("The server hit an unexpected error; it was logged and the server keeps serving.",
                               500).reply
 
-    def _route(self, method, path, q, body, peer=None):
+    def _route(self, method, path, q, body, peer):
         """A request for one of ROUTES (a write: by `peer`'s credential) -> the reply's bytes. Groups are kept as
         JSON text: a page of them is joined, not encoded again."""
         if method == "POST":
@@ -1255,7 +1255,7 @@ class HttpTransport(_Transport):
             for sock in self.sockets:  # the duplicates _Adapter made
                 sock.close()
         if (late := time.monotonic() > deadline) or self.closed or isinstance(reply, Exception):  # (cut by the timer?)
-            raise ConnectionError(f"server unreachable ({_reason(None if late else reply)})")
+            raise ConnectionError(f"server unreachable ({'no whole reply in time' if late else _reason(reply)})")
         if (status := r.status_code) != 200 and not 400 <= status < 500 or status in (408, 429):
             moved = f", a redirect to {r.headers.get('Location', '')[:100]!r}, which this client does not follow" \
                 if 300 <= status < 400 else ""
@@ -1305,9 +1305,8 @@ _REFUSED = dict.fromkeys((401, 403), "this peer's token is not the server's: pas
 _REFUSED[404] = "is that the swarm server's URL, or does a proxy send it elsewhere?"  # (the likely causes)
 
 
-def _reason(e):  # the words that matter in requests' long messages ("Connection refused"); no error: too late
-    found = re.findall(r"\[Errno -?\d+\] ([^'\"()\[\]]+)|(Read timed out|Connection aborted)", str(e)) if \
-        e is not None else [("no whole reply in time", "")]
+def _reason(e):  # the words that matter in requests' long messages ("Connection refused")
+    found = re.findall(r"\[Errno -?\d+\] ([^'\"()\[\]]+)|(Read timed out|Connection aborted)", str(e))
     return "".join(found[-1]).strip() if found else type(e).__name__
 
 

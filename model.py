@@ -306,11 +306,15 @@ def read_json(path):
 
 
 def resolve(name_or_path, log=print):
-    """Where a model's files are: a local folder, a Hub download, or (default model only) the PyPI GGUF."""
-    if os.path.isdir(name_or_path):
-        if not os.path.exists(os.path.join(name_or_path, "config.json")):
+    """Where a model's files are: a local folder, a Hub download, or (default model only) the PyPI GGUF. A
+    name like a path (./, ../, / or ~ first, / last, or two slashes) is a folder, never a Hub id."""
+    path = os.path.expanduser(name_or_path)
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
             raise FileNotFoundError(f"{name_or_path} has no config.json: give a Hugging Face–format model folder")
-        return name_or_path
+        return path
+    if name_or_path.startswith(("./", "../", "/", "~")) or name_or_path.endswith("/") or name_or_path.count("/") > 1:
+        raise FileNotFoundError(f"the model folder {name_or_path} does not exist")
     if os.path.exists(name_or_path) or name_or_path.count("/") != 1:
         raise FileNotFoundError(f"model {name_or_path!r} is neither a model folder nor a Hub id like "
                                 f"{DEFAULT_MODEL!r}")

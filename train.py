@@ -84,6 +84,7 @@ import swarm
 
 
 POOL_ROUNDS = 2  # a pooled external group not drawn leaves the pool this many of the receiver's rounds after it came
+FIRST_READ_SECONDS = 2.0  # the longest a peer's first fetch, fresh or resumed, waits for the swarm's first read
 
 
 def peer_seed(seed, k):
@@ -130,6 +131,8 @@ def external_group(tokenizer, g, stop_id, max_new_tokens, one_shot, log, system=
     --tasks; None: any family reward.py knows) or its answer does not follow from its question
     (reward.verify_item), if its question holds a special token's text, or if its rewards, by the local
     verifier on the re-tokenised text, are all equal (no advantage); otherwise the Group to train on."""
+    if not is_text(g, log):  # (below the marker: a lone surrogate is no text a tokenizer takes)
+        return None
     if not reward.verify_item(g, tasks):
         log(f"dropped a group from {g.get('peer')}: not one of this peer's tasks, or its answer does not "
             "follow from its question")
@@ -242,7 +245,7 @@ class Algorithm1:
         args = self.args
         if self.client is None or args.external == 0:
             return [], dict(external_available=0, external_survived=0)
-        fetched = self.client.fetch()
+        fetched = self.client.fetch(wait=FIRST_READ_SECONDS)  # (a later fetch never waits)
         usable = (external_group(self.tok, g, self.stop_id, args.max_new_tokens, args.one_shot, self.log,
                                  args.system_prompt, args.task_list) for g in fetched)
         fresh = [dataclasses.replace(x, arrived=r) for x in usable if x is not None]
@@ -329,9 +332,9 @@ def mean(xs):
 
 def parse_args(argv=None):
     """The run's settings: the flags, whose defaults are this machine's (parser), then the silo rule.
-    A bad flag gets one sentence from argparse and exit status 2, before any model is loaded."""
+    A bad flag gets one line (one_line) and exit status 2, before any model is loaded."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    first = device_flag()  # the device first, resolved once: the other defaults depend on it, and --help shows them
+    first = one_line(device_flag())  # the device first, resolved once: the other defaults depend on it, and --help shows them
     value = first.parse_known_args(argv)[0].device
     try:
         device = torch.device(value)
@@ -340,7 +343,7 @@ def parse_args(argv=None):
     if device.type == "cuda" and not torch.cuda.is_available():
         first.error(f"--device {device} was asked for, but torch sees no CUDA GPU")
     I, J = (2, 2) if small_defaults(device) else (4, 4)  # the paper's best, 4 and 4 groups a round; 2 and 2 if small
-    p = parser(device, I, J)
+    p = one_line(parser(device, I, J))
     args = p.parse_args(argv)
     args.device = device
     args.token = getattr(args, "token", None) or os.environ.get("SWARM_TOKEN")
@@ -364,6 +367,12 @@ def parse_args(argv=None):
     return args
 
 
+def one_line(p, prog="train.py"):
+    """An argparse parser whose errors are one line, the sentence and where to look, not the usage first."""
+    p.error = lambda message: p.exit(2, f"{prog}: {message.rstrip('.')}; see python {prog} --help\n")
+    return p
+
+
 def small_defaults(device):  # whether a torch.device gets the smaller defaults: a CPU, or anything but CUDA
     return device.type != "cuda"
 
@@ -385,7 +394,7 @@ def parser(device, I, J):
                                 epilog=f"The defaults shown are this machine's ({device}): "
                                        + ("smaller than a GPU's (4, 4, 8, 256, 16, off) for --local, --external, "
                                           "--generations, --max-new-tokens, --micro-batch and --grad-checkpoint."
-                                          if cpu else "a CPU's are smaller, see the README."))
+                                          if cpu else "a CPU's are smaller, see the README.") + " " + BAR_HELP)
     a = p.add_argument
     # what to run
     a("--peers", type=at_least(0), nargs="?", const=4, default=0, help="start a swarm of N peers on this machine (alone: 4)")
@@ -481,9 +490,18 @@ def writable_folder(path):
 
 def check_resume(p, args):
     """--resume without --name: the one peer in --out, or one sentence, before any model is loaded, if it
-    holds none, several, or a swarm launched with --peers N (swarm/ beside peer0, peer1, ...)."""
-    if not args.resume or args.name:
-        return
+    holds none, several, or a swarm launched with --peers N (swarm/ beside peer0, peer1, ...); and one
+    sentence if the peers to resume have saved their last round of --rounds already."""
+    if args.resume and not args.name:
+        find_peer(p, args)
+    names = [f"peer{k}" for k in range(args.peers)] if args.peers else [args.name]
+    saved = [last_checkpoint(os.path.join(args.out, n)) for n in names] if args.resume else [None]
+    if all(c and c["round"] + 1 >= args.rounds for c in saved):
+        p.error(f"{args.out} has trained all its --rounds {args.rounds} already, so --resume has nothing left to "
+                f"do: give a larger --rounds to train on")
+
+
+def find_peer(p, args):  # check_resume's search for the one peer (or the launched swarm) in --out
     out, peers = args.out, sorted(glob.glob(os.path.join(glob.escape(args.out), "*", "settings.json")))
     peers = [os.path.basename(os.path.dirname(f)) for f in peers]
     launched = os.path.isdir(os.path.join(out, "swarm")) * sum(bool(re.fullmatch(r"peer\d+", n)) for n in peers)
@@ -528,7 +546,6 @@ class Peer(Algorithm1):
         ckpt = last_checkpoint(folder) if args.resume else None  # None: a fresh start
         if os.path.exists(os.path.join(folder, "metrics.jsonl")) and not args.resume:
             raise SystemExit(f"{folder} already holds a run: pass --resume to continue it, or another --out")
-        os.makedirs(folder, exist_ok=True)
         torch.manual_seed(args.seed)
         settings = os.path.join(folder, "settings.json")
         try:
@@ -540,15 +557,16 @@ class Peer(Algorithm1):
             ref_model = M.load_model(args.model, self.device, torch.float32, log=log)[0] if args.beta > 0 else None
         except (OSError, ValueError, RuntimeError) as e:  # a model that cannot be found or read
             raise SystemExit(f"train.py: {e}") from None
+        os.makedirs(folder, exist_ok=True)  # (a run that cannot start leaves nothing behind)
         model.grad_checkpoint = args.grad_checkpoint
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
         # sampling runs from a --dtype copy (model.default_dtype's pick) refreshed after every step; float32: the model
         sampler = model if args.dtype == "float32" else copy.deepcopy(model).to(getattr(torch, args.dtype)).eval()
         super().__init__(args, model, tok, opt, sampler, ref_model, folder, log)
         self.amp_dtype = M.autocast_dtype(self.device)  # the training autocast: bfloat16 where native, else None
-        self.start_round = 0
+        self.start_round, seen = 0, []
         if ckpt:
-            self.load_state(ckpt)
+            seen = self.load_state(ckpt)
         elif args.resume:
             log(f"{self.dir}: no checkpoint yet, starting from round 0")
             open(os.path.join(self.dir, "metrics.jsonl"), "w").close()  # those rounds will run again
@@ -557,7 +575,8 @@ class Peer(Algorithm1):
             try:  # a read of 4J groups a round, whatever the swarm's size
                 self.client = swarm.connect(args.swarm, self.name, token=args.token,
                                             sample=max(1, min(4 * args.external, swarm.Limits.sample_groups)),
-                                            seed=stream(args.seed, "external", "reads", self.start_round).getrandbits(63))
+                                            seed=stream(args.seed, "external", "reads").getrandbits(63),
+                                            round=self.start_round, seen=seen)  # the read state: as if never stopped
             except ValueError as e:  # a URL it cannot use, or redis:// without the redis package
                 raise SystemExit(f"train.py: --swarm: {e}") from None
         with open(settings, "w") as f:  # never the token, nor a password in the URL: no secret goes to disk
@@ -570,7 +589,7 @@ class Peer(Algorithm1):
         """Rounds start_round to --rounds - 1, then a checkpoint of the last. Ctrl-C or SIGTERM (the launcher's
         stop) abandons a round still sampling (the model unchanged) and lets one changing the model finish;
         either way the last completed round is saved, and --resume goes on at the next. Returns whether stopped."""
-        args, done = self.args, self.start_round - 1  # done: the last completed round
+        args, done, spent = self.args, self.start_round - 1, []  # done: the last completed round; spent: seconds a round
         self.busy = self.stopping = False
         handlers = {sig: signal.signal(sig, self.interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
         bar = tqdm(total=args.rounds, initial=self.start_round, desc=self.name, dynamic_ncols=True, bar_format=BAR,
@@ -584,7 +603,8 @@ class Peer(Algorithm1):
                     self.save(r)
                 self.busy = False
                 bar.update(1)
-                bar.set_postfix(progress(m, args.rounds))
+                spent.append(m["round_seconds"])
+                bar.set_postfix(progress(m, args.rounds, mean(spent)))
                 if args.quiet:
                     self.log(f"round {r}: local_reward {m['local_reward']:.3f} (batch_reward {m['batch_reward']:.3f}, "
                              f"the paper's figure) external {m['external_used']} len {m['completion_len']:.0f} "
@@ -601,8 +621,8 @@ class Peer(Algorithm1):
             self.log(f"stopped after round {done}, the last completed one, which is saved" if done >= 0 else "stopped")
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-        if self.client is not None:
-            self.client.close()
+        if self.client is not None:  # what is queued may go, then one line says what could not
+            self.client.close(wait=FLUSH_SECONDS)
         return self.stopping
 
     def interrupt(self, signum, frame):
@@ -618,7 +638,7 @@ class Peer(Algorithm1):
         leaves the pointer naming a whole checkpoint, with the length metrics.jsonl had when it was taken."""
         state = {"round": round_, "optimizer": self.opt.state_dict(), "torch_rng": torch.get_rng_state(),
                  "external_rng": json.dumps(self.external_rng.getstate()),
-                 "pool": [dataclasses.asdict(x) for x in self.pool]}
+                 "pool": [dataclasses.asdict(x) for x in self.pool], "seen": list(getattr(self.client, "seen", []))}
         name, metrics = f"checkpoint-{round_}", os.path.join(self.dir, "metrics.jsonl")
         M.save_model(self.model, self.tok, os.path.join(self.dir, name),
                      write_extra=lambda folder: torch.save(state, os.path.join(folder, "trainer_state.pt")))
@@ -626,13 +646,18 @@ class Peer(Algorithm1):
         with open(os.path.join(self.dir, "checkpoint.json.tmp"), "w") as f:
             json.dump(pointer, f)
         os.replace(os.path.join(self.dir, "checkpoint.json.tmp"), os.path.join(self.dir, "checkpoint.json"))
-        for old in glob.glob(os.path.join(glob.escape(self.dir), "checkpoint-*")):
-            if os.path.basename(old) != name:
-                shutil.rmtree(old, ignore_errors=True)
+        for old in os.listdir(self.dir):  # older checkpoints, and what a save cut short left (a .tmp- folder)
+            if re.fullmatch(r"checkpoint-.*|\.tmp-.*", old) and old != name:
+                shutil.rmtree(os.path.join(self.dir, old), ignore_errors=True)
 
     def load_state(self, ckpt):
-        """Optimizer and random state and the external pool from a checkpoint (last_checkpoint's dict)."""
-        state = torch.load(os.path.join(ckpt["path"], "trainer_state.pt"), map_location="cpu", weights_only=True)
+        """Optimizer and random state and the external pool from a checkpoint (last_checkpoint's dict) -> the
+        swarm client's read state: the (seq, time) of the groups it had handed out."""
+        path = os.path.join(ckpt["path"], "trainer_state.pt")
+        if not os.path.exists(path):  # (sample.py needs the weights only: one may delete it to keep less)
+            raise SystemExit(f"train.py: {ckpt['path']} holds no trainer_state.pt, so --resume cannot go on from it; "
+                             f"its weights can start a new run: --model {ckpt['path']}")
+        state = torch.load(path, map_location="cpu", weights_only=True)
         self.opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"].cpu())
         v, internal, gauss = json.loads(state["external_rng"])
@@ -642,6 +667,7 @@ class Peer(Algorithm1):
         if os.path.exists(path) and os.path.getsize(path) > ckpt["metrics_bytes"]:
             os.truncate(path, ckpt["metrics_bytes"])
         self.log(f"resumed {self.name} from {ckpt['path']} at round {self.start_round}")
+        return state.get("seen", [])
 
 
 def last_checkpoint(folder):
@@ -657,20 +683,36 @@ def peer_name(args, log):
     if args.name:
         return args.name
     name = f"{re.sub(r'[^A-Za-z0-9_.-]', '-', socket.gethostname())[:57] or 'peer'}-{secrets.token_hex(3)}"
-    log(f"this peer's name in the swarm: {name} (--name sets it)")
+    if args.swarm:  # (in silo it names the peer's folder only)
+        log(f"this peer's name in the swarm: {name} (--name sets it)")
     return name
 
 
-def progress(m, rounds):
+def progress(m, rounds, seconds):
     """A progress bar's numbers: the local reward (the skill), the batch reward (the paper's figure, external
-    groups included), and the peer's own pace from its last round (the launcher's clock counts start-up)."""
-    seconds = max(m["round_seconds"], 1e-9)
+    groups included), the external groups of the last round, and the pace from `seconds`, the run's mean
+    seconds a round (the peer's own: the launcher's clock counts start-up); the time left at that pace."""
+    seconds = max(seconds, 1e-9)
     left = (rounds - m["round"] - 1) * seconds
     return dict(reward=f"{m['local_reward']:.2f}", batch=f"{m['batch_reward']:.2f}", ext=int(m["external_used"]),
                 pace=f"{60 / seconds:.2g} rounds/min", left=f"{left // 3600:.0f}h{left % 3600 // 60:02.0f}m")
 
 
 BAR = "{desc}: {n_fmt}/{total_fmt} rounds{postfix} |{bar}|"  # no tqdm rate or clock: the pace is the peer's own
+BAR_HELP = ("A peer's progress bar: reward, the local reward (the mean over its own completions); batch, that of "
+            "its training batch (the paper's figure); ext, the external groups it trained on in its last round "
+            "(at most J); pace, its mean rounds a minute in this run; left, the time its rounds left take at that pace.")
+
+
+def is_text(g, log):
+    """Whether a received group's strings are all UTF-8 text (none holds a lone surrogate such as "\\ud800",
+    which no tokenizer takes); a group that is not is dropped, saying so."""
+    try:
+        json.dumps(g, ensure_ascii=False).encode()
+        return True
+    except UnicodeEncodeError:
+        log(f"dropped a group from {g.get('peer')}: it holds a lone surrogate, which is no UTF-8 text")
+        return False
 
 
 def release_memory():
@@ -699,7 +741,8 @@ def launch(args, argv):
     try:  # the model once, here: a first download or GGUF dequantisation must not run in every peer at once
         check_memory(args.peers, args.device, count_params(M.resolve(args.model)))
         os.makedirs(args.out, exist_ok=True)
-        server, url = swarm.start_server(os.path.join(args.out, "swarm"), token=args.token)  # in this process
+        server, url = swarm.start_server(os.path.join(args.out, "swarm"), token=args.token,  # in this process,
+                                         score=reward.score)  # (so its dashboard shows each completion's reward)
     except (OSError, ValueError, RuntimeError) as e:
         raise SystemExit(f"train.py: {e}") from None
     children, failed, stopped = [], {}, False
@@ -710,15 +753,17 @@ def launch(args, argv):
         procs = {f"peer{k}": start_peer(args, argv, k, url, children) for k in range(args.peers)}
         bars = {n: tqdm(total=args.rounds, desc=n, position=k, dynamic_ncols=True, bar_format=BAR)
                 for k, n in enumerate(procs)}
-        seen, last = 0, {}  # the peers' metrics as the server got them: the newest row of each
+        seen, last, spent = 0, {}, {}  # the peers' metrics as the server got them: the newest row of each, seconds
         while len(failed) < len(procs) and any(p.poll() is None for p in procs.values()):
             time.sleep(1.0)
             rows, seen, _ = server.store.read_metrics(seen)
-            last.update((row["peer"], row["metrics"]) for row in map(json.loads, rows))
+            for row in map(json.loads, rows):
+                last[row["peer"]] = row["metrics"]
+                spent.setdefault(row["peer"], []).append(row["metrics"].get("round_seconds") or 0.0)
             for n, proc in procs.items():
                 if n in last:
                     bars[n].n = int(last[n]["round"]) + 1
-                    bars[n].set_postfix(progress(last[n], args.rounds))  # and redraw
+                    bars[n].set_postfix(progress(last[n], args.rounds, mean(spent[n])))  # and redraw
                 if proc.poll() not in (None, 0) and n not in failed:
                     failed[n] = f"{n} {why_stopped(proc.returncode)}: see {args.out}/{n}/log.txt"
                     tqdm.write(failed[n] + "; the others go on")
@@ -731,23 +776,25 @@ def launch(args, argv):
     finally:
         stop_all(children)
         server.shutdown()
-    print(next_steps(args, argv))
+    print(next_steps(args, argv, stopped or bool(failed)))
     if stopped or failed:
         raise SystemExit(130 if stopped else "\n".join(failed.values()))
 
 
-def next_steps(args, argv):
-    """Where a run that ended or stopped is, and the commands to chart it and to go on with it."""
-    flags = [f for f in without_token(argv) if f != "--resume"] + ["--out", args.out] * ("--out" not in argv)
-    go_on = shlex.join(["python", "train.py", *flags, "--resume"])
+def next_steps(args, argv, stopped):
+    """Where a run that ended or stopped is, and the commands to chart it, to see a launched swarm's dashboard
+    again, and to go on with it (a finished run: with twice its --rounds)."""
+    flags = [f for f in without(argv, "--token") if f != "--resume"] + ["--out", args.out] * ("--out" not in argv)
+    flags = flags if stopped else without(flags, "--rounds") + ["--rounds", str(2 * args.rounds)]
+    dashboard = f"its dashboard again: python swarm.py --dir {shlex.quote(os.path.join(args.out, 'swarm'))}\n"
     return (f"the run is in {args.out}; chart it: python train.py --plot {shlex.quote(args.out)}\n"
-            f"go on with it (a larger --rounds trains longer): {go_on}")
+            + dashboard * bool(args.peers) + f"go on with it: {shlex.join(['python', 'train.py', *flags, '--resume'])}")
 
 
-def without_token(argv):
-    """A command line without its --token: a child gets the token in its environment (ps shows command lines)."""
-    return [f for k, f in enumerate(argv) if not (f == "--token" or f.startswith("--token=")
-                                                  or (k and argv[k - 1] == "--token"))]
+def without(argv, flag):
+    """A command line without a flag and its value (a child gets the --token in its environment: ps shows
+    command lines)."""
+    return [f for k, f in enumerate(argv) if not (f == flag or f.startswith(flag + "=") or (k and argv[k - 1] == flag))]
 
 
 def start_peer(args, argv, k, url, children):
@@ -755,7 +802,7 @@ def start_peer(args, argv, k, url, children):
     (peer_seed), the server's URL and the run folder, and the token in its environment. It reads the
     flags as the launcher did: the same machine, so the same defaults."""
     name = f"peer{k}"
-    flags = [*without_token(argv), "--peers", "0", "--swarm", url, "--name", name, "--quiet",
+    flags = [*without(argv, "--token"), "--peers", "0", "--swarm", url, "--name", name, "--quiet",
              "--seed", str(peer_seed(args.seed, k)), "--out", args.out]
     os.makedirs(os.path.join(args.out, name), exist_ok=True)
     env = dict(os.environ, **({"SWARM_TOKEN": args.token} if args.token else {}))
@@ -769,6 +816,7 @@ def start_peer(args, argv, k, url, children):
 
 
 STOP_SECONDS = 120  # a stopped peer finishes a GRPO step and writes its checkpoint before it is killed
+FLUSH_SECONDS = 10  # at the end of a run, the longest a peer waits for the swarm to take what is still queued
 
 
 def stop_all(children):
@@ -834,8 +882,10 @@ def plot(run_dir):
     charts are drawn by swarm.render_svg (swarm.py, the dashboard's, below its marker line)."""
     runs = {}
     for path in sorted(glob.glob(os.path.join(glob.escape(run_dir), "*", "metrics.jsonl"))):
-        with open(path) as f:
-            runs[os.path.basename(os.path.dirname(path))] = [json.loads(line) for line in f if line.strip()]
+        with open(path) as f:  # a peer's rows (the server's, in RUN/swarm/metrics.jsonl, have another shape)
+            rows = [row for row in map(json.loads, filter(str.strip, f)) if "local_reward" in row]
+        if rows:
+            runs[os.path.basename(os.path.dirname(path))] = rows
     if not runs:
         raise SystemExit(f"no <peer>/metrics.jsonl under {run_dir}: give the folder of a run")
     kinds = [("local_reward", "local reward (the skill)"),
@@ -869,7 +919,7 @@ def main(argv=None):
         stopped = Peer(args).run()
     except KeyboardInterrupt:  # while the model loads
         stopped = True
-    print(next_steps(args, argv))
+    print(next_steps(args, argv, stopped))
     if stopped:
         sys.exit(130)
 

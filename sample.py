@@ -34,14 +34,12 @@ The SAPO paper (arXiv 2509.08721) samples with Hugging Face transformers' genera
 hand-written replacement with the same semantics (the tests compare greedy outputs token for token).
 """
 
-import glob
-import os
 import random
 import sys
 
 import torch
 
-from model import Transformer, load_model, read_json
+from model import Transformer, load_model
 
 
 def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, logprob=False):
@@ -198,8 +196,7 @@ def main(argv=None):
     import argparse
     import reward  # the tasks and the prompt a peer trains with
     p = argparse.ArgumentParser(description="Four completions of a question, rewarded if it is a --task item.")
-    p.add_argument("model", help="a model folder, a Hub id, or a checkpoint: RUN/PEER/checkpoint-N, or RUN/PEER "
-                   "(its newest)")
+    p.add_argument("model", help="a model folder or Hub id, RUN/PEER/checkpoint-N, or RUN/PEER (its newest checkpoint)")
     p.add_argument("question", nargs="?", help="the question (default: an item that --task makes)")
     p.add_argument("--task", choices=sorted(reward.TASKS), help="a family: it makes the question, or is searched for it")
     p.add_argument("--seed", type=int, default=0, help="the seed of the draw and of --task's items (default: 0)")
@@ -209,29 +206,15 @@ def main(argv=None):
     items = [reward.get_task(a.task).generate(random.Random(k)) for k in range(a.seed, a.seed + 1000)] if a.task else []
     item = next((x for x in items if x["question"] == (a.question or items[0]["question"])), None)
     try:
-        model, tok = load_model(newest_checkpoint(a.model), "cuda" if torch.cuda.is_available() else "cpu")
+        model, tok = load_model(a.model, "cuda" if torch.cuda.is_available() else "cpu")
     except (OSError, ValueError, RuntimeError) as e:
-        raise SystemExit(f"sample.py: {e}{held_checkpoints(a.model)}") from None
+        raise SystemExit(f"sample.py: {e}") from None
     prompt = reward.prompt_ids(tok, item or {"task": None, "question": a.question}, item is not None)
     outs = generate(model, [prompt], num_samples=4, max_new_tokens=min(256, model.cfg.max_seq_len - len(prompt)),
                     seed=a.seed, eos_token_ids=model.stop_ids or [tok.eos_token_id])
     print(f"question: {item['question'] if item else a.question}" + (f"\nanswer: {item['answer']}" if item else ""))
     for k, text in enumerate(tok.decode(ids, skip_special_tokens=True) for ids in outs):
         print(f"--- completion {k + 1}" + (f", reward {reward.score(item, text):g}" if item else "") + f":\n{text}")
-
-
-def newest_checkpoint(path):
-    """A run's peer folder (RUN/PEER: its checkpoint.json names the newest checkpoint) -> that checkpoint."""
-    pointer = os.path.join(path, "checkpoint.json")
-    return os.path.join(path, read_json(pointer)["checkpoint"]) if os.path.isfile(pointer) else path
-
-
-def held_checkpoints(path):
-    """For a checkpoint that is not there: the ones its run folder holds, in words ("" if none)."""
-    folder = os.path.dirname(os.path.normpath(path))
-    held = [] if os.path.exists(path) else glob.glob(os.path.join(glob.escape(folder), "checkpoint-*"))
-    held = sorted(os.path.basename(p) for p in held)
-    return f"; {folder} holds {', '.join(held)} (python sample.py {folder} takes the newest)" * bool(held)
 
 
 if __name__ == "__main__":

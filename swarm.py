@@ -171,22 +171,20 @@ class Client:
         publish(round, groups) -> outbox --(oldest first, until acknowledged)--> store
         fetch() <- inbox <--(a sampled read of K groups, once per fetch() or flush())-- store
 
-    A retried batch is stored once (it carries a batch_id). A read is K recent groups, every producer
-    alike, however large the swarm, and no group is handed out twice. A read depends on its round, not on
-    the reads before it: a peer restarted with its read state (seed, round, seen) reads as if never stopped."""
+    A retried batch is stored once (it carries a batch_id). A read is K recent groups, every producer alike,
+    however large the swarm; none is handed out twice; and it depends on its round, not on the reads before it."""
 
     def __init__(self, peer, transport, sample, seed=0, round=0, seen=()):
         self.peer = peer                  # this peer's name: the store leaves its groups out of its reads
         self.transport = transport        # the store's side of publish, post_metrics and sample
         self.sample = sample              # K: the groups one read asks for
-        self.seed = seed                  # the read state: the k-th read for round r draws with (seed, r, k);
-        self.round, self.count = round, 0  # the round the next read is for (fetch() moves it on), reads asked;
+        self.seed = seed                  # the read state, which a restarted peer keeps: the k-th read for round r
+        self.round, self.count = round, 0  # draws with (seed, r, k); the round the next read is for, reads asked;
         self.seen = collections.deque(map(tuple, seen), maxlen=Limits.seen_seqs)  # (seq, time) handed out
         self.cond = threading.Condition()  # guards all that follows; notified when the thread gets somewhere
         self.outbox, self.outbox_bytes = collections.deque(), 0  # (what, send, arguments, bytes), oldest first
         self.inbox, self.inbox_bytes = collections.deque(), 0    # (group, bytes) received, oldest first
         self.asked = collections.deque(maxlen=2)  # (round, k) of the reads asked for and not done yet
-        self.reads_begun = self.reads_done = 0  # reads numbered as they begin; the number of the last done
         self.wake = self.closing = False   # there is something to do; close() was called
         self.down, self.dropped = None, 0  # while the store does not answer: why; entries the outbox let go
         self.thread = threading.Thread(target=_talk, args=(self,), name=f"swarm-client-{peer}", daemon=True)
@@ -203,32 +201,23 @@ class Client:
         _enqueue(self, f"round {round}'s metrics", self.transport.post_metrics, lambda: (int(round), [_dumps(
             {str(k)[:64]: float(v) if _sane(v) else None for k, v in list(metrics.items())[:64]})]))
 
-    def fetch(self, wait=0.0):
-        """Other peers' checked groups from the reads done since the last call, none handed out before; then
-        asks for the next round's read and returns. It waits only before this client's first read is done
-        (a peer's first round, fresh or resumed): up to `wait` seconds, so that round has external groups too."""
+    def fetch(self):
+        """Other peers' groups from the reads done since the last call, none handed out before; asks for the next."""
         with self.cond:
-            if not self.reads_begun and not self.asked:
-                self._ask()
-            self.cond.wait_for(lambda: self.reads_done or self.down, wait)
-            seen, groups = set(self.seen), []
-            for g, _ in self.inbox:
-                if (g["seq"], g["time"]) not in seen:
-                    seen.add((g["seq"], g["time"]))
-                    groups.append(g)
-            self.seen.extend((g["seq"], g["time"]) for g in groups)
+            seen = set(self.seen)
+            fresh = {(g["seq"], g["time"]): g for g, _ in self.inbox if (g["seq"], g["time"]) not in seen}
+            self.seen.extend(fresh)
             self.inbox.clear()
             self.inbox_bytes, self.round, self.count = 0, self.round + 1, 0
             self._ask()
-            return groups
+            return list(fresh.values())
 
     def flush(self, timeout=10.0):
         """Wait until the outbox is empty and a read begun after this call is done -> True, or False if
         that took over timeout seconds."""
         with self.cond:
-            begun = self.reads_begun
-            self._ask()
-            return self.cond.wait_for(lambda: not self.outbox and self.reads_done > begun, timeout)
+            self._ask()  # (done once no read is asked for: the reads asked before it are done too)
+            return self.cond.wait_for(lambda: not self.outbox and not self.asked, timeout)
 
     def close(self, wait=0.0):
         """Stop the thread once the outbox is empty, or after `wait` seconds: it ends its current exchange at
@@ -243,8 +232,7 @@ class Client:
 
     def _ask(self):  # (self.cond held) wake the thread for one more read of this round, at most 2 waiting
         self.asked.append((self.round, self.count))
-        self.count += 1
-        self.wake = True
+        self.count, self.wake = self.count + 1, True
         self.cond.notify_all()
 
     def _send(self, entry):
@@ -267,29 +255,27 @@ class Client:
         with self.cond:
             if not self.asked:
                 return True
-            self.reads_begun += 1
-            read, asked = self.reads_begun, self.asked[0]
+            asked = self.asked[0]
         seed = random.Random("/".join(map(str, (self.seed, *asked)))).getrandbits(63)
-        got = self.transport.sample(self.sample, seed)
-        fresh = [(g, size) for g, size in got if g["peer"].lower() != self.peer.lower()]
+        fresh = [(g, n) for g, n in self.transport.sample(self.sample, seed) if g["peer"].lower() != self.peer.lower()]
         with self.cond:
             self.inbox.extend(fresh)
             self.inbox_bytes += sum(size for _, size in fresh)
             while self.inbox_bytes > Limits.inbox_bytes:  # beyond the bound the oldest go
                 self.inbox_bytes -= self.inbox.popleft()[1]
-            if self.asked and self.asked[0] == asked:
+            if self.asked and self.asked[0] == asked:  # (unless two newer reads were asked for meanwhile)
                 self.asked.popleft()
-            self.reads_done = read
             self.cond.notify_all()
             return not self.asked
 
 
-def connect(url, peer, sample, token=None, **reads):
+def connect(url, peer, sample, token=None, **state):
     """A started Client of the store a URL names: a Redis server for redis:// or rediss://, else a swarm.py
-    server. sample: K; token: the store's credential (None: $SWARM_TOKEN); reads: the read state (seed, round, seen)."""
+    server. sample: K; token: the store's credential (None: $SWARM_TOKEN); state: the read state (seed, round, seen)."""
     _check_client(peer, sample)
     kind = RedisTransport if str(url).lower().startswith(("redis://", "rediss://")) else HttpTransport
-    return Client(peer, kind(str(url), peer, os.environ.get("SWARM_TOKEN") if token is None else token), sample, **reads)
+    token = os.environ.get("SWARM_TOKEN") if token is None else token
+    return Client(peer, kind(str(url), peer, token), sample, **state)
 
 
 # ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
@@ -987,9 +973,8 @@ def check_token(token):
 def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.keep_bytes,
                  public_reads=False, verbose=False, score=None):
     """Start a server in a daemon thread -> (server, "http://host:port"); server.shutdown() stops it. With a
-    token every request needs it (GETs not, with public_reads). score(group, completion): each completion's
-    reward on the dashboard (this file judges no content: train.py's launcher passes reward.score). Bad
-    settings: ValueError, in one sentence."""
+    token every request needs it (GETs not, with public_reads); score(group, completion): a reward the dashboard
+    shows (train.py's launcher passes reward.score). Bad settings: ValueError, in one sentence."""
     token = check_token(token)
     if not isinstance(keep_bytes, int) or keep_bytes < 1:
         raise ValueError("--keep-bytes must be a size of at least 1 byte.")
@@ -1070,9 +1055,7 @@ def _talk(client):
             _idle(client, backoff)
 
 
-def _say_undelivered(client, wait):
-    """close()'s line on what never reached the store, and why: the batches and metrics rows still in the
-    outbox, and the entries a full outbox let go; nothing if everything went."""
+def _say_undelivered(client, wait):  # close()'s line on what never reached the store, and why (if anything)
     batches = sum(send == client.transport.publish for _, send, _, _ in client.outbox)
     if client.outbox or client.dropped:
         lost = f", nor {client.dropped} older entries a full outbox let go" * bool(client.dropped)
@@ -1484,13 +1467,12 @@ def render_svg(series, title="reward per round", ylabel="reward", xlabel="round"
 
 def render_page(snap, groups=(), score=None):
     """The dashboard: local_reward per round of the 10 peers seen most recently, each one's newest completions
-    among `groups` (escaped; with score(group, completion), each one's reward), and a table. A peer that has
-    finished round 0 has 1 round done, as its progress bar says."""
+    among `groups` (escaped; with score(group, completion), their rewards), and a table of rounds done, as bars count."""
     series, last, drawn = {}, {}, list(snap["peers"])[-len(COLOURS):]
     for row in snap["metrics"]:  # later rows for the same round (after a resume) replace earlier ones
         if row["peer"] in drawn and row["metrics"].get("local_reward") is not None:
             series.setdefault(row["peer"], {})[row["round"]] = row["metrics"]["local_reward"]
-        last.setdefault(row["peer"], {}).update(row["metrics"], round=row["round"])
+        last.setdefault(row["peer"], {}).update(row["metrics"], done=row["round"] + 1)  # rounds done, as bars count
     chart = render_svg({p: sorted(s.items()) for p, s in series.items()},
                        title="local_reward per round (dots), mean of the last 5 rounds (lines)")
     newest = {g["peer"]: g for g in groups if g["peer"] in drawn}  # the last group of each peer wins
@@ -1502,8 +1484,7 @@ def render_page(snap, groups=(), score=None):
         m = last.get(peer, {})
         cells = "".join(f"<td>{'' if m.get(k) is None else f'{m[k]:.3f}'}</td>" for k in ("local_reward", "batch_reward"))
         seen = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(info["last_seen"]))
-        done = m["round"] + 1 if "round" in m else ""  # rounds done, as the progress bar counts them
-        rows.append(f"<tr><td>{html.escape(peer)}</td><td>{done}</td><td>{info['groups']}</td>{cells}"
+        rows.append(f"<tr><td>{html.escape(peer)}</td><td>{m.get('done', '')}</td><td>{info['groups']}</td>{cells}"
                     f"<td>{seen}</td></tr>")
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><meta http-equiv="refresh" content="5"><title>nanoSAPO swarm</title>
@@ -1519,11 +1500,10 @@ pre{{white-space:pre-wrap;background:#f4f4f4;padding:4px;margin:2px 0}}</style>
 </table></body></html>"""
 
 
-def _scored(score, group, completion):  # "reward 1: " before a completion, if score says one
-    try:
+def _scored(score, group, completion):  # "reward 1: " before a completion, if score says one (it never raises)
+    with contextlib.suppress(Exception):
         return f"reward {float(score(group, completion)):g}: " if score else ""
-    except Exception:  # (a group no verifier here knows: no reward shown)
-        return ""
+    return ""
 
 
 # -----------------------------------------------------------------------------

@@ -1004,7 +1004,7 @@ def test_sample_cli_prints_completions_and_rewards_of_a_task_item(tmp_path, caps
 
 def test_sample_cli_takes_a_peer_folder_and_names_the_checkpoints_a_run_holds(tmp_path, capsys):
     """python sample.py RUN/PEER samples the checkpoint its checkpoint.json names (the newest); a checkpoint
-    the run no longer holds gets one sentence naming those it does; a path that is nowhere says so."""
+    the run no longer holds gets one sentence naming the model folders beside it; a path that is nowhere says so."""
     peer = tmp_path / "run" / "peer0"
     save_tiny(peer / "checkpoint-39", std=None)
     (peer / "checkpoint.json").write_text(json.dumps({"round": 39, "checkpoint": "checkpoint-39", "metrics_bytes": 0}))
@@ -1012,8 +1012,7 @@ def test_sample_cli_takes_a_peer_folder_and_names_the_checkpoints_a_run_holds(tm
     assert capsys.readouterr().out.count("--- completion") == 4
     with pytest.raises(SystemExit) as e:
         sample.main([str(peer / "checkpoint-19"), "hi"])
-    assert str(e.value) == (f"sample.py: the model folder {peer / 'checkpoint-19'} does not exist; {peer} holds "
-                            f"checkpoint-39 (python sample.py {peer} takes the newest)")
+    assert str(e.value) == f"sample.py: the model folder {peer / 'checkpoint-19'} does not exist; {peer} holds checkpoint-39"
     with pytest.raises(SystemExit, match="does not exist$"):
         sample.main([str(tmp_path / "nowhere" / "checkpoint-19"), "hi"])
 
@@ -3828,7 +3827,7 @@ class FakeClient:
         self.published.append((round, groups))
         return True
 
-    def fetch(self, wait=0.0):
+    def fetch(self):
         got, self.queue = self.queue, []
         return got
 
@@ -4537,10 +4536,10 @@ def test_train_metrics_separate_local_from_batch(tiny, tmp_path):
     assert m["batch_reward"] == 5 / 8  # every rollout trained on, counted per completion (not 0.5, nor 2/3)
     assert m["frac_zero_std_local"] == 1.0 and m["frac_zero_std_batch"] == 2 / 3 and m["stepped"] is True
     assert peer.client.metrics[0][1]["frac_zero_std_local"] == 1.0
-    shown = train.progress(m, 10, 2.0)  # the peer's own pace: 2 s a round, 9 rounds left
+    shown = train.progress([m], 10)  # the peer's own pace: 2 s a round, 9 rounds left
     assert list(shown)[0] == "reward" and shown["reward"] == "0.50"
     assert shown["pace"] == "30 rounds/min" and shown["left"] == "0h00m"
-    assert train.progress(dict(m, round=0), 2001, 60.0)["left"] == "33h20m"
+    assert train.progress([dict(m, round=0, round_seconds=60.0)], 2001)["left"] == "33h20m"
 
 
 def test_train_plot_shows_the_local_reward_first(tmp_path, monkeypatch):
@@ -4755,7 +4754,7 @@ def test_train_a_model_folder_that_does_not_exist_is_one_sentence_and_leaves_not
     taken for a Hub id), a run that cannot start makes no folder, and a peer in silo prints no swarm name."""
     monkeypatch.chdir(tmp_path)
     for name in ("./my-model", "../my-model", "/no/such/model", "~/no-such-model", "my/model/", "runs/a/p/checkpoint-9"):
-        with pytest.raises(FileNotFoundError, match=f"^the model folder {re.escape(name)} does not exist$"):
+        with pytest.raises(FileNotFoundError, match=f"^the model folder {re.escape(name)} does not exist"):
             M.resolve(name)
     with pytest.raises(SystemExit) as e:
         train.main(["--model", "./my-model", "--tasks", "repeat_number"])
@@ -4791,7 +4790,7 @@ def test_train_progress_bar_pace_is_the_runs_mean_and_help_explains_the_bar(tiny
     train.Peer(tiny_args(tmp_path, "--name", "bar", "--rounds", "3"), log=quiet).run()
     assert [numbers["pace"] for numbers in shown] == ["10 rounds/min", "10 rounds/min", "15 rounds/min"]
     epilog = " ".join(train.parser(torch.device("cpu"), 2, 2).epilog.split())
-    assert "ext, the external groups it trained on in its last round" in epilog and "pace, its mean rounds" in epilog
+    assert "ext, the external groups of its last round" in epilog and "pace, its mean rounds a minute" in epilog
 
 
 def test_train_a_checkpoint_keeps_what_resume_needs_and_a_save_cut_short_leaves_nothing(tiny, tmp_path):
@@ -4831,7 +4830,7 @@ def test_train_a_received_group_holding_a_lone_surrogate_is_dropped():
     for bad in (dict(completions=[f"<answer> {item['answer']} </answer>", "no \ud800"]), dict(question="What \udfff?")):
         g = dict(wire_group(item), **bad)
         assert train.external_group(tok, g, tok.eos_token_id, 16, False, log=said.append) is None
-    assert len(said) == 2 and all("lone surrogate" in line for line in said)
+    assert len(said) == 2 and all("not UTF-8 text" in line for line in said)
 
 
 def _producer_batches(n, size, seed=0):
@@ -4843,8 +4842,8 @@ def _producer_batches(n, size, seed=0):
 
 @pytest.mark.slow
 def test_train_a_starting_or_resumed_peers_first_round_has_its_external_groups(tiny, tmp_path, monkeypatch):
-    """The first fetch of a peer, fresh or resumed, waits (bounded) for its first sampled read: round 0 and
-    the first round after --resume train on external groups, as every other round does."""
+    """A peer, fresh or resumed, waits (bounded) for its first sampled read before its first round: round 0
+    and the first round after --resume train on external groups, as every other round does."""
     monkeypatch.setattr(train, "FIRST_READ_SECONDS", 60, raising=False)  # (a loaded machine: the bound is not tested)
     server, url = swarm.start_server(str(tmp_path / "swarm"))
     try:
@@ -4869,11 +4868,12 @@ def test_train_a_resumed_swarm_peer_trains_as_an_uninterrupted_one(tiny, tmp_pat
     and a read depends on its round, so the one prefetched before the stop is made again identically."""
     fetch = swarm.Client.fetch
 
-    def settled(client, wait=0.0):  # the read asked for a round is done before that round takes it: no race
+    def settled(client):  # the read asked for a round is done before that round takes it: no race
         with client.cond:
             client.cond.wait_for(lambda: not client.asked, 30)
-        return fetch(client, wait=30)
+        return fetch(client)
     monkeypatch.setattr(swarm.Client, "fetch", settled)
+    monkeypatch.setattr(train, "FIRST_READ_SECONDS", 60, raising=False)
     trained, choose = collections.defaultdict(list), train.Algorithm1.choose_external
 
     def recorded(peer, r):

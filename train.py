@@ -84,7 +84,6 @@ import swarm
 
 
 POOL_ROUNDS = 2  # a pooled external group not drawn leaves the pool this many of the receiver's rounds after it came
-FIRST_READ_SECONDS = 2.0  # the longest a peer's first fetch, fresh or resumed, waits for the swarm's first read
 
 
 def peer_seed(seed, k):
@@ -131,11 +130,9 @@ def external_group(tokenizer, g, stop_id, max_new_tokens, one_shot, log, system=
     --tasks; None: any family reward.py knows) or its answer does not follow from its question
     (reward.verify_item), if its question holds a special token's text, or if its rewards, by the local
     verifier on the re-tokenised text, are all equal (no advantage); otherwise the Group to train on."""
-    if not is_text(g, log):  # (below the marker: a lone surrogate is no text a tokenizer takes)
-        return None
-    if not reward.verify_item(g, tasks):
-        log(f"dropped a group from {g.get('peer')}: not one of this peer's tasks, or its answer does not "
-            "follow from its question")
+    if not is_text(g) or not reward.verify_item(g, tasks):
+        log(f"dropped a group from {g.get('peer')}: not UTF-8 text, not one of this peer's tasks, or its answer "
+            "does not follow from its question")
         return None
     if any(t.special and t.content in g["question"] for t in tokenizer.added_tokens_decoder.values()):
         log(f"dropped a group from {g.get('peer')}: its question holds a special token of the chat template")
@@ -245,7 +242,7 @@ class Algorithm1:
         args = self.args
         if self.client is None or args.external == 0:
             return [], dict(external_available=0, external_survived=0)
-        fetched = self.client.fetch(wait=FIRST_READ_SECONDS)  # (a later fetch never waits)
+        fetched = self.client.fetch()
         usable = (external_group(self.tok, g, self.stop_id, args.max_new_tokens, args.one_shot, self.log,
                                  args.system_prompt, args.task_list) for g in fetched)
         fresh = [dataclasses.replace(x, arrived=r) for x in usable if x is not None]
@@ -334,7 +331,7 @@ def parse_args(argv=None):
     """The run's settings: the flags, whose defaults are this machine's (parser), then the silo rule.
     A bad flag gets one line (one_line) and exit status 2, before any model is loaded."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    first = one_line(device_flag())  # the device first, resolved once: the other defaults depend on it, and --help shows them
+    first = one_line(device_flag())  # the device first, resolved once: the other defaults and --help depend on it
     value = first.parse_known_args(argv)[0].device
     try:
         device = torch.device(value)
@@ -367,8 +364,7 @@ def parse_args(argv=None):
     return args
 
 
-def one_line(p, prog="train.py"):
-    """An argparse parser whose errors are one line, the sentence and where to look, not the usage first."""
+def one_line(p, prog="train.py"):  # an argparse parser whose errors are one line: the sentence, where to look
     p.error = lambda message: p.exit(2, f"{prog}: {message.rstrip('.')}; see python {prog} --help\n")
     return p
 
@@ -490,31 +486,27 @@ def writable_folder(path):
 
 def check_resume(p, args):
     """--resume without --name: the one peer in --out, or one sentence, before any model is loaded, if it
-    holds none, several, or a swarm launched with --peers N (swarm/ beside peer0, peer1, ...); and one
-    sentence if the peers to resume have saved their last round of --rounds already."""
-    if args.resume and not args.name:
-        find_peer(p, args)
-    names = [f"peer{k}" for k in range(args.peers)] if args.peers else [args.name]
-    saved = [last_checkpoint(os.path.join(args.out, n)) for n in names] if args.resume else [None]
-    if all(c and c["round"] + 1 >= args.rounds for c in saved):
-        p.error(f"{args.out} has trained all its --rounds {args.rounds} already, so --resume has nothing left to "
-                f"do: give a larger --rounds to train on")
-
-
-def find_peer(p, args):  # check_resume's search for the one peer (or the launched swarm) in --out
+    holds none, several, or a swarm launched with --peers N (swarm/ beside peer0, peer1, ...); one sentence
+    too if the peers to resume have all saved the last of their --rounds."""
+    if not args.resume:
+        return
     out, peers = args.out, sorted(glob.glob(os.path.join(glob.escape(args.out), "*", "settings.json")))
-    peers = [os.path.basename(os.path.dirname(f)) for f in peers]
-    launched = os.path.isdir(os.path.join(out, "swarm")) * sum(bool(re.fullmatch(r"peer\d+", n)) for n in peers)
-    if launched and args.peers != launched:
-        p.error(f"{out} holds a swarm of {launched} peers: resume it with "
-                f"python train.py --peers {launched} --resume --out {out}")
-    if not peers:
-        p.error(f"there is nothing to resume in {out}: no peer has started there; leave out --resume to start a run")
-    if len(peers) > 1 and not args.peers:
-        p.error(f"{args.out} holds {len(peers)} peers ({', '.join(peers)}): pass --name to say which one to resume")
-    if args.peers and not launched:
-        p.error(f"{args.out} holds no swarm launched with --peers: resume it without --peers")
-    args.name = None if args.peers else peers[0]
+    if not args.name:
+        peers = [os.path.basename(os.path.dirname(f)) for f in peers]
+        launched = os.path.isdir(os.path.join(out, "swarm")) * sum(bool(re.fullmatch(r"peer\d+", n)) for n in peers)
+        if launched and args.peers != launched:
+            p.error(f"{out} holds a swarm of {launched} peers: resume it with "
+                    f"python train.py --peers {launched} --resume --out {out}")
+        if not peers:
+            p.error(f"there is nothing to resume in {out}: no peer has started there; leave out --resume to start")
+        if len(peers) > 1 and not args.peers:
+            p.error(f"{out} holds {len(peers)} peers ({', '.join(peers)}): pass --name to say which one to resume")
+        if args.peers and not launched:
+            p.error(f"{out} holds no swarm launched with --peers: resume it without --peers")
+        args.name = None if args.peers else peers[0]
+    saved = [last_checkpoint(os.path.join(out, n)) for n in [f"peer{k}" for k in range(args.peers)] or [args.name]]
+    if all(c and c["round"] + 1 >= args.rounds for c in saved):
+        p.error(f"{out} has done its --rounds {args.rounds}: --resume has nothing left to do; pass a larger --rounds")
 
 
 def machinery_flags(a, device):
@@ -589,11 +581,13 @@ class Peer(Algorithm1):
         """Rounds start_round to --rounds - 1, then a checkpoint of the last. Ctrl-C or SIGTERM (the launcher's
         stop) abandons a round still sampling (the model unchanged) and lets one changing the model finish;
         either way the last completed round is saved, and --resume goes on at the next. Returns whether stopped."""
-        args, done, spent = self.args, self.start_round - 1, []  # done: the last completed round; spent: seconds a round
+        args, done, rows = self.args, self.start_round - 1, []  # done: the last completed round; rows: its metrics
         self.busy = self.stopping = False
         handlers = {sig: signal.signal(sig, self.interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
         bar = tqdm(total=args.rounds, initial=self.start_round, desc=self.name, dynamic_ncols=True, bar_format=BAR,
                    disable=args.quiet)
+        if self.client is not None and args.external:  # a first round, fresh or resumed, has external groups too
+            self.client.flush(FIRST_READ_SECONDS)  # (the read of round start_round, as an unstopped peer's)
         try:
             for r in range(self.start_round, args.rounds):
                 collected = self.collect(r)  # a stop up to here abandons round r
@@ -603,8 +597,8 @@ class Peer(Algorithm1):
                     self.save(r)
                 self.busy = False
                 bar.update(1)
-                spent.append(m["round_seconds"])
-                bar.set_postfix(progress(m, args.rounds, mean(spent)))
+                rows.append(m)
+                bar.set_postfix(progress(rows, args.rounds))
                 if args.quiet:
                     self.log(f"round {r}: local_reward {m['local_reward']:.3f} (batch_reward {m['batch_reward']:.3f}, "
                              f"the paper's figure) external {m['external_used']} len {m['completion_len']:.0f} "
@@ -651,12 +645,10 @@ class Peer(Algorithm1):
                 shutil.rmtree(os.path.join(self.dir, old), ignore_errors=True)
 
     def load_state(self, ckpt):
-        """Optimizer and random state and the external pool from a checkpoint (last_checkpoint's dict) -> the
-        swarm client's read state: the (seq, time) of the groups it had handed out."""
+        """A checkpoint's (last_checkpoint's dict) optimizer, random state and pool -> the client's `seen`."""
         path = os.path.join(ckpt["path"], "trainer_state.pt")
-        if not os.path.exists(path):  # (sample.py needs the weights only: one may delete it to keep less)
-            raise SystemExit(f"train.py: {ckpt['path']} holds no trainer_state.pt, so --resume cannot go on from it; "
-                             f"its weights can start a new run: --model {ckpt['path']}")
+        if not os.path.exists(path):  # (deleted to keep less: sample.py needs the weights only)
+            raise SystemExit(f"train.py: {path} is gone, so --resume cannot go on; --model {ckpt['path']} starts anew")
         state = torch.load(path, map_location="cpu", weights_only=True)
         self.opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"].cpu())
@@ -688,31 +680,22 @@ def peer_name(args, log):
     return name
 
 
-def progress(m, rounds, seconds):
-    """A progress bar's numbers: the local reward (the skill), the batch reward (the paper's figure, external
-    groups included), the external groups of the last round, and the pace from `seconds`, the run's mean
-    seconds a round (the peer's own: the launcher's clock counts start-up); the time left at that pace."""
-    seconds = max(seconds, 1e-9)
+def progress(rows, rounds):
+    """A progress bar's numbers from a peer's metrics rows: the last one's local and batch reward and external groups;
+    the pace from their mean round_seconds (the peer's own: the launcher's clock counts start-up); the time left."""
+    m, seconds = rows[-1], max(mean([row["round_seconds"] or 0.0 for row in rows]), 1e-9)
     left = (rounds - m["round"] - 1) * seconds
     return dict(reward=f"{m['local_reward']:.2f}", batch=f"{m['batch_reward']:.2f}", ext=int(m["external_used"]),
                 pace=f"{60 / seconds:.2g} rounds/min", left=f"{left // 3600:.0f}h{left % 3600 // 60:02.0f}m")
 
 
 BAR = "{desc}: {n_fmt}/{total_fmt} rounds{postfix} |{bar}|"  # no tqdm rate or clock: the pace is the peer's own
-BAR_HELP = ("A peer's progress bar: reward, the local reward (the mean over its own completions); batch, that of "
-            "its training batch (the paper's figure); ext, the external groups it trained on in its last round "
-            "(at most J); pace, its mean rounds a minute in this run; left, the time its rounds left take at that pace.")
+BAR_HELP = ("A peer's progress bar: reward, its local reward; batch, its batch reward (the paper's figure); "
+            "ext, the external groups of its last round; pace, its mean rounds a minute.")
 
 
-def is_text(g, log):
-    """Whether a received group's strings are all UTF-8 text (none holds a lone surrogate such as "\\ud800",
-    which no tokenizer takes); a group that is not is dropped, saying so."""
-    try:
-        json.dumps(g, ensure_ascii=False).encode()
-        return True
-    except UnicodeEncodeError:
-        log(f"dropped a group from {g.get('peer')}: it holds a lone surrogate, which is no UTF-8 text")
-        return False
+def is_text(g):  # whether a received group is UTF-8 text: no lone surrogate (\ud800), which no tokenizer takes
+    return not re.search("[\ud800-\udfff]", json.dumps(g, ensure_ascii=False))
 
 
 def release_memory():
@@ -753,17 +736,16 @@ def launch(args, argv):
         procs = {f"peer{k}": start_peer(args, argv, k, url, children) for k in range(args.peers)}
         bars = {n: tqdm(total=args.rounds, desc=n, position=k, dynamic_ncols=True, bar_format=BAR)
                 for k, n in enumerate(procs)}
-        seen, last, spent = 0, {}, {}  # the peers' metrics as the server got them: the newest row of each, seconds
+        seen, got = 0, {}  # the peers' metrics rows as the server got them
         while len(failed) < len(procs) and any(p.poll() is None for p in procs.values()):
             time.sleep(1.0)
             rows, seen, _ = server.store.read_metrics(seen)
             for row in map(json.loads, rows):
-                last[row["peer"]] = row["metrics"]
-                spent.setdefault(row["peer"], []).append(row["metrics"].get("round_seconds") or 0.0)
+                got.setdefault(row["peer"], []).append(row["metrics"])
             for n, proc in procs.items():
-                if n in last:
-                    bars[n].n = int(last[n]["round"]) + 1
-                    bars[n].set_postfix(progress(last[n], args.rounds, mean(spent[n])))  # and redraw
+                if n in got:
+                    bars[n].n = int(got[n][-1]["round"]) + 1
+                    bars[n].set_postfix(progress(got[n], args.rounds))  # and redraw
                 if proc.poll() not in (None, 0) and n not in failed:
                     failed[n] = f"{n} {why_stopped(proc.returncode)}: see {args.out}/{n}/log.txt"
                     tqdm.write(failed[n] + "; the others go on")
@@ -792,8 +774,7 @@ def next_steps(args, argv, stopped):
 
 
 def without(argv, flag):
-    """A command line without a flag and its value (a child gets the --token in its environment: ps shows
-    command lines)."""
+    """A command line without a flag and its value (a child's --token goes in its environment: ps shows argv)."""
     return [f for k, f in enumerate(argv) if not (f == flag or f.startswith(flag + "=") or (k and argv[k - 1] == flag))]
 
 
@@ -817,6 +798,7 @@ def start_peer(args, argv, k, url, children):
 
 STOP_SECONDS = 120  # a stopped peer finishes a GRPO step and writes its checkpoint before it is killed
 FLUSH_SECONDS = 10  # at the end of a run, the longest a peer waits for the swarm to take what is still queued
+FIRST_READ_SECONDS = 2  # at its start, the longest a peer waits for its first read of the swarm
 
 
 def stop_all(children):
@@ -882,10 +864,9 @@ def plot(run_dir):
     charts are drawn by swarm.render_svg (swarm.py, the dashboard's, below its marker line)."""
     runs = {}
     for path in sorted(glob.glob(os.path.join(glob.escape(run_dir), "*", "metrics.jsonl"))):
-        with open(path) as f:  # a peer's rows (the server's, in RUN/swarm/metrics.jsonl, have another shape)
-            rows = [row for row in map(json.loads, filter(str.strip, f)) if "local_reward" in row]
-        if rows:
-            runs[os.path.basename(os.path.dirname(path))] = rows
+        with open(path) as f:
+            runs[os.path.basename(os.path.dirname(path))] = [json.loads(line) for line in f if line.strip()]
+    runs = {n: rows for n, rows in runs.items() if rows and "local_reward" in rows[0]}  # not the server's (swarm/)
     if not runs:
         raise SystemExit(f"no <peer>/metrics.jsonl under {run_dir}: give the folder of a run")
     kinds = [("local_reward", "local reward (the skill)"),

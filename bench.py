@@ -7,6 +7,7 @@ ReasoningGym's.
     python bench.py --train             # one GRPO training step's forward + backward: tokens/s, peak memory
     python bench.py --swarm             # the rollout server under 32 simulated peers, then both stores under 200
     python bench.py --attack            # what the server and the client survive (docs/swarm.md, Reliability)
+    python bench.py --attack --against DIR  # the same, against DIR/swarm.py (another checkout)
     python bench.py --parity 200        # reward.py vs reasoning_gym 0.1.25, 200 items per family
     python bench.py --lines             # the reading path (each file up to its marker line) against its budget
     python bench.py --device cuda --model qwen2.5-0.5b --batch 64 256 --json
@@ -35,7 +36,11 @@ round, the store's CPU per post and read.
 
 Attack: a flood of slow connections, crafted hostile requests, kill -9 under concurrent writers, a
 client facing servers that misbehave (silent, trickling, garbage, a 32 MB reply, a poisoned group, a Redis
-answering 16 MB or 200,000 entries), and a server filled far past --keep-bytes (the attack_* functions).
+answering 16 MB or 200,000 entries), a server filled far past --keep-bytes, then the store's own bounds
+(tiny batches, the post that prunes, 30,000 writers, unread replies) and one dishonest writer (a Sybil under many names, posting as alice, a
+flood under --keep-bytes 4M, 500 connections queueing writes), these last against a shared token and
+against per-peer credentials (the attack_* functions). --against DIR runs DIR/swarm.py instead (an older
+checkout, measured in the same hour); --quick shrinks the new cases to check that they run.
 
 Parity (needs reasoning_gym installed): for each of the paper's nine families, N of ReasoningGym's
 items with the paper's config and N of ours, each scored by both scorers on its reference answer and
@@ -48,6 +53,8 @@ measured here are only comparable with the paper's if our scorers agree with Rea
 """
 
 import argparse
+import collections
+import itertools
 import json
 import math
 import os
@@ -246,10 +253,13 @@ def train_side(args):
     print(json.dumps(dict(tok_per_s=batch * (T - 1) / min(times), peak_bytes=peak)))
 
 
+SWARM_PY = os.path.join(HERE, "swarm.py")  # the server the swarm benches run (--against DIR: DIR/swarm.py)
+
+
 def _server(folder=None, *flags, preexec_fn=None):
     """python swarm.py --port 0 in a subprocess -> (process, url, folder)."""
     folder = folder or tempfile.mkdtemp(prefix="swarm-bench-")
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "swarm.py"), "--dir", folder, "--port", "0", *flags],
+    proc = subprocess.Popen([sys.executable, SWARM_PY, "--dir", folder, "--port", "0", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, preexec_fn=preexec_fn)
     m = re.fullmatch(r"swarm server: (http://\S+)", proc.stdout.readline().strip())
     if not m:
@@ -277,11 +287,12 @@ def _groups(tag, n=4, completions=8, chars=600):
                              [True] * completions, {"i": i}, "bench") for i in range(n)]
 
 
-def _read_all(url):  # every group a server holds, by GET /rollouts?after=SEQ (as a dashboard or an audit reads)
+def _read_all(url, token=None):  # every group a server holds, by GET /rollouts?after=SEQ (as a dashboard or an audit reads)
     import requests
-    stored, after = [], 0
+    stored, after, headers = [], 0, {"Authorization": f"Bearer {token}"} if token else {}
     while True:
-        data = requests.get(url + "/rollouts", params={"after": after, "limit": 1024}, timeout=30).json()
+        data = requests.get(url + "/rollouts", params={"after": after, "limit": 1024}, headers=headers,
+                            timeout=30).json()
         stored += data["groups"]
         if data["next"] == after:
             return stored
@@ -1148,14 +1159,335 @@ def attack_memory(keep_mb=64, post_mb=256, writers=4, largest=False):
         _end(proc, folder)
 
 
+# --attack, the store's own bounds and its writers: each case against a shared token and against one
+# credential per peer (run both with --against DIR, where DIR/swarm.py predates --peers-file, and that
+# column says so). "Honest" writers and readers act beside one attacker, "mallory".
+
+def _guarded(names, *flags):
+    """{"shared token": start, "per-peer credentials": start}: start() -> (server process, url, folder, token
+    of a writer by name), the server run with `flags` and guarded the one way or the other."""
+    tokens = {name: f"token-{name}" for name in names}
+
+    def shared():
+        return (*_server(None, "--token", "shared-token", *flags), lambda name: "shared-token")
+
+    def per_peer():
+        with tempfile.NamedTemporaryFile("w", suffix=".peers") as f:  # (read once, at the server's start)
+            f.write("".join(f"{name} {token}\n" for name, token in tokens.items()))
+            f.flush()
+            return (*_server(None, "--peers-file", f.name, *flags), tokens.get)
+
+    return {"shared token": shared, "per-peer credentials": per_peer}
+
+
+def _each_guard(attack, names, *flags):
+    """attack(url, token) in a fresh server for each guard -> {guard: its figures}; a server that cannot start
+    (an older swarm.py without --peers-file) is said, not raised."""
+    results = {}
+    for guard, start in _guarded(names, *flags).items():
+        try:
+            proc, url, folder, token = start()
+        except RuntimeError:
+            results[guard] = "the server does not start with it"
+            continue
+        try:
+            results[guard] = attack(url, token, proc)
+        finally:
+            _end(proc, folder)
+    return results
+
+
+def _post(session, url, token, name, round_, groups, batch_id=None):
+    """A POST /rollouts as `name` with `token` -> (status, milliseconds)."""
+    t = time.perf_counter()
+    try:
+        status = session.post(url + "/rollouts", headers={"Authorization": f"Bearer {token}"}, timeout=30, json={
+            "peer": name, "round": round_, "batch_id": batch_id or f"{name}-{round_}", "groups": groups}).status_code
+    except OSError:
+        status = "error"
+    return status, 1000 * (time.perf_counter() - t)
+
+
+def _sampled_peers(url, token, reads, k=16, reader="reader"):
+    import requests
+    peers = []
+    for seed in range(reads):
+        page = requests.get(f"{url}/rollouts?sample={k}&exclude={reader}&seed={seed}", timeout=30,
+                            headers={"Authorization": f"Bearer {token(reader)}"}).json()
+        peers += [(g["peer"], g["question"]) for g in page["groups"]]
+    return peers
+
+
+def attack_sybil(names=100, honest=4, reads=100):
+    """Four honest writers post two batches each; mallory posts two under each of `names` names (with
+    per-peer credentials its own token, whatever it claims), then two as itself. Mallory's share of the
+    groups in `reads` sampled reads of 16."""
+    import requests
+    writers = [f"h{k}" for k in range(honest)]
+
+    def attack(url, token, proc):
+        session, refused = requests.Session(), 0
+        for r in range(2):
+            for w in writers:
+                _post(session, url, token(w), w, r, _groups(w, 4, 2, 100))
+            for n in range(names):
+                refused += _post(session, url, token("mallory"), f"m{n}", r, _groups("mallory", 4, 2, 100))[0] == 403
+            _post(session, url, token("mallory"), "mallory", r, _groups("mallory", 4, 2, 100))
+        drawn = _sampled_peers(url, token, reads)
+        share = sum(q.startswith("mallory") for _, q in drawn) / max(1, len(drawn))
+        return {"mallory_share": round(share, 3), "fair_share": round(1 / (honest + 1), 3),
+                "writes_refused": refused, "groups_drawn": len(drawn)}
+
+    return {"names": names, **_each_guard(attack, [*writers, "mallory", "reader"])}
+
+
+def attack_impersonation(rounds=10, reads=100):
+    """Alice posts a batch a round; after each, mallory posts two as alice (a window is a writer's newest
+    two batches). Of the groups sampled reads draw "from alice", the share that are alice's own."""
+    import requests
+
+    def attack(url, token, proc):
+        session, refused = requests.Session(), 0
+        for r in range(rounds):
+            _post(session, url, token("alice"), "alice", r, _groups("genuine", 4, 2, 100))
+            _post(session, url, token("bob"), "bob", r, _groups("bob", 4, 2, 100))
+            for j in range(2):
+                status = _post(session, url, token("mallory"), "alice", 1000 + 2 * r + j, _groups("forged", 4, 2, 100))[0]
+                refused += status == 403
+        alice = [q for peer, q in _sampled_peers(url, token, reads) if peer == "alice"]
+        return {"alice_groups_genuine": round(sum(q.startswith("genuine") for q in alice) / max(1, len(alice)), 3),
+                "forged_writes_refused": refused}
+
+    return _each_guard(attack, ["alice", "bob", "mallory", "reader"])
+
+
+def _honest_posts(url, token, writers, seconds, pace=1.5):
+    """Honest writers posting a batch of 4 groups each every `pace` s for `seconds` -> (POST ms, acknowledged
+    batch ids)."""
+    import requests
+    times, acked, stop = [], [], time.time() + seconds
+
+    def writer(w):
+        session, r = requests.Session(), 0
+        while time.time() < stop:
+            status, ms = _post(session, url, token(w), w, r, _groups(f"{w}-{r}", 4, 8, 600))
+            times.append(ms)
+            if status == 200:
+                acked.append(f"{w}-{r}")
+            r += 1
+            time.sleep(pace)
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in writers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return times, acked
+
+
+def attack_flood_writer(seconds=20, flooders=4, keep="4M"):
+    """Under --keep-bytes 4M: four honest writers post a batch of ~20 KB every 1.5 s (together less than the
+    budget), alone for a while, then while mallory posts valid batches of ~40 KB from `flooders` connections
+    at full rate. The honest groups still kept at the end, and the honest POST p50 alone and under the flood."""
+    import requests
+    writers = ["h0", "h1", "h2", "h3"]
+
+    def attack(url, token, proc):
+        alone, _ = _honest_posts(url, token, writers, seconds / 4)
+        stop, flooded = threading.Event(), [0]
+
+        def flood(f):
+            session, r = requests.Session(), 0
+            while not stop.is_set():
+                flooded[0] += _post(session, url, token("mallory"), "mallory", r, _groups(f"m{f}-{r}", 8, 8, 600),
+                                    f"m{f}-{r}")[0] == 200
+                r += 1
+
+        threads = [threading.Thread(target=flood, args=(f,)) for f in range(flooders)]
+        for t in threads:
+            t.start()
+        t0 = time.time()
+        under, acked = _honest_posts(url, token, writers, seconds)
+        stop.set()
+        for t in threads:
+            t.join()
+        mallory_mb = flooded[0] * len(json.dumps(_groups("m0-0", 8, 8, 600))) / 2**20 / (time.time() - t0)
+        kept = {g["question"].rsplit(" question ", 1)[0] for g in _read_all(url, token("h0"))}
+        return {"honest_batches": len(acked), "honest_kept": round(sum(a in kept for a in acked) / max(1, len(acked)), 3),
+                "honest_post_p50_ms_alone": _pct(alone, 0.5), "honest_post_p50_ms_flood": _pct(under, 0.5),
+                "mallory_acked_mb_per_s": round(mallory_mb, 1)}
+
+    return {"keep_bytes": keep, **_each_guard(attack, [*writers, "mallory"], "--keep-bytes", keep)}
+
+
+def attack_write_queue(connections=500, seconds=15):
+    """Mallory holds `connections` connections, each posting tiny batches back to back; an honest writer
+    posts one tiny batch at a time. Its POST p50 alone, then under the queue."""
+    import requests
+
+    def attack(url, token, proc):
+        rounds, stop, sent = iter(range(10**9)), threading.Event(), collections.Counter()
+
+        def honest(n):
+            session = requests.Session()
+            return [_post(session, url, token("honest"), "honest", r, _groups(f"h{r}", 1, 1, 50))[1]
+                    for r in itertools.islice(rounds, n)]
+
+        def queue(c):
+            session, r = requests.Session(), 0
+            while not stop.is_set():
+                sent[_post(session, url, token("mallory"), "mallory", r, _groups("m", 1, 1, 50), f"m{c}-{r}")[0]] += 1
+                r += 1
+
+        alone = honest(50)
+
+        threads = [threading.Thread(target=queue, args=(c,), daemon=True) for c in range(connections)]
+        for t in threads:
+            t.start()
+        time.sleep(3)
+        t0, under = time.time(), []
+        while time.time() < t0 + seconds:
+            under += honest(1)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        return {"honest_post_p50_ms_alone": _pct(alone, 0.5), "honest_post_p50_ms_queue": _pct(under, 0.5),
+                "honest_posts_under_queue": len(under), "mallory_replies": dict(sent)}
+
+    return {"connections": connections, **_each_guard(attack, ["honest", "mallory"])}
+
+
+def _disk_mb(folder):  # what a folder's files take on disk (their blocks)
+    paths = [os.path.join(folder, name) for name in os.listdir(folder)]
+    return sum(os.stat(p).st_blocks * 512 for p in paths if os.path.isfile(p)) / 2**20
+
+
+def _tiny_posts(url, n, threads=4, name=lambda r: f"w{r % 4}"):
+    """n tiny batches (one group of one short completion; batch r by name(r)), from `threads` threads -> POST ms."""
+    import requests
+    times = []
+
+    def writer(w):
+        session = requests.Session()
+        for r in range(w, n, threads):
+            times.append(_post(session, url, "", name(r), r, _groups(f"t{r}", 1, 1, 100), f"t{r}")[1])
+
+    workers = [threading.Thread(target=writer, args=(w,)) for w in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    return times
+
+
+def attack_tiny_batches(n=100_000, keep="256M"):
+    """n tiny batches under --keep-bytes `keep`: the files and disk they take, the server's memory, its
+    start after kill -9 on that folder, and the slowest POST (the one that crosses --keep-bytes prunes)."""
+    proc, url, folder = _server(None, "--keep-bytes", keep)
+    try:
+        t0 = time.time()
+        times = _tiny_posts(url, n)
+        seconds, rss = time.time() - t0, _rss_mb(proc.pid)
+        time.sleep(2)  # (for the files retention is deleting)
+        files, disk = len(os.listdir(folder)), _disk_mb(folder)
+        proc.kill()
+        proc.wait()
+        t0 = time.time()
+        proc, url, _ = _server(folder, "--keep-bytes", keep)
+        start = time.time() - t0
+        return {"batches": n, "keep_bytes": keep, "posts_per_s": round(n / seconds), "post_p99_ms": _pct(times, 0.99),
+                "post_max_ms": round(max(times), 1), "files": files, "disk_mb": round(disk, 1),
+                "server_rss_mb": round(rss, 1), "start_after_kill9_s": round(start, 2),
+                "load_average": open("/proc/loadavg").read().split()[0]}
+    finally:
+        _end(proc, folder)
+
+
+def attack_many_writers(writers=30_000, reads=200):
+    """One tiny batch from each of `writers` writers, then `reads` sampled reads of 16 while another client
+    asks GET /health: their latencies (a read that passes over every writer grows with their number)."""
+    import requests
+    proc, url, folder = _server()
+    stop, health, reads_ms = threading.Event(), [], []
+
+    def ask():
+        while not stop.is_set():
+            t = time.perf_counter()
+            requests.get(url + "/health", timeout=30)
+            health.append(1000 * (time.perf_counter() - t))
+            time.sleep(0.01)
+
+    asker = threading.Thread(target=ask)
+    try:
+        _tiny_posts(url, writers, 8, name=lambda r: f"w{r}")
+        asker.start()
+        for seed in range(reads):
+            t = time.perf_counter()
+            requests.get(f"{url}/rollouts?sample=16&seed={seed}", timeout=30)
+            reads_ms.append(1000 * (time.perf_counter() - t))
+        return {"writers": writers, "sample16_p50_ms": _pct(reads_ms, 0.5), "sample16_p99_ms": _pct(reads_ms, 0.99),
+                "health_p50_ms": _pct(health, 0.5), "health_p99_ms": _pct(health, 0.99)}
+    finally:
+        _end(proc, folder, stop, [asker] if asker.ident else [])
+
+
+def attack_unread_replies(readers=200, seconds=30):
+    """`readers` connections each ask for a 1 MB page and never read it (a small receive buffer, so that
+    the reply waits on the server's side): the kernel's TCP memory (all sockets, /proc/net/sockstat) and
+    its orphaned sockets, 2 s in and `seconds` in."""
+    import requests
+    import socket
+    proc, url, folder = _server()
+    host, port = url[7:].rsplit(":", 1)
+    try:
+        for r in range(6):  # about 1.2 MB of groups: a page of 1 MB
+            requests.post(url + "/rollouts", timeout=30, json={"peer": "a", "round": r, "batch_id": f"a{r}",
+                                                               "groups": _groups(r, 7, 7, 30_000)})
+
+        def sockstat():
+            line = next(l for l in open("/proc/net/sockstat") if l.startswith("TCP:")).split()
+            return dict(zip(line[1::2], map(int, line[2::2])))
+
+        base, conns, seen = sockstat(), [], {}
+        for _ in range(readers):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect((host, int(port)))
+            s.sendall(b"GET /rollouts?after=0&limit=1024 HTTP/1.1\r\nHost: x\r\n\r\n")
+            conns.append(s)
+        t0 = time.time()
+        for at in (2, seconds):
+            time.sleep(max(0, t0 + at - time.time()))
+            now = sockstat()
+            seen[f"at_{at}s"] = {"tcp_mem_mb": round((now["mem"] - base["mem"]) * 4096 / 2**20, 1),
+                                 "orphans": now["orphan"] - base["orphan"]}
+        for s in conns:
+            s.close()
+        return {"readers": readers, **seen}
+    finally:
+        _end(proc, folder)
+
+
 def bench_attack(args):
+    global SWARM_PY
+    SWARM_PY, q = os.path.join(os.path.abspath(args.against or HERE), "swarm.py"), args.quick
+    print(f"server: {SWARM_PY}; load average {' '.join(open('/proc/loadavg').read().split()[:3])}", flush=True)
     attacks = {"slow-connection flood": lambda: attack_flood(args.slow), "hostile requests": attack_hostile,
                "busy connections at the cap": attack_busy_cap, "stalled bodies without the token": attack_stalled_bodies,
                "parse bombs": attack_parse_bombs, "kill -9 cycles": lambda: attack_kill9(args.cycles),
                "client vs bad servers": attack_client, "client vs a large reply": attack_large_reply,
                "client vs poisoned reads": attack_poisoned_reads, "client vs large Redis replies": attack_redis_reply,
                "memory and disk": attack_memory,
-               "memory and disk, largest bodies": lambda: attack_memory(256, 512, 16, largest=True)}
+               "memory and disk, largest bodies": lambda: attack_memory(256, 512, 16, largest=True),
+               "impersonation: posting as alice": lambda: attack_impersonation(3 if q else 10, 20 if q else 100),
+               "flood: one writer at full rate under --keep-bytes 4M": lambda: attack_flood_writer(4 if q else 20),
+               "write queue: many writer connections": lambda: attack_write_queue(50 if q else 500, 4 if q else 15),
+               "tiny batches: files, disk, memory, start": lambda: attack_tiny_batches(*(
+                   (3000, "1M") if q else (100_000, "256M"))),
+               "pruning: the post that crosses --keep-bytes": lambda: attack_tiny_batches(*(
+                   (3000, "300K") if q else (100_000, "24M"))),
+               "many writers: sampled reads": lambda: attack_many_writers(*((1000, 20) if q else (30_000, 200))),
+               "unread replies: kernel memory": lambda: attack_unread_replies(*((20, 25) if q else (200, 30)))}
     for name, fn in attacks.items():
         if args.only and not any(word in name for word in args.only):
             continue
@@ -1341,6 +1673,8 @@ def main():
     p.add_argument("--slow", type=int, default=500, help="--attack: slow connections held open")
     p.add_argument("--cycles", type=int, default=10, help="--attack: kill -9 cycles")
     p.add_argument("--only", nargs="+", help="--attack: only the attacks whose names hold one of these words")
+    p.add_argument("--against", metavar="DIR", help="--attack: run the server from DIR/swarm.py (e.g. an older checkout)")
+    p.add_argument("--quick", action="store_true", help="--attack: small sizes, to check the attacks run (no figures)")
     p.add_argument("--parity", type=int, metavar="N", help="reward.py's scorers vs reasoning_gym's, N items per family")
     p.add_argument("--lines", action="store_true", help="the reading path and file sizes against their budgets")
     p.add_argument("--json", action="store_true", help="one JSON object per measurement")

@@ -11,7 +11,7 @@ its I local groups plus J groups drawn from what the other peers shared. Peers n
 How this file does it, in reading order (a reader who stops at the marker line has read all of SAPO's
 sharing; what follows it makes the same thing durable, bounded and safe against hostile input):
 - Store, the rules of the shared pool: publish() numbers a batch's groups 1, 2, 3, ... (`seq`) in
-  arrival order and stores a retry once; sample(K) draws K recent groups, every producer alike (what a
+  arrival order and stores a retry once; sample(K) draws K recent groups, every writer alike (what a
   peer trains on); read(after) gives every group after a seq (the dashboard, the load test).
 - Client, a peer's side: its training loop only touches two queues (publish() into the outbox, fetch()
   out of the inbox) and one thread does the talking, so training never waits for the network. With
@@ -28,15 +28,15 @@ Deviations from the paper, and why:
   enough for the paper's experiments (a handful of peers on one machine or one LAN). The price is a
   single point of failure, softened by the outbox and by peers training on regardless.
 - A peer does not receive everything shared: once a round (its fetch()) it reads K = 4J groups that
-  the server draws from each producer's newest batches, each producer with equal chance, so a read
+  the server draws from each writer's newest batches, each writer with equal chance, so a read
   is the same size in a swarm of 10 or 10,000. Dropping zero-advantage groups and drawing J of the rest
   is the receiver's job (train.py), as in the paper. The read is prefetched, so a rollout reaches
   other peers a round late at worst; SAPO tolerates this: peers never wait.
-- Storage is bounded in bytes (--keep-bytes): the oldest batches are deleted; the paper does not say.
-- The server does not judge content: an optional shared bearer token guards it, and beyond that it
-  only checks shapes and sizes. Receivers do the judging: they reward external completions with their
-  own verifier and drop groups whose answer does not follow from their question (reward.verify_item,
-  in train.py), so nobody can inject fake rewards or fake ground truth.
+- Storage is bounded (--keep-bytes): the writer holding most loses its oldest batches; the paper does
+  not say. A shared token, or one credential per peer (a name per writer), guards the server; beyond
+  that it only checks shapes and sizes. Receivers do the judging: they reward external completions with
+  their own verifier and drop groups whose answer does not follow from their question
+  (reward.verify_item, in train.py), so nobody can inject fake rewards or fake ground truth.
 """
 
 import argparse
@@ -45,7 +45,7 @@ import bisect
 import collections
 import contextlib
 import errno
-import hmac
+import hashlib
 import html
 import json
 import math
@@ -55,10 +55,12 @@ import re
 import signal
 import socket
 import stat
+import struct
 import sys
 import threading
 import time
 import types
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -68,8 +70,9 @@ import requests
 try:
     import fcntl     # POSIX: the server locks its folder so two servers never share one
     import resource  # POSIX: the descriptor limit sets how many connections the server may hold
+    import termios   # POSIX: TIOCOUTQ, what a socket has not delivered yet (_unsent)
 except ImportError:
-    fcntl = resource = None
+    fcntl = resource = termios = None
 
 
 # -----------------------------------------------------------------------------
@@ -77,15 +80,28 @@ except ImportError:
 
 class Store:
     """The heart of the server: an in-memory index of every kept group, and the rules it is read by.
-    (RolloutStore, below the marker line, adds the folder of batch files and the state set in __init__.)
+    (RolloutStore, below the marker line, adds the folder of batch files, retention and the draw's bookkeeping.)
 
         publish()  POST /rollouts: number the groups after the newest seq, write them as one batch file
                    named after its last seq (batch-000000000042.json), then index them
         read()     GET /rollouts?after=SEQ: the indexed groups with seq > SEQ, from memory
-        sample()   GET /rollouts?sample=K: K groups drawn from the recent window, every producer alike
+        sample()   GET /rollouts?sample=K: K groups drawn from the recent window, every writer alike
 
-    A batch is durable (written atomically, fsynced) before publish() answers, so an acknowledged batch
-    survives kill -9. `write_lock` orders the writers; `lock` guards memory only: readers never wait."""
+    A writer is a peer name; with per-peer credentials, the name its credential belongs to. A batch is
+    durable (written atomically, fsynced) before publish() answers, so an acknowledged batch survives kill -9."""
+
+    def __init__(self):
+        self.write_lock = threading.Lock()  # orders the writers: one batch is stored at a time
+        self.lock = threading.Lock()        # guards the state below, in memory only: readers never wait for a disk
+        self.index = []     # (seq, writer, group as UTF-8 JSON, its batch's last seq) per kept group, in seq order
+        self.batches = {}   # writer -> its kept batches, oldest first: Batch(last seq, batch_id, arrival time,
+                            # its groups as JSON texts, cost: its bytes on disk and RolloutStore's overhead)
+        self.replies = {}   # (writer, batch_id) -> the reply, of every kept batch and of the newest pruned ones
+        self.drawable = []  # the writers a sampled read draws from: each one's newest batch is in the window
+        self.last_seq = 0   # seq of the newest group ever stored: never reused
+        self.window_batches = Limits.window_batches  # a sampled read draws from each writer's newest batches,
+        self.window_seconds = Limits.window_seconds  # of the writers whose newest arrived within these seconds,
+        self.page_bytes = Limits.page_bytes          # and a reply (of any read) stops past this many bytes
 
     def publish(self, peer, round_, batch_id, groups):
         """Store one batch (or recognise a retry of one) -> {"accepted": groups, "seq": its last seq}."""
@@ -95,63 +111,62 @@ class Store:
             now, first = _now(), self.last_seq + 1
             record = {"peer": peer, "round": round_, "batch_id": batch_id, "time": now, "groups": [
                 {**g, "peer": peer, "round": round_, "seq": first + k, "time": now} for k, g in enumerate(groups)]}
-            name, data = f"batch-{first + len(groups) - 1:012d}.json", _dumps(record)
-            self._write_atomic(name, data)  # durable now: only from here on may anyone see it
+            size = self._write_atomic(_batch_file(first + len(groups) - 1), _dumps(record))  # durable: now it may be seen
             with self.lock:
-                self._add(name, record, len(data))
+                self._add(record, size)
             self._retain()
             return self.replies[(peer, batch_id)]
 
     def read(self, after, exclude, limit):
         """Groups with seq > after not from `exclude` -> (their JSON texts, next cursor, last seq)."""
         with self.lock:
-            return (*_page(self.index, after, limit, exclude), self.last_seq)
+            return (*_page(self.index, after, limit, exclude, self.page_bytes), self.last_seq)
 
     def sample(self, k, exclude, seed):
         """K groups drawn from the window, none of them `exclude`'s -> (their JSON texts, last seq). The
-        window is decided here, never by what a sender claims: each producer's newest
-        Limits.window_batches batches by arrival, if its newest arrived within Limits.window_seconds.
-        K times: a producer uniformly among those with window groups left, then one of those uniformly.
-        So each producer has the same chance whatever its speed or I, and a reply holds at most K groups
-        (it stops past Limits.page_bytes) whatever the swarm's size. The same groups and seed give the same
-        draw. Cost: a pass over the producers (not the groups), a sort of their names, K draws."""
-        rng, since, texts, left = random.Random(seed), time.time() - Limits.window_seconds, [], {}
+        window is decided here, never by what a sender claims: each writer's newest window_batches batches
+        by arrival, if its newest arrived within window_seconds (self.drawable). K times: a writer uniformly
+        among those with window groups left, then one of those uniformly. So each writer has the same
+        chance whatever its speed or I, and a reply holds at most K groups (it stops past page_bytes)
+        whatever the swarm's size. The same state and seed give the same draw. Cost: K draws, whatever
+        the number of writers (a writer drawn dry is swapped out of the first n places: a lazy shuffle)."""
+        rng, texts, size, left, moved = random.Random(seed), [], 0, {}, {}
         with self.lock:
-            producers = sorted(p for p, w in self.window.items() if p != exclude and w[-1][0] >= since)
-            while producers and len(texts) < k and sum(map(len, texts)) < Limits.page_bytes:
-                i = rng.randrange(len(producers))
-                groups = left.setdefault(producers[i], [t for *_, batch in self.window[producers[i]] for t in batch])
-                texts.append(groups.pop(rng.randrange(len(groups))))
-                if not groups:
-                    producers.pop(i)
+            self._expire(time.time() - self.window_seconds)
+            n = len(self.drawable)
+            while n and len(texts) < k and size < self.page_bytes:
+                i = rng.randrange(n)
+                writer = self.drawable[moved.get(i, i)]
+                if writer not in left:
+                    kept = self.batches[writer]
+                    left[writer] = [] if writer == exclude else [
+                        t for j in range(1, min(len(kept), self.window_batches) + 1) for t in kept[-j].texts]
+                if left[writer]:
+                    texts.append(left[writer].pop(rng.randrange(len(left[writer]))))
+                    size += len(texts[-1])
+                if not left[writer]:
+                    n -= 1
+                    moved[i] = moved.get(n, n)
             return texts, self.last_seq
 
-    def _add(self, name, record, size):
-        peer, groups = record["peer"], record["groups"]
+    def _add(self, record, size):
+        peer, groups, last = record["peer"], record["groups"], record["groups"][-1]["seq"]
         texts = [_dumps(g) for g in groups]
-        self.index.extend((g["seq"], peer, text) for g, text in zip(groups, texts))
-        window = self.window.setdefault(peer, collections.deque(maxlen=Limits.window_batches))
-        window.append((record["time"], name, texts))  # (the deque lets its oldest batch go)
-        self.batches.append((name, peer, record["batch_id"], len(groups), size))
-        self.kept_bytes += size
-        self.last_seq = groups[-1]["seq"]
-        self._remember(peer, record["batch_id"], {"accepted": len(groups), "seq": self.last_seq})
+        self.index.extend((g["seq"], peer, text, last) for g, text in zip(groups, texts))
+        self._keep(peer, Batch(last, record["batch_id"], record["time"], texts, size + Limits.batch_overhead))
+        self.last_seq = last
+        self.replies[(peer, record["batch_id"])] = {"accepted": len(groups), "seq": last}
         self._seen(peer, record["round"], record["time"], len(groups))
 
-    def _remember(self, peer, batch_id, reply):
-        self.replies[(peer, batch_id)] = reply
-        while len(self.replies) > Limits.replies:
-            self.replies.popitem(last=False)
 
-
-def _page(entries, after, limit, exclude):
+def _page(entries, after, limit, exclude, most):
     """entries: (number, peer, UTF-8 JSON, ...) in number order -> (the JSON texts after `after` that are
     not `exclude`'s, the number to continue after, past the excluded ones too): at most `limit` (None:
-    any) and Limits.page_bytes, unless one text alone is larger."""
+    any) and `most` bytes, unless one text alone is larger."""
     start = bisect.bisect_right(entries, after, key=lambda entry: entry[0])
     texts, size, next_number = [], 0, after
     for number, peer, text, *_ in entries[start:start + Limits.scan_groups]:
-        if len(texts) == limit or (texts and size + len(text) > Limits.page_bytes):
+        if len(texts) == limit or (texts and size + len(text) > most):
             break
         next_number = number
         if peer != exclude:
@@ -293,12 +308,15 @@ class Limits:
     page_bytes = 1 << 20        # one reply page of /rollouts or /metrics (a page holds at least one item)
     page_groups = 1024          # groups in one /rollouts page (?limit=, default 256)
     scan_groups = 16 * 1024     # groups one read may step over (the reader's own, which it excludes)
-    keep_bytes = 256 << 20      # default --keep-bytes: batches kept, on disk and (the same bytes) in memory
+    keep_bytes = 256 << 20      # default --keep-bytes: what kept batches cost (7/8 of it) and pruned.json (1/8)
+    batch_overhead = 2048       # what a kept batch costs beyond its blocks on disk: its share of memory (a
+                                # tiny batch takes about 2.3 KB in all, its text included, measured)
     metrics_bytes = 8 << 20     # metrics rows kept, in memory and in metrics.jsonl
-    replies = 20_000            # idempotency records (one per batch), kept after their batch is deleted
+    replies = 20_000            # idempotency records of pruned batches (those of kept batches are all kept)
     peers = 1024                # peers in the table; the one seen least recently goes first
     connections = 1000          # open connections, fewer under a low descriptor limit (at the cap: _evict)
     in_flight_bytes = 64 << 20  # request bodies and replies held at once, all connections together
+    send_buffer = 128 << 10     # a connection's kernel send buffer (SO_SNDBUF, which the kernel doubles)
     request_seconds = 10.0      # whole-request deadline: the server's to read one, the client's per call
     line_bytes = 8192           # the request line (414 beyond it) and each header line (431)
     header_lines = 64           # header lines in one request (431 beyond it)
@@ -395,8 +413,9 @@ def check(value, rule, where=""):
     return rule(value, where)
 
 
-NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # peer names: safe in URLs, logs and HTML
-PEER = rule(lambda v: isinstance(v, str) and NAME.fullmatch(v), f"a string matching {NAME.pattern}")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # peer names: safe in URLs, logs and HTML
+NAMES = "1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit, in any case (Alice is alice)"
+PEER = rule(lambda v: isinstance(v, str) and NAME.fullmatch(v), NAMES, lambda v, where: v.lower())  # stored
 BATCH_ID = rule(lambda v: isinstance(v, str) and re.fullmatch(r"[A-Za-z0-9_.:-]{1,128}", v), "an id of 1 to 128 characters "
                 "from A-Z, a-z, 0-9 and '_.:-'")
 SEQ, ROUND, TIME = number(10**15), number(10**12), number(1e11, whole=False)
@@ -484,23 +503,22 @@ def _log(message):
 
 class RolloutStore(Store):
     """Store on disk, behind the HTTP server: the folder of batch files (locked, written atomically and
-    fsynced), retention in bytes, the metrics rows, and the state Store's methods use."""
+    fsynced), retention by what batches cost, the draw's bookkeeping, and the metrics rows."""
     copies = ("pruned.json", "pruned-copy.json")  # two copies: a damaged one alone loses nothing
 
     def __init__(self, folder, keep_bytes=Limits.keep_bytes):
+        super().__init__()
         self.folder, self.keep_bytes = os.path.abspath(folder), keep_bytes
-        self.write_lock, self.lock = threading.Lock(), threading.Lock()
-        self.index = []                           # (seq, peer, group as UTF-8 JSON) per kept group, in order
-        self.window = {}                          # peer -> its newest batches: (arrival time, file name, texts)
-        self.batches = collections.deque()        # (file name, peer, batch_id, groups, bytes), oldest first
-        self.kept_bytes = 0                       # bytes of the kept batch files
-        self.last_seq = 0                         # seq of the newest group ever stored: never reused
+        self.budget = keep_bytes - keep_bytes // 8 - 8192  # the batches' share; pruned.json's two copies the rest
+        self.kept_bytes = 0                       # what the kept batches cost, all writers together
+        self.fresh = collections.OrderedDict()    # writer -> its place in drawable, by its newest batch's arrival
         self.pruned = 0                           # seq of the newest group retention deleted
-        self.replies = collections.OrderedDict()  # (peer, batch_id) -> reply; outlives the batch (bounded)
+        self.gone = collections.deque()           # (writer, batch_id) of pruned batches whose replies are kept
         self.peers = collections.OrderedDict()    # peer -> {"last_seen", "last_round", "groups"}, by recency
         self.metrics, self.metrics_bytes = [], 0  # (n, peer, row as a JSON line, row) per kept metrics row
         self.closed = self.metrics_cut = False    # metrics_cut: a failed write may have left half a line
         self.folder_fd, self.doomed = None, []  # doomed: files retention deletes once pruned.json says so
+        self.deleter = ThreadPoolExecutor(1, thread_name_prefix="swarm-delete")  # deletes them, holding no lock
         try:  # the folder itself is flocked (no lock file a stray `rm` could remove); files open relative to it
             os.makedirs(self.folder, exist_ok=True)
             self.folder_fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
@@ -510,6 +528,7 @@ class RolloutStore(Store):
                 fcntl.flock(self.folder_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             self._load()
         except BaseException as e:
+            self.deleter.shutdown(wait=True)
             if self.folder_fd is not None:
                 os.close(self.folder_fd)
             if not isinstance(e, OSError):
@@ -526,51 +545,97 @@ class RolloutStore(Store):
         while len(self.peers) > Limits.peers:
             self.peers.popitem(last=False)
 
+    def _keep(self, writer, batch):  # (self.lock held) a batch joins its writer's; the writer goes last in the draw
+        self.batches.setdefault(writer, collections.deque()).append(batch)
+        self.kept_bytes += batch.cost
+        if writer in self.fresh:
+            self.fresh.move_to_end(writer)
+        else:
+            self.fresh[writer] = len(self.drawable)
+            self.drawable.append(writer)
+
+    def _expire(self, since):  # (self.lock held) writers whose newest batch arrived before `since` leave the draw
+        while self.fresh and self.batches[oldest := next(iter(self.fresh))][-1].time < since:
+            self._undraw(oldest)
+
+    def _undraw(self, writer):  # the last drawable writer takes its place, so no list is shifted
+        i, last = self.fresh.pop(writer), self.drawable.pop()
+        if last != writer:
+            self.drawable[i] = last
+            self.fresh[last] = i
+
     def _retain(self):
-        """Past --keep-bytes, delete the oldest batches down to 90% of it (the newest always stays), once both
-        copies of pruned.json hold the newest deleted seq and the deleted batches' idempotency records: after
-        a restart the numbering goes on, and a late retry of a deleted batch is still not stored twice."""
-        if self.kept_bytes <= self.keep_bytes or len(self.batches) < 2:
+        """Past the budget, the writers holding most lose their oldest batches, down to the level at which all
+        holdings, so cut, fill 90% of it: a flooder's own go first; the newest batch stays. Their replies go
+        into pruned.json (both copies; the newest Limits.replies), so the numbering goes on after a restart
+        and a late retry is stored once; then a thread deletes the files, holding no lock. A pruned.json the
+        disk cannot take is logged: the batch just stored stays stored; the files wait for the next try."""
+        if self.kept_bytes > self.budget:
+            with self.lock:
+                self._prune(0.9 * self.budget)
+        if not self.doomed:
             return
-        with self.lock:
-            doomed = self.doomed  # (with those a failed write of pruned.json left on disk)
-            while self.kept_bytes > 0.9 * self.keep_bytes and len(self.batches) > 1:
-                name, peer, _, n, size = self.batches.popleft()
-                del self.index[:n]
-                if peer in self.window and self.window[peer][0][1] == name:  # (its oldest: retention goes in order)
-                    self.window[peer].popleft()
-                    if not self.window[peer]:
-                        del self.window[peer]
-                self.kept_bytes -= size
-                doomed.append(name)
-            self.pruned = int(doomed[-1][6:18])  # batch-<12 digits>.json
-            kept = {(p, b) for _, p, b, _, _ in self.batches}
-            gone = [{"peer": p, "batch_id": b, **r} for (p, b), r in self.replies.items() if (p, b) not in kept]
-        for name in self.copies:
-            self._write_atomic(name, _dumps({"seq": self.pruned, "replies": gone}))
-        while doomed:
-            self._remove(doomed.pop())
+        replies = [{"peer": p, "batch_id": b, **self.replies[(p, b)]} for p, b in self.gone]
+        try:
+            for name in self.copies:
+                self._write_atomic(name, _dumps({"seq": self.pruned, "replies": replies}))
+        except (OSError, BadRequest) as e:
+            return _log(f"cannot write pruned.json for now ({getattr(e, 'message', e)}); pruned files wait for it")
+        self.deleter.map(self._remove, self.doomed)  # (submitted at once)
+        self.doomed = []
+
+    def _prune(self, target):
+        """(self.lock held) The writers holding most lose their oldest batches, each down to the level at which
+        all holdings, so cut, add up to target (< their sum)."""
+        held = {writer: sum(batch.cost for batch in kept) for writer, kept in self.batches.items()}
+        costs, rest = sorted(held.values(), reverse=True), self.kept_bytes
+        for k, cost in enumerate(costs):  # the k + 1 largest cut to the level, the others under it
+            rest -= cost
+            level = (target - rest) / (k + 1)
+            if k + 1 == len(costs) or level >= costs[k + 1]:
+                break
+        dropped = set()
+        for writer in [w for w, cost in held.items() if cost > level]:
+            kept = self.batches[writer]
+            while kept and held[writer] > level and kept[0].seq != self.last_seq:
+                batch = kept.popleft()
+                held[writer] -= batch.cost
+                self.kept_bytes -= batch.cost
+                self.pruned = max(self.pruned, batch.seq)
+                self.doomed.append(_batch_file(batch.seq))
+                self.gone.append((writer, batch.batch_id))
+                dropped.add(batch.seq)
+            if not kept:
+                del self.batches[writer]
+                self._undraw(writer) if writer in self.fresh else None
+        self.index = [entry for entry in self.index if entry[3] not in dropped]
+        while len(self.gone) > min(Limits.replies, max(16, self.keep_bytes // 4096)):  # (a reply takes at most
+            del self.replies[self.gone.popleft()]  # 512 bytes in the two copies: an eighth of --keep-bytes in all)
 
     def _load(self):
         """Read the folder back: pruned.json, every batch file in seq order, metrics.jsonl. Whatever a file
         holds, a bad one is logged and skipped, and no seq named by a file is ever used again."""
         for pruned in filter(None, (self._read(name, PRUNED) for name in self.copies)):
-            self.pruned = self.last_seq = max(self.pruned, pruned[0]["seq"])
+            self.pruned = max(self.pruned, pruned[0]["seq"])
             for r in pruned[0]["replies"]:
-                self._remember(r["peer"], r["batch_id"], {"accepted": r["accepted"], "seq": r["seq"]})
-        for name in sorted(os.listdir(self.folder_fd)):  # 12-digit names: in seq order
-            found = re.fullmatch(r"batch-(\d{12})\.json", name)
+                if (r["peer"], r["batch_id"]) not in self.replies:
+                    self.gone.append((r["peer"], r["batch_id"]))
+                    self.replies[self.gone[-1]] = {"accepted": r["accepted"], "seq": r["seq"]}
+        gone = {self.replies[key]["seq"] for key in self.gone}
+        for name in sorted(os.listdir(self.folder_fd), key=lambda name: (len(name), name)):  # batches: by seq
+            found = re.fullmatch(r"batch-(\d{12,16})\.json", name)
             last = int(found.group(1)) if found else 0
-            if name.startswith(".tmp-") or (found and last <= self.pruned):
-                self._remove(name)  # a write that never finished (never acknowledged), or a deleted batch
+            if name.startswith(".tmp-") or last in gone:
+                self._remove(name)  # a write that never finished (never acknowledged), or a pruned batch
                 continue
             batch = self._read(name, BATCH) if found else None
             seqs = [g["seq"] for g in batch[0]["groups"]] if batch else []
             if seqs and seqs[0] > self.last_seq and seqs == list(range(seqs[0], last + 1)):
-                self._add(name, *batch)
+                self._add(*batch)
             elif batch:
                 _log(f"skipping batch file {name}: its groups are not numbered up to the seq in its name")
             self.last_seq = max(self.last_seq, last)  # its name alone uses up the numbers, even if unreadable
+        self.last_seq = max(self.last_seq, self.pruned)
         data, bad = self._read("metrics.jsonl"), 0
         for line in (data or b"").splitlines():
             try:
@@ -583,18 +648,19 @@ class RolloutStore(Store):
             _log(f"skipped {bad} unreadable lines in metrics.jsonl") if bad else None
             self._write_atomic("metrics.jsonl", b"".join(m[2] for m in self.metrics))
         if self.last_seq:
-            _log(f"reloaded {len(self.index)} groups in {len(self.batches)} batches from {self.folder}; "
-                 f"numbering continues after seq {self.last_seq}")
+            _log(f"reloaded {len(self.index)} groups in {sum(map(len, self.batches.values()))} batches from "
+                 f"{self.folder}; numbering continues after seq {self.last_seq}")
         self._retain()
 
     def _read(self, name, rule=None):
-        """A file of the folder -> its bytes, or with a rule (clean JSON, bytes); None if it is missing,
-        b"" or None if it is not a regular file or is unreadable or bad (logged)."""
+        """A file of the folder -> its bytes, or with a rule (clean JSON, the bytes it takes on disk); None if
+        it is missing, b"" or None if it is not a regular file or is unreadable or bad (logged)."""
         try:
             with self._open(name) as f:
                 data = f.read(4 * Limits.body_bytes + 1)  # more than this server ever writes in one file
+                size = max(len(data), os.fstat(f.fileno()).st_blocks * 512)
             _want(len(data) <= 4 * Limits.body_bytes, "it is larger than any file this server writes")
-            return (check(parse_json(data), rule, name), len(data)) if rule else data
+            return (check(parse_json(data), rule, name), size) if rule else data
         except FileNotFoundError:
             return None
         except (OSError, BadRequest) as e:
@@ -634,7 +700,7 @@ class RolloutStore(Store):
 
     def read_metrics(self, after):
         with self.lock:
-            return (*_page(self.metrics, after, None, None), self.metrics[-1][0] if self.metrics else 0)
+            return (*_page(self.metrics, after, None, None, self.page_bytes), self.metrics[-1][0] if self.metrics else 0)
 
     def snapshot(self, metrics=False):  # (/health, which cursor readers ask often, walks no metrics rows)
         with self.lock:
@@ -662,19 +728,22 @@ class RolloutStore(Store):
 
     def _write_atomic(self, name, data):
         """Bytes to folder/name, so that a reader or a restart after kill -9 sees all or nothing: a temporary
-        file, fsynced, renamed over the name (a link there is replaced, never followed), the rename fsynced."""
+        file, fsynced, renamed over the name (a link there is replaced, never followed), the rename fsynced.
+        -> the bytes it takes on disk (its blocks)."""
         try:
             self._remove(".tmp-" + name)  # whatever is in the way: a FIFO, a link, an empty folder
             with self._open(".tmp-" + name, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
+                size = max(len(data), os.fstat(f.fileno()).st_blocks * 512)
             try:
                 os.replace(".tmp-" + name, name, src_dir_fd=self.folder_fd, dst_dir_fd=self.folder_fd)
             except IsADirectoryError:  # an empty folder in the way goes (a full one: the error stands)
                 os.rmdir(name, dir_fd=self.folder_fd)
                 os.replace(".tmp-" + name, name, src_dir_fd=self.folder_fd, dst_dir_fd=self.folder_fd)
             os.fsync(self.folder_fd)
+            return size
         except OSError:
             self._remove(".tmp-" + name)
             raise
@@ -694,7 +763,15 @@ class RolloutStore(Store):
         with self.write_lock:
             if not self.closed:
                 self.closed = True
+                self.deleter.shutdown(wait=True)
                 os.close(self.folder_fd)  # releases the folder lock
+
+
+Batch = collections.namedtuple("Batch", "seq batch_id time texts cost")  # one kept batch (Store.batches)
+
+
+def _batch_file(seq):  # a batch's file, named after its last seq: 12 digits or more, read back by value
+    return f"batch-{seq:012d}.json"
 
 
 def _now():  # the server's clock as a TIME field holds it, so that no clock makes a stored file unreadable
@@ -706,7 +783,7 @@ def _now():  # the server's clock as a TIME field holds it, so that no clock mak
 
 ROUTES = {"/": "GET", "/health": "GET", "/peers": "GET", "/rollouts": "GET, POST", "/metrics": "GET, POST"}  # _route
 JSON = "application/json"
-Request = collections.namedtuple("Request", "method target headers body")
+Request = collections.namedtuple("Request", "method target headers body peer")  # peer: _read_request
 
 
 async def _readline(reader, status, what):
@@ -727,6 +804,13 @@ def _loop_error(loop, context):  # (Python 3.11 raises InvalidStateError when a 
         _log(f"{context['message']} {context.get('exception')!r:.200}")
 
 
+def _unsent(sock):  # bytes written to a socket that its peer has not acknowledged yet (0 where none can tell)
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except (AttributeError, OSError, ValueError):
+        return 0
+
+
 def _int_param(query, name, default, lowest, highest):
     value = query.get(name, [str(default)])[-1]
     _want(re.fullmatch(r"[0-9]{1,19}", value) and lowest <= int(value) <= highest,
@@ -738,10 +822,11 @@ class SwarmServer:
     """The HTTP side of the store. One asyncio loop (in a thread) reads each request whole under a
     deadline, so a slow or idle connection costs a buffer, not a thread; a pool of threads for reads and
     one for writes answer complete requests. A request's way: _accept -> _connection: _read_request (line,
-    headers, token, body: under one deadline), _answer and _route in a worker thread, _send, close."""
+    headers, credential, body: under one deadline), _answer and _route in a worker thread (a POST in its
+    writer's turn: _in_turn), _send, _hang_up. credentials: see credentials() (empty: no checks)."""
 
-    def __init__(self, store, host, port, token=None, public_reads=False, verbose=False, score=None):
-        self.store, self.token, self.public_reads, self.verbose = store, token, public_reads, verbose
+    def __init__(self, store, host, port, credentials=None, public_reads=False, verbose=False, score=None):
+        self.store, self.credentials, self.public_reads, self.verbose = store, credentials, public_reads, verbose
         self.score = score  # (group, completion) -> its reward, which the dashboard shows; None: none shown
         self.listener = socket.create_server((host, port), backlog=Limits.backlog,
                                              family=socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -755,6 +840,8 @@ class SwarmServer:
         self.pools = {method: ThreadPoolExecutor(Limits.workers, thread_name_prefix=f"swarm-{method}")
                       for method in ("GET", "POST")}
         self.large = threading.Lock()        # held while a large body is answered: see Limits.body_bytes
+        self.turns = weakref.WeakValueDictionary()  # writer -> the lock its POSTs take turns on, while any waits
+        self.posting = asyncio.Semaphore(Limits.workers)  # POSTs being answered; its waiters: one per writer
         self.loop = asyncio.new_event_loop()
         self.loop.set_exception_handler(_loop_error)
         self.accepting = self.loop.create_task(self._accept())
@@ -777,7 +864,8 @@ class SwarmServer:
                 sock.close()  # every connection is being answered: this one must go
                 continue
             await asyncio.sleep(0)
-            try:
+            try:  # (a small send buffer: what a reader that never reads leaves in the kernel)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, Limits.send_buffer)
                 reader, writer = await asyncio.open_connection(sock=sock, limit=Limits.line_bytes)
             except OSError:
                 sock.close()
@@ -798,7 +886,7 @@ class SwarmServer:
 
     async def _connection(self, reader, writer):
         """One request per connection (nothing rides behind a body), read whole under the deadline, answered
-        in a worker thread, then closed. The body counts in self.in_flight until the reply has gone."""
+        in a worker thread, then closed (_hang_up). The body counts in self.in_flight until it is answered."""
         writer.transport.set_write_buffer_limits(0)  # so that drain() returns once the reply has left
         self.waiting[writer], body = 0, bytearray()
         try:
@@ -806,8 +894,10 @@ class SwarmServer:
                 request = await asyncio.wait_for(self._read_request(reader, writer, body), Limits.request_seconds)
             except asyncio.TimeoutError:
                 raise BadRequest(f"The request did not arrive whole within {Limits.request_seconds:g} s.", 408) from None
-            reply = await self.loop.run_in_executor(self.pools.get(request.method, self.pools["GET"]),
-                                                    self._answer, request)
+            if request.method == "POST":
+                reply = await self._in_turn(request.peer, request)
+            else:
+                reply = await self.loop.run_in_executor(self.pools["GET"], self._answer, request)
             await self._send(writer, *reply, head_only=request.method == "HEAD")
             if self.verbose:
                 _log(f"{writer.get_extra_info('peername')} {request.method} {request.target[:200]} {reply[0]}")
@@ -823,13 +913,35 @@ class SwarmServer:
             pass  # a client that hangs up, idles or stops reading its reply is not news
         finally:
             self.in_flight -= len(body)
+            body.clear()
+            if writer in self.open:
+                self.waiting[writer] = 0  # while its reply drains: first to go at the cap
+                await self._hang_up(writer)
             self.open.discard(writer)
             self.waiting.pop(writer, None)
             writer.transport.abort()
 
+    async def _in_turn(self, writer, request):
+        """A POST's answer in its writer's turn: one POST of each per-peer credential at a time, so writers take
+        turns and one writer's many connections delay another's post by one of its own at most. Without
+        one, writers cannot be told apart (an address may be a proxy's): first come, first served."""
+        turn = self.turns.setdefault(writer, asyncio.Lock()) if writer else contextlib.nullcontext()
+        async with turn, self.posting:
+            return await self.loop.run_in_executor(self.pools["POST"], self._answer, request)
+
+    async def _hang_up(self, writer):
+        """Close once the kernel has delivered the reply, or at the deadline with a reset (SO_LINGER 0): a
+        reply its reader never takes does not stay in the kernel, as an orphaned socket's would, for minutes."""
+        sock, deadline = writer.get_extra_info("socket"), time.monotonic() + Limits.request_seconds
+        while _unsent(sock) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if _unsent(sock):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
     async def _read_request(self, reader, writer, body):
         """The request line, the headers and the body (into `body`) -> Request. Strict, so that no request
-        reads differently here and in a proxy in front. The token is checked before any body is read, and
+        reads differently here and in a proxy in front. The credential is checked before any body is read, and
         the body counts in self.in_flight as it arrives: a sender who only declares a length costs nothing."""
         if (first := await reader.read(1)) in (b"", b"\x16"):  # gone, or TLS (this server speaks plain HTTP)
             raise EOFError("no request")
@@ -845,12 +957,13 @@ class SwarmServer:
             _want(header, "Each header line must be 'Name: value'.")
             name = header[1].lower()  # a name given twice has both values, as RFC 9110 combines them
             headers[name] = f"{headers[name]}, {header[2]}" if name in headers else header[2]
-        if self.token and (method != "GET" or not self.public_reads):  # public reads: GETs need none
-            scheme, _, given = headers.get("authorization", "").partition(" ")
-            _want(scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("latin-1"),
-                                                                     self.token.encode()),  # constant time
-                  "This server needs the header 'Authorization: Bearer <token>'; pass the swarm token.", 401,
-                  {"WWW-Authenticate": "Bearer"})
+        peer = None  # the name the credential writes as; None: any (the shared token, or no credentials)
+        if self.credentials and (method != "GET" or not self.public_reads):  # public reads: GETs need none
+            scheme, _, given = headers.get("authorization", "").partition(" ")  # (by digest: a lookup's
+            given = hashlib.sha256(given.strip().encode("latin-1")).digest()     # timing tells nothing of a token)
+            peer = self.credentials.get(given, "") if scheme.lower() == "bearer" else ""
+            _want(peer != "", "This server needs the header 'Authorization: Bearer <token>'; pass the swarm token.",
+                  401, {"WWW-Authenticate": "Bearer"})
         length = headers.get("content-length", "0")
         _want("transfer-encoding" not in headers and (method != "POST" or "content-length" in headers),
               "A POST needs a Content-Length header (no chunked bodies).", 411)
@@ -868,7 +981,7 @@ class SwarmServer:
             self.in_flight += len(chunk)  # given back by _connection once the reply has gone
             body += chunk
         self.waiting.pop(writer, None)
-        return Request(method, target, headers, body)
+        return Request(method, target, headers, body, peer)
 
     async def _send(self, writer, status, content_type, body, headers=None, head_only=False):
         if len(body) > 65536 and self.in_flight + len(body) > Limits.in_flight_bytes:  # bound what waits
@@ -896,7 +1009,7 @@ class SwarmServer:
             _want(query.count("&") < 16, "The query string has too many fields.")
             q = parse_qs(query, keep_blank_values=True)
             with self.large if len(request.body) > Limits.body_bytes // 8 else contextlib.nullcontext():
-                reply = self._route(request.method, path, q, request.body)
+                reply = self._route(request.method, path, q, request.body, request.peer)
             return 200, "text/html; charset=utf-8" if path == "/" else JSON, reply, {}
         except BadRequest as e:
             return e.reply
@@ -909,11 +1022,12 @@ class SwarmServer:
             return BadRequest("The server hit an unexpected error; it was logged and the server keeps serving.",
                               500).reply
 
-    def _route(self, method, path, q, body):
-        """A request for one of ROUTES -> the reply's bytes. Groups are kept as JSON text, so a page of
-        them is joined, not encoded again."""
+    def _route(self, method, path, q, body, peer=None):
+        """A request for one of ROUTES (a write by `peer`'s credential) -> the reply's bytes. Groups are kept
+        as JSON text, so a page of them is joined, not encoded again."""
         if method == "POST":
             b = check(parse_json(body), PUBLISH if path == "/rollouts" else METRICS)
+            _want(peer in (None, b["peer"]), f"This credential is peer {peer}'s; it cannot write as {b['peer']}.", 403)
             if path == "/metrics":
                 self.store.add_metrics(b["peer"], b["round"], b["metrics"])
                 return b'{"ok":true}'
@@ -922,8 +1036,8 @@ class SwarmServer:
             texts, next_n, last_n = self.store.read_metrics(_int_param(q, "after", 0, 0, 10**15))
             return b'{"metrics":[' + b",".join(texts) + b'],"next":%d,"last":%d}' % (next_n, last_n)
         if path == "/rollouts":
-            exclude = q.get("exclude", [""])[-1]
-            _want(not exclude or NAME.fullmatch(exclude), f"exclude must be a peer name matching {NAME.pattern}.")
+            exclude = q.get("exclude", [""])[-1].lower()
+            _want(not exclude or NAME.fullmatch(exclude), f"exclude must be a peer name: {NAMES}.")
             if "sample" in q:  # a sampled read: K groups of the recent window
                 texts, last_seq = self.store.sample(_int_param(q, "sample", 1, 1, Limits.sample_groups), exclude,
                                                     _int_param(q, "seed", 0, 0, 2**63 - 1))
@@ -963,26 +1077,57 @@ class SwarmServer:
         self.store.close()
 
 
-def check_token(token):
+def check_token(token, what="the swarm token"):
     """None, or a token of 1 to 256 visible ASCII characters (it travels in an HTTP header)."""
     if token and not re.fullmatch(r"[!-~]{1,256}", token):
-        raise ValueError("the swarm token must be 1 to 256 printable ASCII characters without spaces.")
+        raise ValueError(f"{what} must be 1 to 256 printable ASCII characters without spaces.")
     return token or None
 
 
+def credentials(token=None, peers=None):
+    """The shared token and per-peer tokens ({name: token}) -> {SHA-256 of a token: the name it writes as,
+    or None (the shared token: any name)}; or ValueError, in one sentence: each name once (compared in
+    lower case, as stored), each token one peer's."""
+    table, names = {hashlib.sha256(check_token(token).encode()).digest(): None} if token else {}, set()
+    for name, secret in (peers or {}).items():
+        if not isinstance(name, str) or not NAME.fullmatch(name) or name.lower() in names:
+            raise ValueError(f"the peer name {str(name)[:80]!r} must be {NAMES}, and given once.")
+        secret = check_token(secret if isinstance(secret, str) and secret else " ", f"peer {name}'s token")
+        digest = hashlib.sha256(secret.encode()).digest()
+        if digest in table:
+            raise ValueError(f"peer {name}'s token is another's too; give each peer a token of its own.")
+        table[digest] = name.lower()
+        names.add(name.lower())
+    return table
+
+
+def read_peers(path):
+    """A --peers-file -> {name: token}: one 'name token' a line (blank lines and '#' lines skipped); ValueError,
+    in one sentence, if it cannot be read or holds no such line, or another."""
+    try:
+        with open(path, encoding="latin-1") as f:
+            rows = [line.split() for line in f.read(Limits.body_bytes).splitlines() if line.strip()[:1] not in "#"]
+    except OSError as e:
+        raise ValueError(f"cannot read --peers-file {path} ({e.strerror or e}).") from None
+    if not rows or any(len(row) != 2 for row in rows) or len(dict(rows)) < len(rows):
+        raise ValueError(f"--peers-file {path} must hold one 'name token' a line, each name once.")
+    return dict(rows)
+
+
 def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.keep_bytes,
-                 public_reads=False, verbose=False, score=None):
+                 public_reads=False, verbose=False, peers=None, score=None):
     """Start a server in a daemon thread -> (server, "http://host:port"); server.shutdown() stops it. With a
-    token every request needs it (GETs not, with public_reads); score(group, completion): a reward the dashboard
-    shows (train.py's launcher passes reward.score). Bad settings: ValueError, in one sentence."""
-    token = check_token(token)
+    token or peers ({name: token}) every request needs one of them (GETs not, with public_reads), and a
+    peer's token writes only as that peer (403); score(group, completion): a reward the dashboard shows
+    (train.py's launcher passes reward.score). Bad settings: ValueError, in one sentence."""
+    table = credentials(token, peers)
     if not isinstance(keep_bytes, int) or keep_bytes < 1:
         raise ValueError("--keep-bytes must be a size of at least 1 byte.")
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError("--port must be a whole number from 0 to 65535.")
     store = RolloutStore(dir, keep_bytes)
     try:
-        server = SwarmServer(store, host, port, token, public_reads, verbose, score)
+        server = SwarmServer(store, host, port, table, public_reads, verbose, score)
     except OSError as e:
         store.close()
         raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}); "
@@ -1518,7 +1663,8 @@ def _size(text):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="nanoSAPO swarm rollout server (see the docstring of swarm.py).")
+    parser = argparse.ArgumentParser(description="nanoSAPO swarm rollout server (see the docstring of swarm.py).",
+                                     epilog=f"Peer names are {NAMES}.")
     parser.error = lambda message: parser.exit(2, f"swarm.py: {message}; see python swarm.py --help.\n")  # one line
     parser.add_argument("--dir", default="swarm_data", help="batch folder, made if missing (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on, 0.0.0.0: any (default: %(default)s)")
@@ -1526,20 +1672,31 @@ def main(argv=None):
     parser.add_argument("--token", default=os.environ.get("SWARM_TOKEN"), help="require 'Authorization: Bearer "
                         "TOKEN' on every request (default: $SWARM_TOKEN, which, unlike this flag, does not show in ps)")
     parser.add_argument("--token-file", type=argparse.FileType(encoding="latin-1"), help="the token, from a file")
+    parser.add_argument("--peers-file", help="per-peer credentials, one 'NAME TOKEN' a line, read again on SIGHUP: "
+                        "a peer's token writes only as that peer; with it, --token writes as any")
     parser.add_argument("--public-reads", action="store_true",
-                        help="with a token: let anyone GET (dashboard, rollouts, metrics); writes still need it")
-    parser.add_argument("--keep-bytes", type=_size, default=f"{Limits.keep_bytes >> 20}M",
-                        help="batch bytes kept on disk and in memory; the oldest go first (default: %(default)s)")
+                        help="with credentials: let anyone GET (dashboard, rollouts, metrics); writes still need one")
+    parser.add_argument("--keep-bytes", type=_size, default=f"{Limits.keep_bytes >> 20}M", help="what kept batches "
+                        "may cost, on disk and in memory; the writer holding most loses its oldest (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="log every request on stderr")
     args = parser.parse_args(argv)
     if args.token_file:  # (a token that is not printable ASCII fails in start_server)
         args.token = args.token_file.read().strip()
     try:
-        server, url = start_server(args.dir, args.host, args.port, args.token, args.keep_bytes,
-                                   args.public_reads, args.verbose)
+        server, url = start_server(args.dir, args.host, args.port, args.token, args.keep_bytes, args.public_reads,
+                                   args.verbose, read_peers(args.peers_file) if args.peers_file else None)
     except (ValueError, OSError) as e:  # e.g. a folder or port it cannot use: one sentence, exit status 2
         parser.exit(2, f"swarm.py: {e}\n")
     print(f"swarm server: {url}", flush=True)  # a launcher reads this line
+
+    def reload(signum, frame):  # SIGHUP: the peers file again; a bad one leaves the credentials as they were
+        try:
+            server.credentials = credentials(args.token, read_peers(args.peers_file))
+            _log(f"read {args.peers_file} again: {len(server.credentials)} credentials")
+        except ValueError as e:
+            _log(f"kept the credentials as they were: {e}")
+    if args.peers_file:
+        signal.signal(signal.SIGHUP, reload)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it like Ctrl-C
     try:
         while True:

@@ -397,8 +397,8 @@ def parser(device, I, J):
     a("--swarm", type=matching(r"(https?|rediss?)://\S+", "a URL such as http://10.0.0.5:8000 or redis://USER@HOST:6379/0"),
       help="URL of a swarm to join: its server (http://HOST:PORT) or a Redis store (redis://USER:PASSWORD@HOST:PORT/0, "
            "rediss:// for TLS; the password may come from --token)")
-    a("--name", type=matching(r"[A-Za-z0-9_.-]{1,64}", "1-64 letters, digits, '_', '.' or '-'"),
-      help="this peer's name in the swarm (default: the host name and a random suffix)")
+    a("--name", type=matching(swarm.NAME.pattern, swarm.NAMES),
+      help=f"this peer's name in the swarm: {swarm.NAMES} (default: the host name and a random suffix)")
     a("--token", default=argparse.SUPPRESS,  # never shown: --help would print the secret of $SWARM_TOKEN
       help="bearer token of the swarm server, for reads and writes (default: $SWARM_TOKEN, which ps does not show)")
     a("--plot", metavar="RUN_DIR", help="write RUN_DIR/reward.svg from its metrics and exit")
@@ -674,7 +674,7 @@ def peer_name(args, log):
     the server and the client leave out a peer's own groups by name."""
     if args.name:
         return args.name
-    name = f"{re.sub(r'[^A-Za-z0-9_.-]', '-', socket.gethostname())[:57] or 'peer'}-{secrets.token_hex(3)}"
+    name = f"{re.sub(r'[^A-Za-z0-9_.-]', '-', socket.gethostname())[:57].lstrip('_.-') or 'peer'}-{secrets.token_hex(3)}"
     if args.swarm:  # (in silo it names the peer's folder only)
         log(f"this peer's name in the swarm: {name} (--name sets it)")
     return name
@@ -716,7 +716,8 @@ PEER_BYTES_PER_PARAM = 26
 
 
 def launch(args, argv):
-    """A swarm server on a free loopback port, in this process, and args.peers peer processes; their progress
+    """A swarm server on a free loopback port, in this process, and args.peers peer processes, each with a
+    credential of its own (so each writes only as itself; reads need none unless --token); their progress
     together, from the metrics they post; on Ctrl-C all stop (each saves its last completed round). A peer
     that dies is reported and the others go on; the launcher then exits non-zero, saying why."""
     if not args.resume and glob.glob(os.path.join(args.out, "*", "metrics.jsonl")):
@@ -724,8 +725,9 @@ def launch(args, argv):
     try:  # the model once, here: a first download or GGUF dequantisation must not run in every peer at once
         check_memory(args.peers, args.device, count_params(M.resolve(args.model)))
         os.makedirs(args.out, exist_ok=True)
-        server, url = swarm.start_server(os.path.join(args.out, "swarm"), token=args.token,  # in this process,
-                                         score=reward.score)  # (so its dashboard shows each completion's reward)
+        tokens = {f"peer{k}": secrets.token_urlsafe(24) for k in range(args.peers)}  # one credential per peer
+        server, url = swarm.start_server(os.path.join(args.out, "swarm"), token=args.token, peers=tokens,
+                                         public_reads=not args.token, score=reward.score)  # in this process
     except (OSError, ValueError, RuntimeError) as e:
         raise SystemExit(f"train.py: {e}") from None
     children, failed, stopped = [], {}, False
@@ -733,7 +735,7 @@ def launch(args, argv):
     signal.signal(signal.SIGHUP, signal.default_int_handler)  # the terminal closed: stop the children too
     try:
         print(f"dashboard: {url}/ (open it in a browser to see each peer's reward and latest completions)")
-        procs = {f"peer{k}": start_peer(args, argv, k, url, children) for k in range(args.peers)}
+        procs = {name: start_peer(args, argv, k, url, children, tokens[name]) for k, name in enumerate(tokens)}
         bars = {n: tqdm(total=args.rounds, desc=n, position=k, dynamic_ncols=True, bar_format=BAR)
                 for k, n in enumerate(procs)}
         seen, got = 0, {}  # the peers' metrics rows as the server got them
@@ -778,15 +780,15 @@ def without(argv, flag):
     return [f for k, f in enumerate(argv) if not (f == flag or f.startswith(flag + "=") or (k and argv[k - 1] == flag))]
 
 
-def start_peer(args, argv, k, url, children):
+def start_peer(args, argv, k, url, children, token=None):
     """Peer k as a child process: this command line's flags (a later flag wins) with its own name, seed
-    (peer_seed), the server's URL and the run folder, and the token in its environment. It reads the
-    flags as the launcher did: the same machine, so the same defaults."""
+    (peer_seed), the server's URL and the run folder, and its token (else --token) in its environment.
+    It reads the flags as the launcher did: the same machine, so the same defaults."""
     name = f"peer{k}"
     flags = [*without(argv, "--token"), "--peers", "0", "--swarm", url, "--name", name, "--quiet",
              "--seed", str(peer_seed(args.seed, k)), "--out", args.out]
     os.makedirs(os.path.join(args.out, name), exist_ok=True)
-    env = dict(os.environ, **({"SWARM_TOKEN": args.token} if args.token else {}))
+    env = dict(os.environ, **({"SWARM_TOKEN": token or args.token} if token or args.token else {}))
     if args.device.type == "cpu":  # share the cores instead of every peer fighting for all of them
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.peers)))
     proc = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), *flags],

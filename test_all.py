@@ -4523,17 +4523,16 @@ def test_train_launcher_runs_a_swarm_and_ctrl_c_stops_it(tiny, tmp_path, capsys)
     for name in ("peer0", "peer1"):
         assert [json.loads(l)["round"] for l in open(out / name / "metrics.jsonl")] == [0, 1, 2]
     assert "2 of 2 peers finished" in r.stdout
-    # what the end of the run prints: the chart of this very folder (its swarm/metrics.jsonl holds the
-    # server's rows, of another shape), the dashboard again, and a command that trains on
-    assert f"chart it: python train.py --plot {out}\nits dashboard again: python swarm.py --dir {out / 'swarm'}\n" in r.stdout
-    assert r.stdout.splitlines()[-1].endswith(f"--out {out} --rounds 6 --resume")
-    train.main(["--plot", str(out)])
+    train.main(["--plot", str(out)])  # the chart of this very folder (its swarm/metrics.jsonl: the server's rows)
     chart = ET.fromstring((out / "reward.svg").read_text())
     names = {t.text for t in chart.iter("{http://www.w3.org/2000/svg}text")}
     assert {"peer0", "peer1"} <= names and "swarm" not in names
+    # what the end of the run prints: that chart, the dashboard again, and a command that trains on
+    assert f"chart it: python train.py --plot {out}\nits dashboard again: python swarm.py --dir {out / 'swarm'}\n" in r.stdout
+    assert r.stdout.splitlines()[-1].endswith(f"--out {out} --rounds 6 --resume")
     with pytest.raises(SystemExit):  # the same --rounds again: nothing left to do, said before any model loads
         train.parse_args(cmd[2:] + ["--rounds", "3", "--resume"])
-    assert "so --resume has nothing left to do" in capsys.readouterr().err
+    assert "--resume has nothing left to do" in capsys.readouterr().err
     seeds = [json.load(open(out / name / "settings.json"))["seed"] for name in ("peer0", "peer1")]
     assert seeds == [train.peer_seed(0, 0), train.peer_seed(0, 1)]
     # a long run, interrupted: every child goes
@@ -5095,7 +5094,7 @@ def test_train_a_finished_run_says_how_to_go_on_and_resume_says_when_nothing_is_
             train.parse_args(argv + ["--rounds", "3", "--resume"])
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.count("\n") == 1, err
-        assert "has trained all its --rounds 3 already, so --resume has nothing left to do" in err
+        assert "has done its --rounds 3: --resume has nothing left to do; pass a larger --rounds" in err
         assert train.parse_args(argv + ["--rounds", "4", "--resume"]).rounds == 4
     saved(tmp_path / "swarm-run" / "peer1", 1)  # one peer stopped a round early: it has a round to go
     assert train.parse_args(["--peers", "2", "--out", str(tmp_path / "swarm-run"), "--rounds", "3", "--resume"])
@@ -5195,8 +5194,7 @@ def test_train_a_checkpoint_keeps_what_resume_needs_and_a_save_cut_short_leaves_
                                           "settings.json"]
     assert {"config.json", "model.safetensors", "trainer_state.pt"} <= set(os.listdir(folder / "checkpoint-1"))
     os.remove(folder / "checkpoint-1" / "trainer_state.pt")
-    with pytest.raises(SystemExit, match="holds no trainer_state.pt, so --resume cannot go on from it; its weights "
-                                         "can start a new run: --model "):
+    with pytest.raises(SystemExit, match="trainer_state.pt is gone, so --resume cannot go on; --model .* starts anew"):
         train.Peer(tiny_args(tmp_path, "--name", "d", "--rounds", "4", "--resume"), log=quiet)
     M.load_model(str(folder / "checkpoint-1"))
 

@@ -289,8 +289,7 @@ def connect(url, peer, sample, token=None, **state):
     server. sample: K; token: the store's credential (None: $SWARM_TOKEN); state: the read state (seed, round, seen)."""
     _check_client(peer, sample)
     kind = RedisTransport if str(url).lower().startswith(("redis://", "rediss://")) else HttpTransport
-    token = os.environ.get("SWARM_TOKEN") if token is None else token
-    return Client(peer, kind(str(url), peer, token), sample, **state)
+    return Client(peer, kind(str(url), peer, os.environ.get("SWARM_TOKEN") if token is None else token), sample, **state)
 
 
 # ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----

@@ -485,9 +485,8 @@ def writable_folder(path):
 
 
 def check_resume(p, args):
-    """--resume without --name: the one peer in --out, or one sentence, before any model is loaded, if it
-    holds none, several, or a swarm launched with --peers N (swarm/ beside peer0, peer1, ...); one sentence
-    too if the peers to resume have all saved the last of their --rounds."""
+    """--resume without --name: the one peer in --out; one sentence, before any model loads, if it holds none,
+    several, a swarm launched with --peers N (swarm/ beside peer0, ...), or peers done with their --rounds."""
     if not args.resume:
         return
     out, peers = args.out, sorted(glob.glob(os.path.join(glob.escape(args.out), "*", "settings.json")))

@@ -200,6 +200,7 @@ class Client:
         self.outbox, self.outbox_bytes = collections.deque(), 0  # (what, send, arguments, bytes), oldest first
         self.inbox, self.inbox_bytes = collections.deque(), 0    # (group, bytes) received, oldest first
         self.asked = collections.deque(maxlen=2)  # (round, k) of the reads asked for and not done yet
+        self.reads_begun = self.reads_done = 0  # reads numbered as they begin; the number of the last done
         self.wake = self.closing = False   # there is something to do; close() was called
         self.down, self.dropped = None, 0  # while the store does not answer: why; entries the outbox let go
         self.thread = threading.Thread(target=_talk, args=(self,), name=f"swarm-client-{peer}", daemon=True)
@@ -231,12 +232,12 @@ class Client:
         """Wait until the outbox is empty and a read begun after this call is done -> True, or False if
         that took over timeout seconds."""
         with self.cond:
-            self._ask()  # (done once no read is asked for: the reads asked before it are done too)
-            return self.cond.wait_for(lambda: not self.outbox and not self.asked, timeout)
+            begun = self.reads_begun
+            self._ask()
+            return self.cond.wait_for(lambda: not self.outbox and self.reads_done > begun, timeout)
 
     def close(self, wait=0.0):
-        """Stop the thread once the outbox is empty, or after `wait` seconds: it ends its current exchange at
-        once and sends nothing more. What it could not deliver, and why, it says in one line."""
+        """Stop the thread once the outbox is empty or after `wait` seconds; one line says what was not delivered."""
         with self.cond:
             self.cond.wait_for(lambda: not self.outbox, wait)
             self.closing = True
@@ -270,7 +271,8 @@ class Client:
         with self.cond:
             if not self.asked:
                 return True
-            asked = self.asked[0]
+            self.reads_begun += 1
+            read, asked = self.reads_begun, self.asked[0]
         seed = random.Random("/".join(map(str, (self.seed, *asked)))).getrandbits(63)
         fresh = [(g, n) for g, n in self.transport.sample(self.sample, seed) if g["peer"].lower() != self.peer.lower()]
         with self.cond:
@@ -280,6 +282,7 @@ class Client:
                 self.inbox_bytes -= self.inbox.popleft()[1]
             if self.asked and self.asked[0] == asked:  # (unless two newer reads were asked for meanwhile)
                 self.asked.popleft()
+            self.reads_done = read
             self.cond.notify_all()
             return not self.asked
 
@@ -1117,8 +1120,8 @@ def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.ke
                  public_reads=False, verbose=False, peers=None, score=None):
     """Start a server in a daemon thread -> (server, "http://host:port"); server.shutdown() stops it. With a
     token or peers ({name: token}) every request needs one of them (GETs not, with public_reads), and a
-    peer's token writes only as that peer (403); score(group, completion): a reward the dashboard shows
-    (train.py's launcher passes reward.score). Bad settings: ValueError, in one sentence."""
+    peer's token writes only as that peer (403); score(group, completion): a reward the dashboard shows, which
+    never raises (train.py's launcher passes reward.score). Bad settings: ValueError, in one sentence."""
     table = credentials(token, peers)
     if not isinstance(keep_bytes, int) or keep_bytes < 1:
         raise ValueError("--keep-bytes must be a size of at least 1 byte.")
@@ -1621,7 +1624,7 @@ def render_page(snap, groups=(), score=None):
                        title="local_reward per round (dots), mean of the last 5 rounds (lines)")
     newest = {g["peer"]: g for g in groups if g["peer"] in drawn}  # the last group of each peer wins
     said = "".join(f"<h3>{html.escape(p)}, round {g['round']}: {html.escape(g['question'][:300])}</h3>"
-                   + "".join(f"<pre>{_scored(score, g, c)}{html.escape(c[:500])}</pre>" for c in g["completions"][:2])
+                   + "".join(f"<pre>{f'reward {score(g, c):g}: ' if score else ''}{html.escape(c[:500])}</pre>" for c in g["completions"][:2])
                    for p, g in sorted(newest.items()))
     rows = []
     for peer, info in sorted(snap["peers"].items()):
@@ -1642,12 +1645,6 @@ pre{{white-space:pre-wrap;background:#f4f4f4;padding:4px;margin:2px 0}}</style>
 <th>last batch_reward (the paper's training-batch figure)</th><th>last seen</th></tr>
 {"".join(rows)}
 </table></body></html>"""
-
-
-def _scored(score, group, completion):  # "reward 1: " before a completion, if score says one (it never raises)
-    with contextlib.suppress(Exception):
-        return f"reward {float(score(group, completion)):g}: " if score else ""
-    return ""
 
 
 # -----------------------------------------------------------------------------

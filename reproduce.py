@@ -128,6 +128,7 @@ def parse_args(argv=None):
                         for n, d in PRESETS.items())
     p = argparse.ArgumentParser(description="swarm against silo: the SAPO paper's comparison (arXiv 2509.08721)",
                                 epilog=f"A flag left out takes its preset's value. Presets: {presets}.")
+    train.one_line(p, "reproduce.py")  # errors: one line, and where to look
     a = p.add_argument
     a("--preset", choices=sorted(PRESETS), default=None, help="toy on a CPU, gpu on CUDA (default: by device)")
     a("--configs", default=None, help="comma list of I/J configurations; 8/0 (the silo) is the baseline")

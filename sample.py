@@ -196,7 +196,7 @@ def main(argv=None):
     import argparse
     import reward  # the tasks and the prompt a peer trains with
     p = argparse.ArgumentParser(description="Four completions of a question, rewarded if it is a --task item.")
-    p.add_argument("model", help="a model folder, a checkpoint folder (RUN/PEER/checkpoint-N) or a Hub id")
+    p.add_argument("model", help="a model folder or Hub id, RUN/PEER/checkpoint-N, or RUN/PEER (its newest checkpoint)")
     p.add_argument("question", nargs="?", help="the question (default: an item that --task makes)")
     p.add_argument("--task", choices=sorted(reward.TASKS), help="a family: it makes the question, or is searched for it")
     p.add_argument("--seed", type=int, default=0, help="the seed of the draw and of --task's items (default: 0)")

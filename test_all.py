@@ -729,7 +729,7 @@ def test_model_unsupported_architectures_get_one_sentence():
 def test_model_missing_model_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         M.load_model(str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="neither a model folder"):
+    with pytest.raises(FileNotFoundError, match="does not exist, nor is it a Hub id"):
         M.load_model(str(tmp_path / "nope" / "deeper" / "x"))
 
 
@@ -1000,6 +1000,22 @@ def test_sample_cli_prints_completions_and_rewards_of_a_task_item(tmp_path, caps
     run = subprocess.run([sys.executable, os.path.join(HERE, "sample.py"), str(tmp_path / "missing"), "hi"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "Traceback" not in run.stderr and run.stderr.startswith("sample.py: ")
+
+
+def test_sample_cli_takes_a_peer_folder_and_names_the_checkpoints_a_run_holds(tmp_path, capsys):
+    """python sample.py RUN/PEER samples the checkpoint its checkpoint.json names (the newest); a checkpoint
+    the run no longer holds gets one sentence naming the model folders beside it; a path that is nowhere says so."""
+    peer = tmp_path / "run" / "peer0"
+    save_tiny(peer / "checkpoint-39", std=None)
+    (peer / "checkpoint.json").write_text(json.dumps({"round": 39, "checkpoint": "checkpoint-39", "metrics_bytes": 0}))
+    sample.main([str(peer), "what is 2 + 2"])
+    assert capsys.readouterr().out.count("--- completion") == 4
+    with pytest.raises(SystemExit) as e:
+        sample.main([str(peer / "checkpoint-19"), "hi"])
+    assert str(e.value).endswith(f"; {peer} holds checkpoint-39")
+    assert str(e.value).startswith(f"sample.py: the model folder {peer / 'checkpoint-19'} does not exist, nor is it a Hub")
+    with pytest.raises(SystemExit, match="Hub id like '[^']*'$"):
+        sample.main([str(tmp_path / "nowhere" / "checkpoint-19"), "hi"])
 
 
 @pytest.mark.parametrize("temperature, top_k", [(0.7, 0), (1.3, 5), (0, 0)])
@@ -2416,7 +2432,7 @@ def test_swarm_utf8_on_disk_and_pages_bounded_in_bytes(_sw_server, monkeypatch):
     assert _sw_post(url, "alice", 0, [_sw_group(0, completions=[text], stopped=[True])]).status_code == 200
     data = open(os.path.join(folder, _sw_files(folder)[0]), "rb").read()
     assert text.encode() in data and len(data) < len(text.encode()) + 1000  # UTF-8, not \uXXXX escapes
-    monkeypatch.setattr(server.store, "page_bytes", 20_000)
+    monkeypatch.setattr(swarm.Limits, "page_bytes", 20_000)
     for r in range(1, 6):
         _sw_post(url, "alice", r, [_sw_group(10 * r + j, completions=["x" * 4000], stopped=[True]) for j in range(4)])
     seen, after, pages = [], 0, 0
@@ -2494,8 +2510,8 @@ def test_swarm_dashboard_and_metrics(_sw_server, _sw_clients):
 
 def test_swarm_dashboard_shows_each_peers_newest_completions_escaped(_sw_server, _sw_clients):
     """Beside the chart: each peer's newest question and completions, escaped (they are text from
-    outside); the table names each peer's model and counts rounds as the logs do (a peer that finished
-    round 0 shows 0)."""
+    outside); the table names each peer's model and counts rounds done as the progress bar does (a peer that
+    finished round 0: 1)."""
     server, url, folder = _sw_server
     eve, ann = _sw_clients(url, "eve"), _sw_clients(url, "ann")
     eve.publish(0, [_sw_group(completions=["old"], stopped=[True])])
@@ -2508,8 +2524,23 @@ def test_swarm_dashboard_shows_each_peers_newest_completions_escaped(_sw_server,
     assert "<script>" not in page and "<img" not in page and "<b>bold" not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;?" in page and "&lt;b&gt;bold&lt;/b&gt; &amp; &lt;img src=x&gt;" in page
     assert "ann says 2" in page and ">old<" not in page  # the newest group of each peer
-    assert re.search(r"<td>ann</td><td>ann&#x27;s &lt;i&gt;model&lt;/i&gt;</td><td>0</td>", page)  # its model, escaped
-    assert re.search(r"<td>eve</td><td>tiny</td><td></td>", page)
+    assert re.search(r"<td>ann</td><td>ann&#x27;s &lt;i&gt;model&lt;/i&gt;</td><td>1</td>", page)  # its model, escaped
+    assert re.search(r"<td>eve</td><td>tiny</td><td></td>", page) and "rounds done" in page
+    assert "<pre>reward" not in page  # a server given no scorer (python swarm.py) judges no content
+
+
+def test_swarm_dashboard_shows_each_completions_reward_by_the_scorer_it_was_given(tmp_path, _sw_clients):
+    """The launcher's server, started with score=reward.score, shows the reward of each completion on
+    its dashboard, a right one's 1 and a wrong one's 0."""
+    server, url = swarm.start_server(str(tmp_path / "swarm"), score=reward.score)
+    try:
+        eve = _sw_clients(url, "eve")
+        eve.publish(0, [_sw_group(3, completions=["<answer>4</answer>", "<answer>5</answer>"], stopped=[True, True])])
+        assert eve.flush(10)
+        page = requests.get(url + "/", timeout=5).text
+        assert "<pre>reward 1: &lt;answer&gt;4" in page and "<pre>reward 0: &lt;answer&gt;5" in page, page
+    finally:
+        server.shutdown()
 
 
 @pytest.mark.slow
@@ -4013,7 +4044,7 @@ def test_swarm_wire_group_is_what_a_server_takes():
     full = swarm.wire_group("t", "What?", "4", ["a", "b"], [True, True], {"n": 1}, "m", [[5, 2], [7]],
                             [[-0.5, -0.1], [-3.0]], "vocab-1")
     body = {"peer": "p", "round": 0, "batch_id": "b", "groups": [plain, full]}
-    assert swarm.check(body, swarm.PUBLISH)["groups"] == [plain, full]
+    assert swarm.PUBLISH(body)["groups"] == [plain, full]
     assert plain == {"task": "t", "question": "What?", "answer": "4", "metadata": {}, "model": "",
                      "completions": ["<answer>4</answer>", "5"], "stopped": [True, False]}
     assert {"token_ids", "logprobs", "tokenizer"} <= set(full)
@@ -4146,8 +4177,8 @@ class FakeClient:
     """A swarm client in memory, with the interface train.py uses: publish() keeps what the peer shared;
     fetch() hands out (and empties) `queue`, the groups a test wants the peer to receive."""
 
-    def __init__(self, url=None, peer=None, sample=None, token=None, seed=0):
-        self.peer, self.queue, self.published, self.metrics = peer, [], [], []
+    def __init__(self, url=None, peer=None, sample=None, token=None, seed=0, round=0, seen=()):
+        self.peer, self.queue, self.published, self.metrics, self.seen = peer, [], [], [], list(seen)
 
     def publish(self, round, groups):
         self.published.append((round, groups))
@@ -4164,7 +4195,7 @@ class FakeClient:
     def flush(self, timeout=None):
         return True
 
-    def close(self):
+    def close(self, wait=0.0):
         pass
 
 
@@ -4304,7 +4335,8 @@ def test_train_goes_on_when_the_server_is_absent_or_killed(tiny, tmp_path):
             for s, _ in servers:
                 s.shutdown()
     finally:
-        a.client.close(), b.client.close()
+        a.client.close()
+    b.client.close()
 
 
 @pytest.mark.redis
@@ -4481,7 +4513,7 @@ def _processes_mentioning(*texts):
 
 
 @pytest.mark.slow
-def test_train_launcher_runs_a_swarm_and_ctrl_c_stops_it(tiny, tmp_path):
+def test_train_launcher_runs_a_swarm_and_ctrl_c_stops_it(tiny, tmp_path, capsys):
     import signal
     import time
     out = tmp_path / "swarm-run"
@@ -4492,6 +4524,16 @@ def test_train_launcher_runs_a_swarm_and_ctrl_c_stops_it(tiny, tmp_path):
     for name in ("peer0", "peer1"):
         assert [json.loads(l)["round"] for l in open(out / name / "metrics.jsonl")] == [0, 1, 2]
     assert "2 of 2 peers finished" in r.stdout
+    train.main(["--plot", str(out)])  # the chart of this very folder (its swarm/metrics.jsonl: the server's rows)
+    chart = ET.fromstring((out / "reward.svg").read_text())
+    names = {t.text for t in chart.iter("{http://www.w3.org/2000/svg}text")}
+    assert {"peer0", "peer1"} <= names and "swarm" not in names
+    # what the end of the run prints: that chart, the dashboard again, and a command that trains on
+    assert f"chart it: python train.py --plot {out}\nits dashboard again: python swarm.py --dir {out / 'swarm'}\n" in r.stdout
+    assert r.stdout.splitlines()[-1].endswith(f"--out {out} --rounds 6 --resume")
+    with pytest.raises(SystemExit):  # the same --rounds again: nothing left to do, said before any model loads
+        train.parse_args(cmd[2:] + ["--rounds", "3", "--resume"])
+    assert "--resume has nothing left to do" in capsys.readouterr().err
     seeds = [json.load(open(out / name / "settings.json"))["seed"] for name in ("peer0", "peer1")]
     assert seeds == [train.peer_seed(0, 0), train.peer_seed(0, 1)]
     # a long run, interrupted: every child goes
@@ -4758,9 +4800,11 @@ def test_train_peer_seeds_are_hashed_not_added():
 
 def test_train_default_names_are_unique_and_logged(tiny, tmp_path, capsys):
     import socket
-    logs = []
-    a = train.Peer(tiny_args(tmp_path), log=logs.append)
-    b = train.Peer(tiny_args(tmp_path), log=logs.append)
+    logs, nobody = [], ["--swarm", f"http://127.0.0.1:{_free_port()}"]  # (its name matters in a swarm only)
+    a = train.Peer(tiny_args(tmp_path, *nobody), log=logs.append)
+    b = train.Peer(tiny_args(tmp_path, *nobody), log=logs.append)
+    a.client.close()
+    b.client.close()
     host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:57]
     assert a.name != b.name and a.name.startswith(host + "-") and b.name.startswith(host + "-")
     assert any(a.name in line for line in logs) and any(b.name in line for line in logs)
@@ -4827,7 +4871,7 @@ def test_train_shared_logprobs_publishes_them_and_trains_shared_rows_against_the
         collected = peer.collect(0)
         published = peer.client.published[0][1]
         for g, local in zip(published, collected["groups"]):
-            assert swarm.check(g, swarm.fields(swarm.GROUP, swarm.OPTIONAL, swarm.ALSO)) == g  # what the server accepts, unchanged
+            assert swarm.fields(swarm.GROUP, swarm.OPTIONAL, swarm.ALSO)(g) == g  # what the server accepts, unchanged
             if flag == "--shared-logprobs":
                 assert g["token_ids"] == local.completions and g["tokenizer"] == train.tokenizer_fingerprint(peer.tok)
                 assert [len(x) for x in g["logprobs"]] == [len(c) for c in local.completions]
@@ -4916,7 +4960,7 @@ def test_train_peers_read_a_sample_of_4j_and_the_pool_survives_resume(tiny, tmp_
     groups resumed as uninterrupted."""
     made = []
     monkeypatch.setattr(swarm, "connect", lambda *a, **k: made.append(k) or FakeClient(*a, **k))
-    args = ["--swarm", "http://127.0.0.1:9", "--name", "a", "--rounds", "1", "--external", "2"]
+    args = ["--swarm", "http://127.0.0.1:9", "--name", "a", "--rounds", "2", "--external", "2"]
     peer = train.Peer(tiny_args(tmp_path, *args), log=quiet)
     rng = random.Random(0)
     peer.client.queue = [dict(wire_group(reward.TASKS["repeat_number"].generate(rng), peer=f"p{k % 3}"), seq=k)
@@ -4924,7 +4968,8 @@ def test_train_peers_read_a_sample_of_4j_and_the_pool_survives_resume(tiny, tmp_
     assert len(peer.choose_external(0)[0]) == 2 and len(peer.pool) == 4
     peer.save(0)
     again = train.Peer(tiny_args(tmp_path, *args, "--resume"), log=quiet)
-    assert [k["sample"] for k in made] == [8, 8] and made[0]["seed"] != made[1]["seed"]  # (a new stream)
+    assert [k["sample"] for k in made] == [8, 8] and [k["round"] for k in made] == [0, 1]  # a read depends on
+    assert made[0]["seed"] == made[1]["seed"]  # its round (and the reads' seed): a resumed peer reads on, not again
     assert "cursor" not in torch.load(tmp_path / "run" / "a" / "checkpoint-0" / "trainer_state.pt")
     ids = lambda groups: [(x.item["peer"], x.item["seq"], x.arrived, x.rewards) for x in groups]
     assert ids(again.pool) == ids(peer.pool)
@@ -4983,10 +5028,10 @@ def test_train_metrics_separate_local_from_batch(tiny, tmp_path):
     assert m["batch_reward"] == 5 / 8  # every rollout trained on, counted per completion (not 0.5, nor 2/3)
     assert m["frac_zero_std_local"] == 1.0 and m["frac_zero_std_batch"] == 2 / 3 and m["stepped"] is True
     assert peer.client.metrics[0][1]["frac_zero_std_local"] == 1.0
-    shown = train.progress(m, 10)  # the peer's own pace: 2 s a round, 9 rounds left
+    shown = train.progress([m], 10)  # the peer's own pace: 2 s a round, 9 rounds left
     assert list(shown)[0] == "reward" and shown["reward"] == "0.50"
     assert shown["pace"] == "30 rounds/min" and shown["left"] == "0h00m"
-    assert train.progress(dict(m, round=0, round_seconds=60.0), 2001)["left"] == "33h20m"
+    assert train.progress([dict(m, round=0, round_seconds=60.0)], 2001)["left"] == "33h20m"
 
 
 def test_train_plot_shows_the_local_reward_first(tmp_path, monkeypatch):
@@ -5112,7 +5157,7 @@ def test_train_bad_flags_are_one_sentence_before_any_model_loads(tmp_path, monke
     run = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--model", str(tmp_path / "no-model"),
                           "--token", "my token"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "Traceback" not in run.stderr and run.stdout == ""
-    assert run.stderr.strip().splitlines()[-1].startswith("train.py: error: the swarm token must be")
+    assert run.stderr.strip().splitlines()[-1].startswith("train.py: the swarm token must be")
 
 
 def test_train_resume_says_which_command_resumes_a_folder(tmp_path, capsys):
@@ -5163,6 +5208,220 @@ def test_train_ctrl_c_keeps_the_training_and_resume_goes_on_at_the_next_round(ti
     assert again.start_round == saved + 1
     assert again.run() is False
     assert [json.loads(line)["round"] for line in open(out / "p" / "metrics.jsonl")] == list(range(saved + 2))
+
+
+# -- the newcomer's run: the end of a run, what it prints, what it keeps; a resume that equals no stop --
+
+def test_train_a_finished_run_says_how_to_go_on_and_resume_says_when_nothing_is_left(tmp_path, capsys):
+    """After a finished run the printed command trains on (twice its --rounds; a stopped run's keeps them);
+    --resume of a run whose peers all saved their last round says so in one sentence, before any model
+    loads, for one peer and for a launched swarm; with one peer behind, or a larger --rounds, it goes on."""
+    def saved(folder, round_):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "settings.json").write_text("{}")
+        (folder / "checkpoint.json").write_text(json.dumps(dict(round=round_, checkpoint=f"checkpoint-{round_}",
+                                                                metrics_bytes=0)))
+    saved(tmp_path / "alone" / "alice", 2)
+    for k in range(2):
+        saved(tmp_path / "swarm-run" / f"peer{k}", 2)
+    (tmp_path / "swarm-run" / "swarm").mkdir()
+    for argv in (["--out", str(tmp_path / "alone")], ["--peers", "2", "--out", str(tmp_path / "swarm-run")]):
+        with pytest.raises(SystemExit) as e:
+            train.parse_args(argv + ["--rounds", "3", "--resume"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1, err
+        assert "has done its --rounds 3: --resume has nothing left to do; pass a larger --rounds" in err
+        assert train.parse_args(argv + ["--rounds", "4", "--resume"]).rounds == 4
+    saved(tmp_path / "swarm-run" / "peer1", 1)  # one peer stopped a round early: it has a round to go
+    assert train.parse_args(["--peers", "2", "--out", str(tmp_path / "swarm-run"), "--rounds", "3", "--resume"])
+    argv = ["--rounds", "3", "--out", str(tmp_path / "new")]
+    args = train.parse_args(argv)
+    go_on = f"go on with it: python train.py --out {tmp_path / 'new'} --rounds 6 --resume"
+    assert train.next_steps(args, argv, stopped=False).splitlines()[-1] == go_on
+    assert train.next_steps(args, argv, stopped=True).splitlines()[-1].endswith("--rounds 3 --out "
+                                                                                f"{tmp_path / 'new'} --resume")
+    assert "swarm.py" not in train.next_steps(args, argv, stopped=False)  # a launched swarm's only
+
+
+@pytest.mark.slow
+def test_train_the_end_of_a_run_delivers_what_is_queued_or_says_in_one_line_what_was_not(tiny, tmp_path,
+                                                                                       monkeypatch, capsys):
+    """Against a server taking 0.6 s a POST, the end of a run waits (bounded) for its last rounds' batches
+    and metrics, and all arrive; with no server listening, one line says how many were not delivered, and why."""
+    real = swarm.SwarmServer._route
+
+    def slow(self, method, *args):
+        if method == "POST":
+            time.sleep(0.6)
+        return real(self, method, *args)
+    monkeypatch.setattr(swarm.SwarmServer, "_route", slow)
+    monkeypatch.setattr(train, "FLUSH_SECONDS", 120, raising=False)  # (a loaded machine: the bound is not tested)
+    server, url = swarm.start_server(str(tmp_path / "swarm"))
+    try:
+        train.Peer(tiny_args(tmp_path, "--swarm", url, "--name", "s", "--rounds", "6", "--external", "0"), log=quiet).run()
+        assert sorted(g["round"] for g in _sw_read_all(url)) == [r for r in range(6) for _ in range(2)]
+        assert sorted(row["round"] for row in server.store.snapshot(metrics=True)["metrics"]) == list(range(6))
+    finally:
+        server.shutdown()
+    assert "not delivered" not in capsys.readouterr().err
+    monkeypatch.setattr(train, "FLUSH_SECONDS", 0.5, raising=False)
+    nobody = f"http://127.0.0.1:{_free_port()}"
+    train.Peer(tiny_args(tmp_path, "--swarm", nobody, "--name", "a", "--rounds", "2", "--external", "0"), log=quiet).run()
+    said = [line for line in capsys.readouterr().err.splitlines() if "not delivered" in line]
+    assert len(said) == 1 and re.fullmatch(r"swarm client a: 2 batches and 2 metrics rows were not delivered: "
+                                           r"server unreachable \(.*refused.*\)", said[0]), said
+
+
+def test_train_a_model_folder_that_does_not_exist_is_one_sentence_and_leaves_nothing(tmp_path, monkeypatch,
+                                                                                     capsys):
+    """--model ./my-model, a folder that is not there: the sentence says so (a name like a path is never
+    taken for a Hub id), a run that cannot start makes no folder, and a peer in silo prints no swarm name."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("./my-model", "../my-model", "/no/such/model", "~/no-such-model", "my/model/", "runs/a/p/checkpoint-9"):
+        with pytest.raises(FileNotFoundError, match=f"^the model folder {re.escape(name)} does not exist"):
+            M.resolve(name)
+    with pytest.raises(SystemExit) as e:
+        train.main(["--model", "./my-model", "--tasks", "repeat_number"])
+    assert str(e.value).startswith("train.py: the model folder ./my-model does not exist, nor is it a Hub id")
+    assert os.listdir(tmp_path) == [] and "name in the swarm" not in capsys.readouterr().out
+
+
+def test_train_and_reproduce_bad_flags_are_one_line_that_says_where_to_look(capsys):
+    for parse, prog in ((train.parse_args, "train.py"), (reproduce.parse_args, "reproduce.py")):
+        for bad in [["--rounds", "0"], ["--rounds", "x"], ["--bogus"]] + [["--device", "nope"]] * (prog == "train.py"):
+            with pytest.raises(SystemExit) as e:
+                parse(bad)
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and err.count("\n") == 1 and err.startswith(f"{prog}: "), (bad, err)
+            assert err.endswith(f"; see python {prog} --help\n") and "usage" not in err
+
+
+def test_train_progress_bar_pace_is_the_runs_mean_and_help_explains_the_bar(tiny, tmp_path, monkeypatch):
+    """A short round (one without a step, say) does not make the pace: the bar shows the run's mean rounds
+    a minute; --help says what reward, batch, ext, pace and left mean."""
+    shown = []
+
+    class Bar:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def set_postfix(self, numbers):
+            shown.append(numbers)
+        update = close = lambda *args: None
+    monkeypatch.setattr(train, "tqdm", Bar)
+    seconds, log_round = iter([6.0, 6.0, 0.1]), train.Algorithm1.log_round
+    monkeypatch.setattr(train.Algorithm1, "log_round", lambda self, *args: log_round(self, *args[:-1], next(seconds)))
+    train.Peer(tiny_args(tmp_path, "--name", "bar", "--rounds", "3"), log=quiet).run()
+    assert [numbers["pace"] for numbers in shown] == ["10 rounds/min", "10 rounds/min", "15 rounds/min"]
+    epilog = " ".join(train.parser(torch.device("cpu"), 2, 2).epilog.split())
+    assert "ext, the external groups of its last round" in epilog and "pace, its mean rounds a minute" in epilog
+
+
+def test_train_a_checkpoint_keeps_what_resume_needs_and_a_save_cut_short_leaves_nothing(tiny, tmp_path):
+    """A peer folder keeps one checkpoint (weights, tokenizer, trainer_state.pt) and its logs, and the next
+    save removes what a save cut short left (a .tmp- folder). Without trainer_state.pt (deleted to keep less
+    once a run is done), --resume says in one sentence that it cannot go on; the weights still load."""
+    peer = train.Peer(tiny_args(tmp_path, "--name", "d", "--rounds", "2", "--save-every", "1"), log=quiet)
+    folder = tmp_path / "run" / "d"
+    (folder / ".tmp-k9x2").mkdir()  # as kill -9 during model.save_model leaves it
+    (folder / ".tmp-k9x2" / "model.safetensors").write_bytes(b"0" * 1000)
+    peer.run()
+    assert sorted(os.listdir(folder)) == ["checkpoint-1", "checkpoint.json", "metrics.jsonl", "samples.jsonl",
+                                          "settings.json"]
+    assert {"config.json", "model.safetensors", "trainer_state.pt"} <= set(os.listdir(folder / "checkpoint-1"))
+    os.remove(folder / "checkpoint-1" / "trainer_state.pt")
+    with pytest.raises(SystemExit, match="trainer_state.pt is gone, so --resume cannot go on; --model .* starts anew"):
+        train.Peer(tiny_args(tmp_path, "--name", "d", "--rounds", "4", "--resume"), log=quiet)
+    M.load_model(str(folder / "checkpoint-1"))
+
+
+def test_train_launcher_passes_the_reward_to_its_dashboard(tiny, tmp_path, monkeypatch):
+    got = {}
+
+    def start_server(folder, **kwargs):
+        got.update(kwargs)
+        raise OSError("no server in this test")
+    monkeypatch.setattr(swarm, "start_server", start_server)
+    with pytest.raises(SystemExit, match="no server in this test"):
+        train.main(["--peers", "2", "--model", str(tiny), "--out", str(tmp_path / "run")])
+    assert got["score"] is reward.score  # (python swarm.py alone judges no content: it shows no rewards)
+
+
+def test_train_a_received_group_holding_a_lone_surrogate_is_dropped():
+    tok, said = tiny_tokenizer(), []
+    item = reward.TASKS["repeat_number"].generate(random.Random(0))
+    for bad in (dict(completions=[f"<answer> {item['answer']} </answer>", "no \ud800"]), dict(question="What \udfff?")):
+        g = dict(wire_group(item), **bad)
+        assert train.external_group(tok, g, tok.eos_token_id, 16, False, log=said.append) is None
+    assert len(said) == 2 and all("not UTF-8 text" in line for line in said)
+
+
+def _producer_batches(n, size, seed=0):
+    """n batches of `size` groups as an idle producer published them: one right, one wrong completion each."""
+    rng = random.Random(seed)
+    return [[{k: v for k, v in wire_group(reward.TASKS["repeat_number"].generate(rng)).items()
+              if k not in ("peer", "round", "seq")} for _ in range(size)] for _ in range(n)]
+
+
+@pytest.mark.slow
+def test_train_a_starting_or_resumed_peers_first_round_has_its_external_groups(tiny, tmp_path, monkeypatch):
+    """A peer, fresh or resumed, waits (bounded) for its first sampled read before its first round: round 0
+    and the first round after --resume train on external groups, as every other round does."""
+    monkeypatch.setattr(train, "FIRST_READ_SECONDS", 60, raising=False)  # (a loaded machine: the bound is not tested)
+    server, url = swarm.start_server(str(tmp_path / "swarm"))
+    try:
+        for r, groups in enumerate(_producer_batches(2, 20)):
+            assert _sw_post(url, "producer", r, groups).status_code == 200
+        args = ["--swarm", url, "--name", "f", "--rounds"]
+        train.Peer(tiny_args(tmp_path, *args, "1"), log=quiet).run()
+        train.Peer(tiny_args(tmp_path, *args, "2", "--resume"), log=quiet).run()
+    finally:
+        server.shutdown()
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "f" / "metrics.jsonl")]
+    assert rows[0]["external_available"] == 8 and rows[1]["external_available"] > 0  # K = 4J = 8 a read
+    assert [m["external_used"] for m in rows] == [2, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("beta", ["0", "0.1"])
+def test_train_a_resumed_swarm_peer_trains_as_an_uninterrupted_one(tiny, tmp_path, monkeypatch, beta):
+    """Against two identical stores (an idle producer's two batches of 30 groups in each), 3 rounds and then
+    --resume to 6 end with the weights of 6 rounds run at once, bit for bit, having trained on the same
+    external groups round by round, none twice: the read state (seed, round, seen) is in the checkpoint,
+    and a read depends on its round, so the one prefetched before the stop is made again identically."""
+    fetch = swarm.Client.fetch
+
+    def settled(client):  # the read asked for a round is done before that round takes it: no race
+        with client.cond:
+            client.cond.wait_for(lambda: not client.asked, 30)
+        return fetch(client)
+    monkeypatch.setattr(swarm.Client, "fetch", settled)
+    monkeypatch.setattr(train, "FIRST_READ_SECONDS", 60, raising=False)
+    trained, choose = collections.defaultdict(list), train.Algorithm1.choose_external
+
+    def recorded(peer, r):
+        external, counts = choose(peer, r)
+        trained[os.path.basename(peer.dir)].append([x.item["seq"] for x in external])
+        return external, counts
+    monkeypatch.setattr(train.Algorithm1, "choose_external", recorded)
+    weights = {}
+    for name, stops in (("whole", [6]), ("resumed", [3, 6])):
+        server, url = swarm.start_server(str(tmp_path / f"swarm-{name}"))
+        try:
+            for r, groups in enumerate(_producer_batches(2, 30)):
+                assert _sw_post(url, "producer", r, groups).status_code == 200
+            for k, rounds in enumerate(stops):
+                peer = train.Peer(tiny_args(tmp_path, "--swarm", url, "--name", name, "--rounds", str(rounds),
+                                            "--beta", beta, *["--resume"] * k), log=quiet)
+                peer.run()
+            weights[name] = [p.detach().clone() for p in peer.model.parameters()]
+        finally:
+            server.shutdown()
+    differ = max((a - b).abs().max().item() for a, b in zip(weights["whole"], weights["resumed"]))
+    print(f"beta {beta}: the largest weight difference, resumed against uninterrupted: {differ:.2g}")
+    assert trained["resumed"] == trained["whole"] and all(trained["whole"]), trained
+    seqs = [seq for groups in trained["resumed"] for seq in groups]
+    assert len(seqs) == len(set(seqs)) and differ == 0
 
 
 # ===================================================================================================

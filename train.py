@@ -131,9 +131,9 @@ def external_group(tokenizer, g, stop_id, max_new_tokens, one_shot, log, system=
     --tasks; None: any family reward.py knows) or its answer does not follow from its question
     (reward.verify_item), if its question holds a special token's text, or if its rewards, by the local
     verifier on the re-tokenised text, are all equal (no advantage); otherwise the Group to train on."""
-    if not reward.verify_item(g, tasks):
-        log(f"dropped a group from {g.get('peer')}: not one of this peer's tasks, or its answer does not "
-            "follow from its question")
+    if not is_text(g) or not reward.verify_item(g, tasks):
+        log(f"dropped a group from {g.get('peer')}: not UTF-8 text, not one of this peer's tasks, or its answer "
+            "does not follow from its question")
         return None
     if any(t.special and t.content in g["question"] for t in tokenizer.added_tokens_decoder.values()):
         log(f"dropped a group from {g.get('peer')}: its question holds a special token of the chat template")
@@ -330,9 +330,9 @@ def mean(xs):
 
 def parse_args(argv=None):
     """The run's settings: the flags, whose defaults are this machine's (parser), then the silo rule.
-    A bad flag gets one sentence from argparse and exit status 2, before any model is loaded."""
+    A bad flag gets one line (one_line) and exit status 2, before any model is loaded."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    first = device_flag()  # the device first, resolved once: the other defaults depend on it, and --help shows them
+    first = one_line(device_flag())  # the device first, resolved once: the other defaults and --help depend on it
     value = first.parse_known_args(argv)[0].device
     try:
         device = torch.device(value)
@@ -341,7 +341,7 @@ def parse_args(argv=None):
     if device.type == "cuda" and not torch.cuda.is_available():
         first.error(f"--device {device} was asked for, but torch sees no CUDA GPU")
     I, J = (2, 2) if small_defaults(device) else (4, 4)  # the paper's best, 4 and 4 groups a round; 2 and 2 if small
-    p = parser(device, I, J)
+    p = one_line(parser(device, I, J))
     args = p.parse_args(argv)
     args.device = device
     args.token = getattr(args, "token", None) or os.environ.get("SWARM_TOKEN")
@@ -368,6 +368,11 @@ def parse_args(argv=None):
     return args
 
 
+def one_line(p, prog="train.py"):  # an argparse parser whose errors are one line: the sentence, where to look
+    p.error = lambda message: p.exit(2, f"{prog}: {message.rstrip('.')}; see python {prog} --help\n")
+    return p
+
+
 def small_defaults(device):  # whether a torch.device gets the smaller defaults: a CPU, or anything but CUDA
     return device.type != "cuda"
 
@@ -389,7 +394,7 @@ def parser(device, I, J):
                                 epilog=f"The defaults shown are this machine's ({device}): "
                                        + ("smaller than a GPU's (4, 4, 8, 256, 16, off) for --local, --external, "
                                           "--generations, --max-new-tokens, --micro-batch and --grad-checkpoint."
-                                          if cpu else "a CPU's are smaller, see the README."))
+                                          if cpu else "a CPU's are smaller, see the README.") + " " + BAR_HELP)
     a = p.add_argument
     # what to run
     a("--peers", type=at_least(0), nargs="?", const=4, default=0, help="start a swarm of N peers on this machine (alone: 4)")
@@ -484,23 +489,27 @@ def writable_folder(path):
 
 
 def check_resume(p, args):
-    """--resume without --name: the one peer in --out, or one sentence, before any model is loaded, if it
-    holds none, several, or a swarm launched with --peers N (swarm/ beside peer0, peer1, ...)."""
-    if not args.resume or args.name:
+    """--resume without --name: the one peer in --out; one sentence, before any model loads, if it holds none,
+    several, a swarm launched with --peers N (swarm/ beside peer0, ...), or peers done with their --rounds."""
+    if not args.resume:
         return
     out, peers = args.out, sorted(glob.glob(os.path.join(glob.escape(args.out), "*", "settings.json")))
-    peers = [os.path.basename(os.path.dirname(f)) for f in peers]
-    launched = os.path.isdir(os.path.join(out, "swarm")) * sum(bool(re.fullmatch(r"peer\d+", n)) for n in peers)
-    if launched and args.peers != launched:
-        p.error(f"{out} holds a swarm of {launched} peers: resume it with "
-                f"python train.py --peers {launched} --resume --out {out}")
-    if not peers:
-        p.error(f"there is nothing to resume in {out}: no peer has started there; leave out --resume to start a run")
-    if len(peers) > 1 and not args.peers:
-        p.error(f"{args.out} holds {len(peers)} peers ({', '.join(peers)}): pass --name to say which one to resume")
-    if args.peers and not launched:
-        p.error(f"{args.out} holds no swarm launched with --peers: resume it without --peers")
-    args.name = None if args.peers else peers[0]
+    if not args.name:
+        peers = [os.path.basename(os.path.dirname(f)) for f in peers]
+        launched = os.path.isdir(os.path.join(out, "swarm")) * sum(bool(re.fullmatch(r"peer\d+", n)) for n in peers)
+        if launched and args.peers != launched:
+            p.error(f"{out} holds a swarm of {launched} peers: resume it with "
+                    f"python train.py --peers {launched} --resume --out {out}")
+        if not peers:
+            p.error(f"there is nothing to resume in {out}: no peer has started there; leave out --resume to start")
+        if len(peers) > 1 and not args.peers:
+            p.error(f"{out} holds {len(peers)} peers ({', '.join(peers)}): pass --name to say which one to resume")
+        if args.peers and not launched:
+            p.error(f"{out} holds no swarm launched with --peers: resume it without --peers")
+        args.name = None if args.peers else peers[0]
+    saved = [last_checkpoint(os.path.join(out, n)) for n in [f"peer{k}" for k in range(args.peers)] or [args.name]]
+    if all(c and c["round"] + 1 >= args.rounds for c in saved):
+        p.error(f"{out} has done its --rounds {args.rounds}: --resume has nothing left to do; pass a larger --rounds")
 
 
 def machinery_flags(a, device):
@@ -532,7 +541,6 @@ class Peer(Algorithm1):
         ckpt = last_checkpoint(folder) if args.resume else None  # None: a fresh start
         if os.path.exists(os.path.join(folder, "metrics.jsonl")) and not args.resume:
             raise SystemExit(f"{folder} already holds a run: pass --resume to continue it, or another --out")
-        os.makedirs(folder, exist_ok=True)
         torch.manual_seed(args.seed)
         settings = os.path.join(folder, "settings.json")
         try:
@@ -544,15 +552,16 @@ class Peer(Algorithm1):
             ref_model = M.load_model(args.model, self.device, torch.float32, log=log)[0] if args.beta > 0 else None
         except (OSError, ValueError, RuntimeError) as e:  # a model that cannot be found or read
             raise SystemExit(f"train.py: {e}") from None
+        os.makedirs(folder, exist_ok=True)  # (a run that cannot start leaves nothing behind)
         model.grad_checkpoint = args.grad_checkpoint
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
         # sampling runs from a --dtype copy (model.default_dtype's pick) refreshed after every step; float32: the model
         sampler = model if args.dtype == "float32" else copy.deepcopy(model).to(getattr(torch, args.dtype)).eval()
         super().__init__(args, model, tok, opt, sampler, ref_model, folder, log)
         self.amp_dtype = M.autocast_dtype(self.device)  # the training autocast: bfloat16 where native, else None
-        self.start_round = 0
+        self.start_round, seen = 0, []
         if ckpt:
-            self.load_state(ckpt)
+            seen = self.load_state(ckpt)
         elif args.resume:
             log(f"{self.dir}: no checkpoint yet, starting from round 0")
             open(os.path.join(self.dir, "metrics.jsonl"), "w").close()  # those rounds will run again
@@ -561,7 +570,8 @@ class Peer(Algorithm1):
             try:  # a read of 4J groups a round, whatever the swarm's size
                 self.client = swarm.connect(args.swarm, self.name, token=args.token,
                                             sample=max(1, min(4 * args.external, swarm.Limits.sample_groups)),
-                                            seed=stream(args.seed, "external", "reads", self.start_round).getrandbits(63))
+                                            seed=stream(args.seed, "external", "reads").getrandbits(63),
+                                            round=self.start_round, seen=seen)  # the read state: as if never stopped
             except ValueError as e:  # a URL it cannot use, or redis:// without the redis package
                 raise SystemExit(f"train.py: --swarm: {e}") from None
         with open(settings, "w") as f:  # never the token, nor a password in the URL: no secret goes to disk
@@ -574,11 +584,13 @@ class Peer(Algorithm1):
         """Rounds start_round to --rounds - 1, then a checkpoint of the last. Ctrl-C or SIGTERM (the launcher's
         stop) abandons a round still sampling (the model unchanged) and lets one changing the model finish;
         either way the last completed round is saved, and --resume goes on at the next. Returns whether stopped."""
-        args, done = self.args, self.start_round - 1  # done: the last completed round
+        args, done, rows = self.args, self.start_round - 1, []  # done: the last completed round; rows: its metrics
         self.busy = self.stopping = False
         handlers = {sig: signal.signal(sig, self.interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
         bar = tqdm(total=args.rounds, initial=self.start_round, desc=self.name, dynamic_ncols=True, bar_format=BAR,
                    disable=args.quiet)
+        if self.client is not None and args.external:  # a first round, fresh or resumed, has external groups too
+            self.client.flush(FIRST_READ_SECONDS)  # (the read of round start_round, as an unstopped peer's)
         try:
             for r in range(self.start_round, args.rounds):
                 collected = self.collect(r)  # a stop up to here abandons round r
@@ -588,7 +600,8 @@ class Peer(Algorithm1):
                     self.save(r)
                 self.busy = False
                 bar.update(1)
-                bar.set_postfix(progress(m, args.rounds))
+                rows.append(m)
+                bar.set_postfix(progress(rows, args.rounds))
                 if args.quiet:
                     self.log(f"round {r}: local_reward {m['local_reward']:.3f} (batch_reward {m['batch_reward']:.3f}, "
                              f"the paper's figure) external {m['external_used']} len {m['completion_len']:.0f} "
@@ -605,8 +618,8 @@ class Peer(Algorithm1):
             self.log(f"stopped after round {done}, the last completed one, which is saved" if done >= 0 else "stopped")
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-        if self.client is not None:
-            self.client.close()
+        if self.client is not None:  # what is queued may go, then one line says what could not
+            self.client.close(wait=FLUSH_SECONDS)
         return self.stopping
 
     def interrupt(self, signum, frame):
@@ -622,7 +635,7 @@ class Peer(Algorithm1):
         leaves the pointer naming a whole checkpoint, with the length metrics.jsonl had when it was taken."""
         state = {"round": round_, "optimizer": self.opt.state_dict(), "torch_rng": torch.get_rng_state(),
                  "external_rng": json.dumps(self.external_rng.getstate()),
-                 "pool": [dataclasses.asdict(x) for x in self.pool]}
+                 "pool": [dataclasses.asdict(x) for x in self.pool], "seen": list(getattr(self.client, "seen", []))}
         name, metrics = f"checkpoint-{round_}", os.path.join(self.dir, "metrics.jsonl")
         M.save_model(self.model, self.tok, os.path.join(self.dir, name),
                      write_extra=lambda folder: torch.save(state, os.path.join(folder, "trainer_state.pt")))
@@ -630,13 +643,16 @@ class Peer(Algorithm1):
         with open(os.path.join(self.dir, "checkpoint.json.tmp"), "w") as f:
             json.dump(pointer, f)
         os.replace(os.path.join(self.dir, "checkpoint.json.tmp"), os.path.join(self.dir, "checkpoint.json"))
-        for old in glob.glob(os.path.join(glob.escape(self.dir), "checkpoint-*")):
-            if os.path.basename(old) != name:
-                shutil.rmtree(old, ignore_errors=True)
+        for old in os.listdir(self.dir):  # older checkpoints, and what a save cut short left (a .tmp- folder)
+            if re.fullmatch(r"checkpoint-.*|\.tmp-.*", old) and old != name:
+                shutil.rmtree(os.path.join(self.dir, old), ignore_errors=True)
 
     def load_state(self, ckpt):
-        """Optimizer and random state and the external pool from a checkpoint (last_checkpoint's dict)."""
-        state = torch.load(os.path.join(ckpt["path"], "trainer_state.pt"), map_location="cpu", weights_only=True)
+        """A checkpoint's (last_checkpoint's dict) optimizer, random state and pool -> the client's `seen`."""
+        path = os.path.join(ckpt["path"], "trainer_state.pt")
+        if not os.path.exists(path):  # (deleted to keep less: sample.py needs the weights only)
+            raise SystemExit(f"train.py: {path} is gone, so --resume cannot go on; --model {ckpt['path']} starts anew")
+        state = torch.load(path, map_location="cpu", weights_only=True)
         self.opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"].cpu())
         v, internal, gauss = json.loads(state["external_rng"])
@@ -646,6 +662,7 @@ class Peer(Algorithm1):
         if os.path.exists(path) and os.path.getsize(path) > ckpt["metrics_bytes"]:
             os.truncate(path, ckpt["metrics_bytes"])
         self.log(f"resumed {self.name} from {ckpt['path']} at round {self.start_round}")
+        return state.get("seen", [])
 
 
 def last_checkpoint(folder):
@@ -661,20 +678,27 @@ def peer_name(args, log):
     if args.name:
         return args.name
     name = f"{re.sub(r'[^A-Za-z0-9_.-]', '-', socket.gethostname())[:57].lstrip('_.-') or 'peer'}-{secrets.token_hex(3)}"
-    log(f"this peer's name in the swarm: {name} (--name sets it)")
+    if args.swarm:  # (in silo it names the peer's folder only)
+        log(f"this peer's name in the swarm: {name} (--name sets it)")
     return name
 
 
-def progress(m, rounds):
-    """A progress bar's numbers: the local reward (the skill), the batch reward (the paper's figure, external
-    groups included), and the peer's own pace from its last round (the launcher's clock counts start-up)."""
-    seconds = max(m["round_seconds"], 1e-9)
+def progress(rows, rounds):
+    """A progress bar's numbers from a peer's metrics rows: the last one's local and batch reward and external groups;
+    the pace from their mean round_seconds (the peer's own: the launcher's clock counts start-up); the time left."""
+    m, seconds = rows[-1], max(mean([row["round_seconds"] or 0.0 for row in rows]), 1e-9)
     left = (rounds - m["round"] - 1) * seconds
     return dict(reward=f"{m['local_reward']:.2f}", batch=f"{m['batch_reward']:.2f}", ext=int(m["external_used"]),
                 pace=f"{60 / seconds:.2g} rounds/min", left=f"{left // 3600:.0f}h{left % 3600 // 60:02.0f}m")
 
 
 BAR = "{desc}: {n_fmt}/{total_fmt} rounds{postfix} |{bar}|"  # no tqdm rate or clock: the pace is the peer's own
+BAR_HELP = ("A peer's progress bar: reward, its local reward; batch, its batch reward (the paper's figure); "
+            "ext, the external groups of its last round; pace, its mean rounds a minute.")
+
+
+def is_text(g):  # whether a received group is UTF-8 text: no lone surrogate (\ud800), which no tokenizer takes
+    return not re.search("[\ud800-\udfff]", json.dumps(g, ensure_ascii=False))
 
 
 def release_memory():
@@ -708,7 +732,7 @@ def launch(args, argv):
         os.makedirs(args.out, exist_ok=True)
         tokens = {f"peer{k}": secrets.token_urlsafe(24) for k in range(args.peers)}  # one credential per peer
         server, url = swarm.start_server(os.path.join(args.out, "swarm"), token=args.token, peers=tokens,
-                                         public_reads=not args.token)  # in this process
+                                         public_reads=not args.token, score=reward.score)  # in this process
     except (OSError, ValueError, RuntimeError) as e:
         raise SystemExit(f"train.py: {e}") from None
     children, failed, stopped = [], {}, False
@@ -719,15 +743,16 @@ def launch(args, argv):
         procs = {name: start_peer(args, argv, k, url, children, tokens[name]) for k, name in enumerate(tokens)}
         bars = {n: tqdm(total=args.rounds, desc=f"{n} ({label(models[k])})" if len(sizes) > 1 else n, position=k,
                         dynamic_ncols=True, bar_format=BAR) for k, n in enumerate(procs)}  # mixed: each bar names its model
-        seen, last = 0, {}  # the peers' metrics as the server got them: the newest row of each
+        seen, got = 0, {}  # the peers' metrics rows as the server got them
         while len(failed) < len(procs) and any(p.poll() is None for p in procs.values()):
             time.sleep(1.0)
             rows, seen, _ = server.store.read_metrics(seen)
-            last.update((row["peer"], row["metrics"]) for row in map(json.loads, rows))
+            for row in map(json.loads, rows):
+                got.setdefault(row["peer"], []).append(row["metrics"])
             for n, proc in procs.items():
-                if n in last:
-                    bars[n].n = int(last[n]["round"]) + 1
-                    bars[n].set_postfix(progress(last[n], args.rounds))  # and redraw
+                if n in got:
+                    bars[n].n = int(got[n][-1]["round"]) + 1
+                    bars[n].set_postfix(progress(got[n], args.rounds))  # and redraw
                 if proc.poll() not in (None, 0) and n not in failed:
                     failed[n] = f"{n} {why_stopped(proc.returncode)}: see {args.out}/{n}/log.txt"
                     tqdm.write(failed[n] + "; the others go on")
@@ -740,23 +765,24 @@ def launch(args, argv):
     finally:
         stop_all(children)
         server.shutdown()
-    print(next_steps(args, argv))
+    print(next_steps(args, argv, stopped or bool(failed)))
     if stopped or failed:
         raise SystemExit(130 if stopped else "\n".join(failed.values()))
 
 
-def next_steps(args, argv):
-    """Where a run that ended or stopped is, and the commands to chart it and to go on with it."""
-    flags = [f for f in without_token(argv) if f != "--resume"] + ["--out", args.out] * ("--out" not in argv)
-    go_on = shlex.join(["python", "train.py", *flags, "--resume"])
+def next_steps(args, argv, stopped):
+    """Where a run that ended or stopped is, and the commands to chart it, to see a launched swarm's dashboard
+    again, and to go on with it (a finished run: with twice its --rounds)."""
+    flags = [f for f in without(argv, "--token") if f != "--resume"] + ["--out", args.out] * ("--out" not in argv)
+    flags = flags if stopped else without(flags, "--rounds") + ["--rounds", str(2 * args.rounds)]
+    dashboard = f"its dashboard again: python swarm.py --dir {shlex.quote(os.path.join(args.out, 'swarm'))}\n"
     return (f"the run is in {args.out}; chart it: python train.py --plot {shlex.quote(args.out)}\n"
-            f"go on with it (a larger --rounds trains longer): {go_on}")
+            + dashboard * bool(args.peers) + f"go on with it: {shlex.join(['python', 'train.py', *flags, '--resume'])}")
 
 
-def without_token(argv):
-    """A command line without its --token: a child gets the token in its environment (ps shows command lines)."""
-    return [f for k, f in enumerate(argv) if not (f == "--token" or f.startswith("--token=")
-                                                  or (k and argv[k - 1] == "--token"))]
+def without(argv, flag):
+    """A command line without a flag and its value (a child's --token goes in its environment: ps shows argv)."""
+    return [f for k, f in enumerate(argv) if not (f == flag or f.startswith(flag + "=") or (k and argv[k - 1] == flag))]
 
 
 def start_peer(args, argv, k, url, children, token=None):
@@ -766,7 +792,7 @@ def start_peer(args, argv, k, url, children, token=None):
     as the launcher resolved it, so peers of different models draw from the same task families."""
     name, mixed = f"peer{k}", args.tasks == "auto" and len(args.models) > 1
     tasks = ["--tasks", ",".join(args.task_list)] * mixed  # the mix 'auto' gave the launcher, for every model
-    flags = [*without_token(argv), "--peers", "0", "--swarm", url, "--name", name, "--quiet", *tasks,
+    flags = [*without(argv, "--token"), "--peers", "0", "--swarm", url, "--name", name, "--quiet", *tasks,
              "--seed", str(peer_seed(args.seed, k)), "--model", args.models[k % len(args.models)], "--out", args.out]
     os.makedirs(os.path.join(args.out, name), exist_ok=True)
     env = dict(os.environ, **({"SWARM_TOKEN": token or args.token} if token or args.token else {}))
@@ -784,6 +810,8 @@ def label(model):  # a model in a legend or a table: its folder or Hub name, wit
 
 
 STOP_SECONDS = 120  # a stopped peer finishes a GRPO step and writes its checkpoint before it is killed
+FLUSH_SECONDS = 10  # at the end of a run, the longest a peer waits for the swarm to take what is still queued
+FIRST_READ_SECONDS = 2  # at its start, the longest a peer waits for its first read of the swarm
 
 
 def stop_all(children):
@@ -852,6 +880,7 @@ def plot(run_dir):
     for path in sorted(glob.glob(os.path.join(glob.escape(run_dir), "*", "metrics.jsonl"))):
         with open(path) as f:
             runs[os.path.basename(os.path.dirname(path))] = [json.loads(line) for line in f if line.strip()]
+    runs = {n: rows for n, rows in runs.items() if rows and "local_reward" in rows[0]}  # not the server's (swarm/)
     if not runs:
         raise SystemExit(f"no <peer>/metrics.jsonl under {run_dir}: give the folder of a run")
     settings = {n: os.path.join(run_dir, n, "settings.json") for n in runs}
@@ -889,7 +918,7 @@ def main(argv=None):
         stopped = Peer(args).run()
     except KeyboardInterrupt:  # while the model loads
         stopped = True
-    print(next_steps(args, argv))
+    print(next_steps(args, argv, stopped))
     if stopped:
         sys.exit(130)
 

@@ -196,10 +196,9 @@ TRAIN_DEFAULTS = dict(  # --train's, as train.py's on a CPU and on a GPU: --task
 
 def train_prompts(tasks, n, seed=0):
     """n one-shot prompts of reward.py's `tasks` ("easy" or "paper"), as the default model's tokenizer
-    writes them for a peer (train.prompt_ids), from a local copy of it (the Hugging Face cache or
+    writes them for a peer (reward.prompt_ids), from a local copy of it (the Hugging Face cache or
     nanoSAPO's own). Without one, random ids of the mean length those prompts have, said on stderr."""
     import model as M
-    import train
     from transformers import AutoTokenizer
     rng = random.Random(seed)
     for folder in (lambda: M.cache_root() + "/SmolLM2-135M-Instruct-Q4_1", lambda: snapshot(M.DEFAULT_MODEL)):
@@ -208,7 +207,7 @@ def train_prompts(tasks, n, seed=0):
         except (OSError, ValueError):
             continue
         names = reward.task_names(tasks)
-        return [train.prompt_ids(tok, reward.get_task(rng.choice(names)).generate(rng), True) for _ in range(n)]
+        return [reward.prompt_ids(tok, reward.get_task(rng.choice(names)).generate(rng), True) for _ in range(n)]
     print(f"bench.py: no local copy of {M.DEFAULT_MODEL}'s tokenizer: random prompts of "
           f"{MEAN_PROMPT_TOKENS[tasks]} tokens, the mean of the real ones", file=sys.stderr)
     return [[rng.randrange(1000, 30000) for _ in range(MEAN_PROMPT_TOKENS[tasks])] for _ in range(n)]

@@ -42,24 +42,21 @@ Where this deviates from, or says more than, the paper:
   original GRPO per-sequence mean and Dr. GRPO's constant normaliser are offered beside it.
 - Groups of size 1 have no spread (torch's unbiased std is nan there): their advantage is defined as 0.
 
-Which tokens are trained, and how a group is packed (pack). Each completion is cut after its first
-stop token. A group is one row: its prompt once, then its completions one after another, each one's
-RoPE positions starting again at P, the prompt's length; the mask lets a completion see the whole
-prompt and its own earlier tokens, never another completion. So each hidden state is the one a row of
-its own (prompt + that completion) would give, and the prompt is computed once, not G times (Prefix
-Grouper, arXiv 2506.05433). The hidden state before a completion token scores it (e.g. stop 2, P = 2):
+Which tokens are trained, and how a group is packed (pack): one row, its prompt once, then each
+completion (cut after its first stop token) with RoPE positions from P, the prompt's length, again, and
+a mask that lets it see the prompt and its own earlier tokens only. Each hidden state is then the one a
+row of its own (prompt + that completion) would give, with the prompt computed once, not G times
+(Prefix Grouper, arXiv 2506.05433). The hidden state before a token scores it (e.g. stop 2, P = 2):
 
     group = ([5, 6], [[7, 8, 2, 9], [4]])   (prompt, completions); the 9 follows a stop: dropped
-    ids   = [5, 6, 7, 8, 2, 4]              the packed row, index 0..5
-    pos   = [0, 1, 2, 3, 4, 2]              completion 2 starts again at P = 2
-    attn    key 5 6 7 8 2 4                 x: the query may attend to the key
-      query 5   x
-            6   x x
-            7   x x x
-            8   x x x x
-            2   x x x x x
-            4   x x       x                 the 4 sees the prompt and itself, not completion 1
-    src   = [[1, 2, 3], [1, -, -]]          the hidden state scoring each token: the prompt's last for a first
+    index  id  pos  sees 0 1 2 3 4 5        the packed row; x: the token may attend to that index
+      0     5   0        x
+      1     6   1        x x
+      2     7   2        x x x
+      3     8   3        x x x x
+      4     2   4        x x x x x
+      5     4   2        x x       x        completion 2's positions start again at P; it sees the prompt and itself
+    src   = [[1, 2, 3], [1, -, -]]          the index whose hidden state scores each token (a first: the prompt's last)
     M     = [[1, 1, 1], [1, 0, 0]]          one row per completion, as grpo_loss takes them (logp: (2, 3))
 
 Log-probs are taken at the sampling temperature (logits / temperature before the softmax), so the
@@ -111,9 +108,8 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_hig
     """The clipped GRPO surrogate (plus beta * k3 KL when beta > 0), averaged over masked tokens.
 
     logprobs, old_logprobs, mask, ref_logprobs: (B, T); advantages: (B,), one per completion, spread
-    over its tokens. old_logprobs, ref_logprobs and advantages are constants (detached). E.g. B=2, T=4:
-        mask [[1, 1, 1, 0],       row 0: 3 completion tokens then padding
-              [1, 1, 1, 1]]       row 1: ran to the length limit
+    over its tokens (mask: M in the file's worked example). old_logprobs, ref_logprobs and advantages
+    are constants (detached).
     loss_type: "token_mean" sum(M*l) / sum(M)                  (DAPO; the paper's code)
                "seq_mean"   mean over rows of each row's token mean (original GRPO; empty rows count 0)
                "constant"   sum(M*l) / (B * max_tokens), max_tokens defaulting to T   (Dr. GRPO)
@@ -165,12 +161,10 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_hig
 
 
 def pack(groups, pad_id, stop_ids, device="cpu"):
-    """groups (prompt ids, [completion ids, ...]) as tensors on device, each completion cut after its first
-    stop token (any of stop_ids; the stop is trained, even when pad_id is a stop too). One packed row per
-    group, right-padded with pad_id (N, L): ids, pos and attn (N, 1, L, L), [n, 0, query, key] True where
-    the key is earlier and in the prompt or the query's own part; one row per completion (B, Tc): src, the
-    index in the N rows laid end to end of the hidden state that scores each token, the tokens (-1 where
-    M is 0) and their mask M. Worked example in the file's docstring."""
+    """groups (prompt ids, [completion ids, ...]) as tensors on device (the file's worked example), each
+    completion cut after its first stop (any of stop_ids; trained, even when pad_id is a stop too). Per
+    group, right-padded with pad_id (N, L): ids, pos, attn (N, 1, L, L); per completion (B, Tc): src (into
+    the N rows laid end to end), the tokens (-1 where M is 0) and M."""
     def cut(c):  # up to and including the first stop token: nothing after a stop is trained
         return next((c[:k + 1] for k, token in enumerate(c) if token in stop_ids), c)
 
@@ -214,16 +208,17 @@ DUAL_CLIP = 3.0  # a shared token's weight is at most 3 |A| (dual-clip PPO's usu
 def step(model, opt, groups, advantages, *, pad_id, stop_ids, micro_tokens=4096, inner_steps=1, max_grad_norm=1.0,
          temperature=1.0, ref_model=None, behaviour=None, autocast_dtype=None, **loss_settings):
     """The GRPO update on groups (prompt ids, [completion ids, ...]), one advantage per completion in order:
-    inner_steps optimizer steps over micro-batches of whole packed groups (micro_batches), weighted so that
-    their losses add up to the batch's (the gradient does not depend on the split), the gradient clipped
-    to max_grad_norm. "Old" log-probs: the model's own before the first step, or on a shared row its
-    sender's (behaviour, per completion: None or a log-prob per token), with the dual clip. ref_model
-    (beta > 0): the KL's reference; autocast_dtype: the forward's (None: float32); loss_settings: grpo_loss's
-    (max_tokens: the longest completion by default). Returns the last step's stats over the whole batch:
-    grpo_loss's, per token, plus loss, grad_norm, zero_adv_frac."""
+    inner_steps optimizer steps over micro-batches of whole packed groups (as many as fit in micro_tokens
+    tokens if all were the longest, at least one), their losses weighted to add up to the batch's (the
+    gradient does not depend on the split), clipped to max_grad_norm. "Old" log-probs: the model's own
+    before the first step, or a shared row's sender's (behaviour, per completion: None or a log-prob per
+    token), under the dual clip. ref_model: the KL's reference (beta > 0); autocast_dtype: the forward's
+    (None: float32); loss_settings: grpo_loss's (max_tokens: the longest completion by default). Returns
+    the last step's stats over the batch: grpo_loss's, loss, grad_norm, zero_adv_frac."""
     device = model.lm_head.weight.device
     adv = torch.tensor(advantages, dtype=torch.float64, device=device)  # grpo_loss casts it to the log-probs'
-    parts = [pack(part, pad_id, stop_ids, device) for part in micro_batches(groups, micro_tokens)]
+    n = max(1, micro_tokens // max(len(p) + sum(map(len, cs)) for p, cs in groups))  # groups per micro-batch
+    parts = [pack(groups[i:i + n], pad_id, stop_ids, device) for i in range(0, len(groups), n)]
     first = [sum(len(batch["M"]) for batch in parts[:k]) for k in range(len(parts))]  # each one's first row
     total_tokens = sum(int(batch["M"].sum()) for batch in parts)
     if loss_settings.get("max_tokens") is None:  # not each micro-batch's own longest: one normaliser for all
@@ -261,18 +256,7 @@ def step(model, opt, groups, advantages, *, pad_id, stop_ids, micro_tokens=4096,
 
 
 # ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
-# Micro-batches, senders' log-probs checked, the targets' log-probs chunk by chunk (never all the logits).
-
-
-def micro_batches(groups, micro_tokens):
-    """Consecutive groups, as many as fit in micro_tokens tokens packed (N * L, uncut), or one alone."""
-    parts = [[]]
-    for g in groups:
-        longest = max(len(p) + sum(map(len, cs)) for p, cs in parts[-1] + [g])
-        if parts[-1] and (len(parts[-1]) + 1) * longest > micro_tokens:
-            parts.append([])
-        parts[-1].append(g)
-    return parts
+# Senders' log-probs checked, and the targets' log-probs chunk by chunk (never all the logits at once).
 
 
 def behaviour_logprobs(own, behaviour):

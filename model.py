@@ -150,9 +150,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv=None, slots=None, mask=None):
         """x (B, T, dim) -> (B, T, dim).
-        Without kv or mask: causal self-attention over the T positions of x (a batch of rows).
-        Without kv, with `mask` (B, 1, T, T), True = may attend: attention over x under that mask (grpo.py's
-        packed groups, where a completion sees its prompt and its own earlier tokens only).
+        Without kv: self-attention over the T positions of x, causal, or under `mask` (B, 1, T, T), True =
+        may attend (grpo.py's packed groups: a completion sees its prompt and its own earlier tokens only).
         With kv, this layer's part of the KV cache, keys and values (2, B, n_kv_heads, S, head_dim) (the
         layout sample.py's docstring draws): the new keys and values go into slots `slots` (T,), and the
         queries attend to the first W slots under `mask` (B, 1, T, W). The mask's width W says how many

@@ -1435,10 +1435,10 @@ def _gr_step(model, groups, adv, **settings):
 
 
 def _gr_per_row_step(model, groups, adv, behaviour=None, ref_model=None, inner_steps=1, temperature=1.0, lr=1.0,
-                     **loss_settings):
+                     dual_clip=grpo.DUAL_CLIP, **loss_settings):
     """The reference a packed step must equal: every (prompt, completion) row through the model on its
-    own (its causal forward, no mask), one grpo_loss over the whole batch (the dual clip on the rows
-    with a sender's log-probs only), SGD at lr, no gradient clipping. Returns what _gr_step does."""
+    own (its causal forward, no mask), one grpo_loss over the whole batch (dual_clip on the rows with a
+    sender's log-probs only), SGD at lr, no gradient clipping. Returns what _gr_step does."""
     rows = [(p, c[:c.index(3) + 1] if 3 in c else c) for p, cs in groups for c in cs]
     Tc = max([1] + [len(c) for _, c in rows])
     mask = torch.tensor([[j < len(c) for j in range(Tc)] for _, c in rows])
@@ -1462,8 +1462,8 @@ def _gr_per_row_step(model, groups, adv, behaviour=None, ref_model=None, inner_s
     for _ in range(inner_steps):
         logp = logprobs(model)
         old = (grpo.behaviour_logprobs(logp, behaviour) if behaviour else logp.detach()) if old is None else old
-        loss, stats = grpo.grpo_loss(logp, old, adv, mask, ref_logprobs=ref, dual_clip=grpo.DUAL_CLIP if behaviour
-                                     else None, shared=shared, **loss_settings)
+        loss, stats = grpo.grpo_loss(logp, old, adv, mask, ref_logprobs=ref, dual_clip=dual_clip if behaviour else None,
+                                     shared=shared, **loss_settings)
         opt.zero_grad()
         loss.backward()
         norm = torch.cat([p.grad.flatten().double() for p in model.parameters()]).norm()  # a float32 sum would round
@@ -1561,7 +1561,7 @@ def test_grpo_step_micro_batches_give_the_gradient_of_the_whole_batch(tiny):
 
 @pytest.mark.parametrize("loss_type", ["token_mean", "seq_mean", "constant"])
 def test_grpo_step_gradient_and_stats_do_not_depend_on_the_micro_batch(tiny, loss_type):
-    """Groups of 1 to 3 completions of 1 to 5 tokens in micro-batches of one group, some and all: the same
+    """Groups of 1 to 3 completions of 1 to 5 tokens in micro-batches of 1, 2, 3 and all 5 groups: the same
     gradient (to 1e-6, relative) and the same stats, per token, for every loss type; "constant" without
     max_tokens too. A second inner step (SGD at lr 1) moves the ratios, so the clip bites, and a perturbed
     reference model gives the KL a value. In float64, so that the first step's rounding does not blur the second."""
@@ -1574,7 +1574,7 @@ def test_grpo_step_gradient_and_stats_do_not_depend_on_the_micro_batch(tiny, los
               ([6], [[10, 12, 8]]), ([10, 11], [[12, 13, 14]])]
     adv = [1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.0, 0.3, -0.3]
     runs = [_gr_step(copy_model(ours), groups, adv, micro_tokens=mt, loss_type=loss_type, inner_steps=2,
-                     max_grad_norm=1e9, beta=0.1, ref_model=ref) for mt in (1, 9, 10**6)]
+                     max_grad_norm=1e9, beta=0.1, ref_model=ref) for mt in (1, 16, 30, 10**6)]
     (stats, grads), others = runs[-1], runs[:-1]
     assert 0 < stats["clip_low"] + stats["clip_high"] < 1 and stats["kl"] > 0
     norm = torch.cat([g.flatten() for g in grads]).norm()
@@ -1656,12 +1656,45 @@ def test_grpo_dual_clip_acts_only_on_rows_trained_against_a_sender(tiny):
 
 def test_grpo_step_loss_stays_within_the_dual_clip_whatever_senders_claim(tiny):
     """Shared rows with negative advantages whose senders claim log-prob -50 (ratios of e^20 and more):
-    the step's loss is at most DUAL_CLIP x max|A| (without the dual clip, about 5e8 here)."""
-    ours, _ = M.load_model(str(tiny))
+    the step's loss is at most DUAL_CLIP x max|A| (without the dual clip, about 5e8 here), and its
+    gradient is that of the dual-clipped per-row loss. Past e^20 the ratio's clamp stops the gradient
+    anyway, so claims 5 nats below the model's own (ratio e^5 > DUAL_CLIP) show the clip in the gradient:
+    the step's equals the dual-clipped loss's and not the unclipped one's."""
+    ours = M.load_model(str(tiny))[0].double()
     adv = [-1.0, -0.5, -1.5, 1.0]
     claims = [[-50.0] * 4, [-50.0], [-50.0] * 4, None]
-    stats, _ = _gr_step(copy_model(ours), _GR_GROUPS, adv, behaviour=claims, micro_tokens=8)
+    stats, grads = _gr_step(copy_model(ours), _GR_GROUPS, adv, behaviour=claims, micro_tokens=8, max_grad_norm=1e9)
     assert stats["loss"] <= grpo.DUAL_CLIP * 1.5 + 1e-6 and stats["ratio_mean"] > 1e6
+    want_stats, want = _gr_per_row_step(copy_model(ours), _GR_GROUPS, adv, behaviour=claims)
+    assert stats["loss"] == pytest.approx(want_stats["loss"], rel=1e-10)
+    assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-12) for a, b in zip(grads, want))
+    with torch.no_grad():
+        own = grpo.completion_logprobs(ours, grpo.pack(_GR_GROUPS, 0, [3]), 1.0)
+    claims = [(own[b, :n] - 5.0).tolist() for b, n in enumerate([3, 1, 4])] + [None]
+    _, grads = _gr_step(copy_model(ours), _GR_GROUPS, adv, behaviour=claims, micro_tokens=8, max_grad_norm=1e9)
+    clipped = _gr_per_row_step(copy_model(ours), _GR_GROUPS, adv, behaviour=claims)[1]
+    unclipped = _gr_per_row_step(copy_model(ours), _GR_GROUPS, adv, behaviour=claims, dual_clip=None)[1]
+    flat = lambda grads: torch.cat([g.flatten() for g in grads])  # noqa: E731
+    assert (flat(grads) - flat(clipped)).norm() <= 1e-10 * flat(clipped).norm()
+    assert (flat(grads) - flat(unclipped)).norm() > 0.5 * flat(unclipped).norm()
+
+
+def test_grpo_micro_batches_hold_whole_groups_within_micro_tokens(tiny, monkeypatch):
+    """step packs consecutive whole groups, in order, as many per micro-batch as fit in micro_tokens if
+    each were the batch's longest (the packed N x L then fits), and a group longer than that alone."""
+    calls, real = [], grpo.pack
+    monkeypatch.setattr(grpo, "pack", lambda groups, *a, **k: calls.append(groups) or real(groups, *a, **k))
+    ours, _ = M.load_model(str(tiny))
+    groups = [([5, 6], [[7], [13, 14, 15, 16]]), ([5], [[8, 9]]), ([11, 12, 13], [[9, 9], [5, 6], [8]]),
+              ([6], [[10]]), ([10, 11], [[12, 13, 14]])]  # packed lengths 7, 3, 8, 2 and 5
+    adv = [1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.0, 0.3, -0.3]
+    for micro_tokens, sizes in [(1, [1] * 5), (8, [1] * 5), (16, [2, 2, 1]), (39, [4, 1]), (40, [5])]:
+        calls.clear()
+        _gr_step(copy_model(ours), groups, adv, micro_tokens=micro_tokens)
+        assert [len(c) for c in calls] == sizes and sum(calls, []) == groups, micro_tokens
+        for part in calls:
+            packed = real(part, 0, [3])
+            assert len(part) == 1 or packed["ids"].numel() <= micro_tokens
 
 
 def test_grpo_step_takes_its_autocast_dtype_from_the_caller(tiny):
@@ -4901,6 +4934,22 @@ def test_train_every_row_is_trained_up_to_its_first_stop_only(tiny, tmp_path, mo
     batch = packed[0]
     assert [batch["tokens"][b][batch["M"][b]].tolist() for b in range(2)] == [[5, stop], [6, 6]]
     assert batch["ids"].tolist() == [[9, 9, 5, stop, 6, 6]]  # one packed row: the prompt once
+
+
+def test_train_shared_logprobs_leave_local_rows_to_the_paper_rule_over_inner_steps(tiny, tmp_path, monkeypatch):
+    """--shared-logprobs with --inner-steps 2: a peer's own groups train exactly as without the flag (the
+    paper's rule). DUAL_CLIP at 0.5 forces the condition: a dual clip on these rows would bound every
+    A < 0 token from the first step on (its loss |A| > 0.5 |A| at ratio 1) and stop its gradient."""
+    monkeypatch.setattr(grpo, "DUAL_CLIP", 0.5)
+    local = [train.Group({}, [9, 9], [[5, 6, 7], [6, 6], [8]], ["", "", ""], [False] * 3, [1.0, 0.0, 0.0]),
+             train.Group({}, [10], [[7, 7], [5]], ["", ""], [False] * 2, [0.0, 1.0])]
+    weights = []
+    for flag in ("--shared-logprobs", "--no-shared-logprobs"):
+        peer = train.Peer(tiny_args(tmp_path, flag, "--inner-steps", "2", "--lr", "0.05", "--out", str(tmp_path / flag)),
+                          log=quiet, client=FakeClient())
+        assert peer.update(local)["stepped"] and peer.behaviour(local) == ([None] * 5 if flag == "--shared-logprobs" else None)
+        weights.append([p.detach().clone() for p in peer.model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*weights))
 
 
 def test_train_no_claimed_round_makes_groups_stale_and_the_pool_ages_by_the_receivers_rounds(tiny, tmp_path):

@@ -163,8 +163,9 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_hig
 def pack(groups, pad_id, stop_ids, device="cpu"):
     """groups (prompt ids, [completion ids, ...]) as tensors on device (the file's worked example), each
     completion cut after its first stop (any of stop_ids; trained, even when pad_id is a stop too). Per
-    group, right-padded with pad_id (N, L): ids, pos, attn (N, 1, L, L); per completion (B, Tc): src (into
-    the N rows laid end to end), the tokens (-1 where M is 0) and M."""
+    group, right-padded with pad_id (N, L): ids, pos, attn (N, 1, L, L; None, causal, if no group has two
+    completions); per completion (B, Tc): src (into the N rows laid end to end), the tokens (-1 where M
+    is 0) and M."""
     def cut(c):  # up to and including the first stop token: nothing after a stop is trained
         return next((c[:k + 1] for k, token in enumerate(c) if token in stop_ids), c)
 
@@ -183,8 +184,9 @@ def pack(groups, pad_id, stop_ids, device="cpu"):
         rows.append((ids, pos, part))
     ids, pos, part = (padded([row[i] for row in rows], fill) for i, fill in enumerate([pad_id, 0, -1]))
     attn = part.new_ones(L, L, dtype=torch.bool).tril() & ((part[:, None] == 0) | (part[:, None] == part[:, :, None]))
+    attn = attn[:, None] if max(len(cs) for _, cs in groups) > 1 else None  # a group of one: a causal row, no mask
     tokens = padded([c for _, cs in groups for c in cs], -1)
-    return dict(ids=ids, pos=pos, attn=attn[:, None], src=padded(src, -1), tokens=tokens, M=tokens >= 0)
+    return dict(ids=ids, pos=pos, attn=attn, src=padded(src, -1), tokens=tokens, M=tokens >= 0)
 
 
 def completion_logprobs(model, batch, temperature, autocast_dtype=None):

@@ -1374,6 +1374,7 @@ def test_grpo_pack_trains_each_completion_up_to_its_first_stop():
     assert [flat[b["src"][k][b["M"][k]]].tolist() for k in range(4)] == [[6, 7, 8], [6, 5], [6, 7, 8, 9], [6]]
     empty = grpo.pack([([5, 6, 7], [[]]), ([5], [[8]])], 0, [2])
     assert empty["M"].tolist() == [[0], [1]] and empty["src"][1, 0] == 3  # the second row's prompt, 5, at 3
+    assert empty["attn"] is None and b["attn"] is not None  # groups of one are causal rows: the model's own mask
 
 
 def test_grpo_the_packed_mask_never_lets_a_completion_see_another(tiny):

@@ -3,12 +3,11 @@ The verifiable tasks of nanoSAPO: a question generator and a scorer per task fam
 prompts and the chat prompt (prompt_ids), answer extraction from the last <answer>...</answer> span,
 and `verify_item`, which lets a peer trust a question that another peer shared.
 
-SAPO (arXiv 2509.08721, §4.1) trains on nine ReasoningGym families (base_conversion, basic_arithmetic,
-arc_1d, bf, propositional_logic, fraction_simplification, decimal_arithmetic, calendar_arithmetic,
-binary_matrix) with the configs of the paper's code (PAPER_CONFIGS), rewarded by ReasoningGym's own
-`score_answer`. Here all nine are written with the standard library only: each scorer gives what
-reasoning_gym 0.1.25's gives (same formats, same partial credit); each generator follows the paper's
-config with our own code and wording, so items are alike, not identical (`python bench.py --parity`).
+SAPO (arXiv 2509.08721, §4.1) trains on nine ReasoningGym families (PAPER_TASKS) with the configs of
+the paper's code (PAPER_CONFIGS), rewarded by ReasoningGym's own `score_answer`. Here all nine are
+written with the standard library only: each scorer gives what reasoning_gym 0.1.25's gives (same
+formats, same partial credit); each generator follows the paper's config with our own code and
+wording, so items are alike, not identical (`python bench.py --parity`).
 
 Deviations, and why:
 - Where our families differ from ReasoningGym's, for fewer lines or to skip degenerate items (43 of
@@ -67,12 +66,9 @@ TASKS = {}  # name -> Task, filled as each family below is defined
 
 
 def extract_answer(text):
-    """The stripped text of the last <answer>...</answer> span, or None.
-
-    Same result as the last match of re.finditer(r"<answer>(.*?)</answer>", text, re.DOTALL), as
-    ReasoningGym reads it, found with str.find so it is linear time on any input:
-    "a <answer>1</answer> b <answer> 2 </answer>" -> "2".
-    """
+    """The stripped text of the last <answer>...</answer> span, or None: the last match of
+    re.finditer(r"<answer>(.*?)</answer>", text, re.DOTALL), as ReasoningGym reads it, found with
+    str.find in linear time on any input: "a <answer>1</answer> b <answer> 2 </answer>" -> "2"."""
     if not isinstance(text, str):
         return None
     found, pos = None, 0
@@ -85,17 +81,15 @@ def extract_answer(text):
 
 
 class Task:
-    """One task family. A family writes make(rng, **config) -> (question, answer, metadata), drawing
-    only from rng, its config being its entry of PAPER_CONFIGS (none for an easy family);
-    score_answer(answer, item) -> reward in [0, 1] for an extracted answer (None when the completion
-    has none; it may raise on an answer it cannot read, which scores 0), by default ReasoningGym's
-    default rule; and WORKING, a line of working for the worked example, filled in with the item's
-    answer and metadata (or a working(item) of its own).
+    """One task family: make(rng, **config) -> (question, answer, metadata), drawing only from rng,
+    config being its entry of PAPER_CONFIGS (none for an easy family); score_answer(answer, item) ->
+    reward in [0, 1] of an extracted answer (None for none; raising scores 0), by default ReasoningGym's
+    default rule; WORKING, the worked example's line of working, filled in with the item's answer and
+    metadata (or a working(item) of its own).
 
-    An item is trusted by making it again. A seeded family (the paper's nine) makes each item from
-    random.Random(seed) and records the seed in metadata["seed"]; an unseeded one (the easy families)
-    makes it from the caller's rng and records every value it drew as its metadata, which verify()
-    replays to make() (see _Replay)."""
+    An item is trusted by making it again: a seeded family (the paper's nine) makes it from
+    random.Random(seed), recorded as metadata["seed"]; an unseeded one (the easy families) from the
+    caller's rng, recording every value drawn as metadata, which verify() replays to make() (_Replay)."""
 
     seeded = True
     max_answer_chars = None  # a longer answer scores 0 (for scorers whose parsing is not linear time)
@@ -104,12 +98,9 @@ class Task:
     def score_answer(self, answer, item):
         """ReasoningGym's default rule: 1.0 for exactly the item's answer, len(item's answer) /
         len(answer) for an answer that contains it ("The answer is 42" -> 2/16), else 0.0."""
-        oracle = item["answer"]
-        if not answer:
+        if not answer or item["answer"] not in answer:
             return 0.0
-        if answer == oracle:
-            return 1.0
-        return len(oracle) / len(answer) if oracle in answer else 0.0
+        return len(item["answer"]) / len(answer)  # 1.0 for the answer itself
 
     def working(self, item):
         return self.WORKING.format_map({**item["metadata"], "answer": item["answer"]})
@@ -143,8 +134,7 @@ class Task:
 class _Replay:
     """What an unseeded family's make() draws from when an item is made again: each draw returns the
     item's next recorded value if make() could have drawn it there (same type, in the range or among
-    the choices), else raises ValueError. So a forged easy item whose numbers lie outside its
-    generator's ranges ("What is 1000000000 + 999999999?" as one_digit_addition) is rejected."""
+    the choices), else raises ValueError ("What is 1000000000 + 999999999?" as one_digit_addition)."""
 
     def __init__(self, values):
         self.values = iter(values)
@@ -176,11 +166,9 @@ def score(item, completion):
 
 
 def verify_item(item, tasks=None):
-    """True iff the item is of one of `tasks` (the receiver's choice; by default every family of this
-    file and the nine rg:paper ones), is well formed, and is exactly what its family's generator
-    makes again from the item's own seed (easy families: its recorded values), within
-    VERIFY_SECONDS for an rg: task. The sender's question and ground truth are never trusted; never
-    raises."""
+    """True iff the item is of one of `tasks` (the receiver's choice; by default every family here and
+    the nine rg:paper ones), well formed, and exactly what its family makes again from the item's seed
+    (easy families: its recorded values), within VERIFY_SECONDS for an rg: task. Never raises."""
     allowed = list(TASKS) + ["rg:" + n for n in PAPER_TASKS] if tasks is None else tasks
     allowed = [allowed] if isinstance(allowed, str) else list(allowed)  # one name, or a list of them
     if not (isinstance(item, dict) and isinstance(item.get("task"), str) and item["task"] in allowed):
@@ -209,21 +197,15 @@ def solution(item):
     return (work + "\n" if work else "") + f"<answer>{item['answer']}</answer>"
 
 
-def example_turns(task_name):
-    """A fixed worked example of the family (its solution), as a user turn and an assistant turn."""
-    item = get_task(task_name).generate(random.Random(f"one-shot example of {task_name}"))
-    return [{"role": "user", "content": item["question"]}, {"role": "assistant", "content": solution(item)}]
-
-
 def prompt_ids(tokenizer, item, one_shot, system="default"):
-    """Token ids of the chat prompt a peer samples and trains with: the system prompt, [a worked example],
-    the question, the assistant's turn (the tokenizer's chat template)."""
+    """Token ids of the chat prompt a peer samples and trains with: the system prompt, [a worked example:
+    a fixed item of the family and its solution], the question, the assistant's turn (the chat template)."""
     messages = [{"role": "system", "content": SYSTEM_PROMPTS[system]}]
     if one_shot:
-        try:
-            messages += example_turns(item["task"])
-        except Exception:  # a family this peer cannot generate (e.g. rg: without reasoning_gym)
-            pass
+        with contextlib.suppress(Exception):  # a family this peer cannot generate (e.g. rg: without reasoning_gym)
+            example = get_task(item["task"]).generate(random.Random(f"one-shot example of {item['task']}"))
+            messages += [{"role": "user", "content": example["question"]},
+                         {"role": "assistant", "content": solution(example)}]
     messages.append({"role": "user", "content": item["question"]})
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -290,11 +272,6 @@ def _to_base(n, base):
             return digits
 
 
-def _base_name(base):
-    """How the question names a base: "binary", "hexadecimal" or "base-7"."""
-    return {2: "binary", 16: "hexadecimal"}.get(base, f"base-{base}")
-
-
 class BaseConversion(Task):
     """Convert a number 0..1000 between two different bases 2..16, digits above 9 as lowercase
     letters: "... convert the base-7 number 1234 to hexadecimal" -> "1d2". ReasoningGym's default
@@ -307,9 +284,10 @@ class BaseConversion(Task):
     def make(self, rng, min_base, max_base, min_value, max_value):
         value = rng.randint(min_value, max_value)
         source, target = rng.sample(range(min_base, max_base + 1), 2)
+        names = [{2: "binary", 16: "hexadecimal"}.get(base, f"base-{base}") for base in (source, target)]
         question = ("Convert a number from one base to another. If the target base is above 10, write "
                     "the digits above 9 as lowercase letters a-z.\n\n"
-                    f"Now, convert the {_base_name(source)} number {_to_base(value, source)} to {_base_name(target)}.")
+                    f"Now, convert the {names[0]} number {_to_base(value, source)} to {names[1]}.")
         return question, _to_base(value, target), {"decimal_value": value, "source_base": source, "target_base": target}
 
 
@@ -396,11 +374,10 @@ def _divisors(n):
 
 
 class BasicArithmetic(Task):
-    """Evaluate an integer expression of 2..6 numbers with 1..4 digits (either sign), + - * /,
-    parentheses and negated groups: "Compute -( 12 * -5 ) / 4 + 7." -> "22". Expressions are drawn
-    as ReasoningGym draws them (so a divisor is a divisor of its dividend, which can have 5 to 8
-    digits), and drawn again where a division would round. ReasoningGym's default rule: the answer is
-    the exact integer text ("22.0" earns 2/4)."""
+    """Evaluate an integer expression of 2..6 numbers with 1..4 digits (either sign), + - * /, parentheses
+    and negated groups: "Compute -( 12 * -5 ) / 4 + 7." -> "22". Drawn as ReasoningGym draws them (a divisor
+    divides its dividend, which can have 5 to 8 digits), again where a division would round. ReasoningGym's
+    default rule: the answer is the exact integer text ("22.0" earns 2/4)."""
 
     name = "basic_arithmetic"
     TEMPLATES = ("What is {}?", "Calculate {}.", "Compute {}.", "Evaluate: {}.")
@@ -408,10 +385,9 @@ class BasicArithmetic(Task):
 
     def _terms(self, rng, n, digits):
         """The tokens of an expression of n numbers: a first part of k numbers (a group in parentheses,
-        negated half of the time, or numbers joined by + - *), then an operator and the rest. After a
-        /, the next number is a divisor of the first part's value (of its last number, unless it is a
-        group); where the rest ends in a group, a correction added inside that group makes the whole
-        rest such a divisor instead."""
+        negated half of the time, or numbers joined by + - *), then an operator and the rest. After a /,
+        the next number divides the first part's value (its last number's, unless it is a group); where
+        the rest ends in a group, a correction inside that group makes the whole rest such a divisor."""
         number = lambda: str(rng.randint(1 - 10**digits, 10**digits - 1))
         k = rng.randint(1, n)
         if k > 1 and rng.random() < 0.5:
@@ -437,12 +413,10 @@ class BasicArithmetic(Task):
     def make(self, rng, min_terms, max_terms, min_digits, max_digits, **fixed):  # fixed: + - * /, ( ), negation
         while True:
             terms, digits = rng.randint(min_terms, max_terms), rng.randint(min_digits, max_digits)
-            try:
+            with contextlib.suppress(ArithmeticError):  # a division that rounds, or a dividend too large to factor
                 expression = " ".join(self._terms(rng, terms, digits))
                 value = _int_value(expression)
                 break
-            except ArithmeticError:  # a division that rounds, or a dividend too large to factor
-                continue
         return rng.choice(self.TEMPLATES).format(expression), str(value), {"expression": expression}
 
 
@@ -470,12 +444,9 @@ class DecimalArithmetic(Task):
                 places = rng.randint(min_num_decimal_places, max_num_decimal_places)
                 numbers.append(f"{rng.randint(1, 10 * 10**places) / 10**places:.{places}f}")
             expression = self._group(rng, numbers, [rng.choice("+-*/") for _ in numbers[1:]])
-            try:
-                with localcontext(Context(prec=precision)):
-                    answer = str(_evaluate(ast.parse(expression, mode="eval").body))
+            with contextlib.suppress(ArithmeticError), localcontext(Context(prec=precision)):
+                answer = str(_evaluate(ast.parse(expression, mode="eval").body))  # x / 0 raises: draw again
                 break
-            except ArithmeticError:  # a division by a group worth 0: draw again
-                continue
         question = f"Compute this to {precision} significant digits and reply with the final value only."
         return question + f"\n{expression} = ?", answer, {"expression": expression}
 
@@ -486,10 +457,9 @@ class DecimalArithmetic(Task):
 
 
 class FractionSimplification(Task):
-    """Reduce a fraction to lowest terms, written plain or in LaTeX, and answered in the same style:
-    "Simplify the fraction $\\frac{5952}{6624}$ ..." -> "$\\frac{62}{69}$". ReasoningGym's rule: 1.0
-    for the reduced fraction in any of the styles ("62/69" too), 0.1 for a fraction that keeps the
-    question's numerator or denominator, 0.05 for another fraction, 0.01 for no fraction at all."""
+    """Reduce a fraction, plain or LaTeX, answered in the same style: "Simplify the fraction $\\frac{5952}{6624}$
+    ..." -> "$\\frac{62}{69}$". ReasoningGym's rule: 1.0 for the reduced fraction in any style ("62/69" too), 0.1
+    for one keeping the question's numerator or denominator, 0.05 another fraction, 0.01 no fraction at all."""
 
     name = "fraction_simplification"
     STYLES = {"plain": "{}/{}", "latex_frac": "$\\frac{{{}}}{{{}}}$", "latex_dfrac": "$\\dfrac{{{}}}{{{}}}$"}
@@ -536,11 +506,10 @@ def _long_date(d, weekday=False):
 
 
 class CalendarArithmetic(Task):
-    """Four kinds of calendar question about 2023: the weekday of a date ("Monday"), how many times a
-    weekday occurs between two dates at most 100 days apart ("8"), whether a year 1923..2123 is a leap
-    year ("Yes"/"No"), and the day of the month of the first..fourth or last weekday of a month ("19").
-    ReasoningGym's rules: an exact weekday scores 1.0, another weekday 0.1, a weekday in other case
-    0.05; a count or day scores exp(-5 x relative error); Yes/No in any case."""
+    """Four kinds of calendar question about 2023: the weekday of a date ("Monday"), how many times a weekday
+    occurs between two dates at most 100 days apart ("8"), whether a year 1923..2123 is a leap year ("Yes"/"No"),
+    the day of the month of the first..fourth or last weekday of a month ("19"). ReasoningGym's rules: an exact
+    weekday 1.0, another 0.1, one in other case 0.05; a count or day exp(-5 x relative error); Yes/No any case."""
 
     name = "calendar_arithmetic"
     ORDINALS = ("first", "second", "third", "fourth", "last")
@@ -600,10 +569,9 @@ def _grid(rows):
 
 
 class BinaryMatrix(Task):
-    """For every cell of an n x n matrix of 0s and 1s (n = 3..10, a quarter 0s, at least one 0), the
-    number of up/down/left/right steps to the nearest 0. The answer is the matrix, one row per line,
-    numbers separated by single spaces. ReasoningGym's rule: 1.0 for exactly that text, 0.1 for the
-    same matrix written as a Python list of lists, else 0.0."""
+    """Each cell's taxicab distance to the nearest 0 in an n x n matrix of 0s and 1s (n = 3..10, a quarter
+    0s, at least one), as rows of numbers separated by single spaces. ReasoningGym's rule: 1.0 for exactly
+    that text, 0.1 for the same matrix as a Python list of lists, else 0.0."""
 
     name = "binary_matrix"
     max_answer_chars = MAX_ANSWER_CHARS  # the exact answer is at most 299 characters
@@ -671,20 +639,15 @@ class BF(Task):
 
 
 def _parse_logic(s):
-    """A formula as ReasoningGym reads one, as a tree: a variable name (any other text is a variable
-    too), ("¬", x), or (op, left, right) for ∧ ∨ → ↔. Outer parentheses are dropped; ↔ binds
-    loosest, then →, ∨, ∧ (each split at its rightmost occurrence outside parentheses), then ¬:
-    "¬P ∧ (Q → R)" -> ("∧", ("¬", "P"), ("→", "Q", "R"))."""
+    """A formula as ReasoningGym reads one, as a tree: a variable (any other text too), ("¬", x), or
+    (op, left, right); outer parentheses dropped, ↔ binds loosest, then →, ∨, ∧ (each split at its
+    rightmost occurrence outside parentheses), then ¬: "¬P ∧ (Q → R)" -> ("∧", ("¬", "P"), ("→", "Q", "R"))."""
     s = s.strip()
     if not s:
         raise ValueError("empty formula")
     if s[0] == "(" and s[-1] == ")":
-        depth = 0
-        for c in s[1:-1]:
-            depth += {"(": 1, ")": -1}.get(c, 0)
-            if depth < 0:
-                break
-        if depth == 0:
+        depths = list(itertools.accumulate(map({"(": 1, ")": -1}.get, s[1:-1], itertools.repeat(0)), initial=0))
+        if min(depths) == 0 == depths[-1]:  # one pair around it all
             return _parse_logic(s[1:-1])
     for op in (op for op in "↔→∨∧" if op in s):
         depth = 0
@@ -711,13 +674,12 @@ def _variables(f):
 
 
 class PropositionalLogic(Task):
-    """State a conclusion that follows from 2..4 premises over 2..4 variables P, Q, R, S (formulas up
-    to 3 levels deep with ¬ ∧ ∨ → ↔). ReasoningGym's rule, by truth table: 1.0 for a conclusion that
-    follows and is not trivial, 0.25 for a trivial one (a bare variable or a tautology), 0.05 for one
-    that does not follow, 0 for a capital letter that is no variable, or no formula at all. From
-    "(P → Q)" and "P": "(P ∧ Q)" and "Q ∧ P" score 1.0, "Q" 0.25, "¬Q" 0.05. The item's answer is just
-    one conclusion worth 1.0. Premises are drawn as ReasoningGym draws them, so about a fifth of the
-    sets contradict themselves, and then every formula follows from them."""
+    """State a conclusion that follows from 2..4 premises over 2..4 variables P, Q, R, S (formulas up to 3
+    levels deep with ¬ ∧ ∨ → ↔). ReasoningGym's rule, by truth table: 1.0 for a conclusion that follows and
+    is not trivial, 0.25 for a trivial one (a bare variable or a tautology), 0.05 for one that does not
+    follow, 0 for a capital letter that is no variable, or no formula. From "(P → Q)" and "P": "(P ∧ Q)" and
+    "Q ∧ P" score 1.0, "Q" 0.25, "¬Q" 0.05; the item's answer is one conclusion worth 1.0. Premises are drawn
+    as ReasoningGym draws them: about a fifth contradict themselves, and then every formula follows."""
 
     name = "propositional_logic"
     max_answer_chars = MAX_ANSWER_CHARS
@@ -750,13 +712,12 @@ class PropositionalLogic(Task):
             premises = [self._formula(rng, variables, rng.randint(min_complexity, max_complexity))
                         for _ in range(rng.randint(min_statements, max_statements))]
             parsed = [_parse_logic(p) for p in premises]
-            shapes = [("¬", a) for a in variables] + [(op, a, b) for a in variables for b in variables
-                                                       if a != b for op in "∧∨→↔"]  # none is trivial
-            good = [f for f in shapes if self._grade(parsed, f) == 1.0]  # those that follow
+            shapes = ["¬" + a for a in variables] + [f"({a} {op} {b})" for a in variables for b in variables
+                                                      if a != b for op in "∧∨→↔"]  # none is trivial
+            good = [f for f in shapes if self._grade(parsed, _parse_logic(f)) == 1.0]  # those that follow
             if good:  # else only trivial conclusions follow: draw again
                 break
-        f = rng.choice(good)
-        answer = "¬" + f[1] if f[0] == "¬" else f"({f[1]} {f[0]} {f[2]})"
+        answer = rng.choice(good)
         listed = "\n".join(f"{i}. {p}" for i, p in enumerate(premises, 1))
         question = ("This is a propositional logic question. Given the premises below, state a conclusion "
                     "that follows from them; a bare variable or a tautology earns partial credit only.\n"
@@ -771,6 +732,14 @@ class PropositionalLogic(Task):
         return self._grade([_parse_logic(p) for p in meta["premises"]], _parse_logic(answer))  # no formula: raises, 0
 
 
+def _row(n, start, block):
+    """n empty cells, `block` written from cell `start` on, around the end: _row(5, 4, [7, 8]) -> [8, 0, 0, 0, 7]."""
+    row = [0] * n
+    for i, color in enumerate(block):
+        row[(start + i) % n] = color
+    return row
+
+
 def _arc_move(rng, n, k, solid, wrap):
     """A block (one color, or many) moves k cells right; with wrap it runs around the row's end."""
     if wrap:
@@ -779,17 +748,13 @@ def _arc_move(rng, n, k, solid, wrap):
         size = rng.randint(1, n - k - 1)
         pos = rng.randint(0, n - size - k)
     block = [rng.randint(1, 9)] * size if solid else [rng.randint(1, 9) for _ in range(size)]
-    inp, out = [0] * n, [0] * n
-    for i, color in enumerate(block):
-        inp[(pos + i) % n], out[(pos + k + i) % n] = color, color
-    return inp, out
+    return _row(n, pos, block), _row(n, pos + k, block)
 
 
 def _arc_scattered(rng, n, kind):
-    """A row with about half of its cells colored 1..9, and what the rule `kind` makes of it:
-    "gravity": the colored cells fall to the left, in order; "gravity_counting": they are counted, as
-    that many 1s at the left; "gravity_one_step": each one with an empty cell on its left moves into
-    it (scanning from the left); "change_to_five": each one becomes 5."""
+    """A row about half colored 1..9, and what `kind` makes of it: "gravity": the colored cells fall to
+    the left, in order; "gravity_counting": as that many 1s at the left; "gravity_one_step": each one
+    with an empty cell on its left moves into it (scanning from the left); "change_to_five": each is 5."""
     inp = [rng.randint(1, 9) if rng.random() < 0.5 else 0 for _ in range(n)]
     kept = [c for c in inp if c]
     if kind == "gravity":
@@ -821,18 +786,14 @@ def _arc_reflect(rng, n):
     block = [c1] * size
     block[0 if rng.random() < 0.5 else -1] = c2
     pos = rng.randint(0, n - size)
-    inp, out = [0] * n, [0] * n
-    inp[pos:pos + size], out[pos:pos + size] = block, block[::-1]
-    return inp, out
+    return _row(n, pos, block), _row(n, pos, block[::-1])
 
 
 def _arc_own_size(rng, n):
     """A block moves right by its own length."""
     size = rng.randint(1, n // 2)
     pos, color = rng.randint(0, n - 2 * size), rng.randint(1, 9)
-    inp, out = [0] * n, [0] * n
-    inp[pos:pos + size], out[pos + size:pos + 2 * size] = [color] * size, [color] * size
-    return inp, out
+    return _row(n, pos, [color] * size), _row(n, pos + size, [color] * size)
 
 
 def _arc_touch(rng, n):
@@ -846,9 +807,8 @@ def _arc_touch(rng, n):
         start, end = rng.randint(0, dot - size), dot - size
     else:
         start, end = rng.randint(dot + 1, n - size), dot + 1
-    inp, out = [0] * n, [0] * n
-    inp[dot] = out[dot] = 1
-    inp[start:start + size], out[end:end + size] = [color] * size, [color] * size
+    inp, out = _row(n, start, [color] * size), _row(n, end, [color] * size)
+    inp[dot] = out[dot] = 1  # the block never covers the dot
     return inp, out
 
 
@@ -866,10 +826,9 @@ ARC_RULES.update({"change_to_five": (_arc_scattered, {"kind": "change_to_five"},
 
 
 class Arc1D(Task):
-    """A 1-D ARC puzzle: three input -> output rows of 10..30 cells (colors 0..9) share one rule;
-    apply it to a test row. The answer is the output row, cells separated by single spaces. We have
-    43 of ReasoningGym's 77 rules (see ARC_RULES and the module docstring). ReasoningGym's default
-    rule: exactly that text ("0,0,5" or "[0 0 5]" earn nothing, "Output: 0 0 5" partial credit)."""
+    """A 1-D ARC puzzle: three input -> output rows of 10..30 cells (colors 0..9) share one of ARC_RULES;
+    the answer is the test row's output, cells separated by single spaces. ReasoningGym's default rule:
+    exactly that text ("0,0,5" or "[0 0 5]" earn nothing, "Output: 0 0 5" partial credit)."""
 
     name = "arc_1d"
 
@@ -906,9 +865,8 @@ class RepeatNumber(EasyTask):
 
 
 class AlphabetPosition(EasyTask):
-    """The position of a lowercase letter in the alphabet, counting from 1. To a model that does not
-    know the alphabet these are 26 separate facts: reproduce.py's toy, where each fact must be found
-    by a lucky guess. "What is the position of the letter q in the alphabet?" -> "17"."""
+    """The position of a lowercase letter in the alphabet, from 1: "... the letter q ..." -> "17". To a
+    model that does not know the alphabet, 26 facts each found by a lucky guess: reproduce.py's toy."""
 
     name = "alphabet_position"
     WORKING = "{letter} is letter number {answer}."
@@ -936,14 +894,13 @@ _RG_BUSY = threading.Lock()  # held while an rg: item is made again, by one thre
 
 
 class ReasoningGymTask(Task):
-    """A task backed by the reasoning_gym package (only if installed): "rg:bf" draws from
-    reasoning_gym.create_dataset("bf", ...) with the paper's config for the nine (rg's defaults for
-    other names) and scores with that dataset's score_answer. An item is entry 0 of the dataset with
-    the item's seed; its metadata is rg's (made JSON-safe) plus that seed and the config. An entry
-    without an answer (propositional_logic) takes its example answer. For the nine, an entry whose
-    own answer does not score 1.0 (rg's fallback conclusion, an empty base_conversion answer) is
-    never made: generate() draws another seed, verify() rejects it. rg's scorers trust the metadata:
-    score a peer's rg item only after verify_item accepted it."""
+    """A reasoning_gym dataset as a task (if the package is installed): an "rg:bf" item is entry 0 of
+    reasoning_gym.create_dataset("bf", seed=its seed, size=1, **the paper's config; rg's defaults beyond
+    the nine), scored by that dataset's score_answer; its metadata is rg's (JSON-safe), the seed and the
+    config; without an answer (propositional_logic) it takes the example answer. For the nine, an entry
+    whose own answer scores below 1.0 (rg's fallback conclusion, an empty base_conversion answer) is never
+    made: generate() draws another seed, verify() rejects it. rg's scorers trust the metadata: score a
+    peer's rg item only after verify_item accepted it."""
 
     max_answer_chars = MAX_ANSWER_CHARS  # rg's parsers are not all linear time
 

@@ -8,19 +8,18 @@ questions, shares those decoded rollouts (text: question, answer, completions; n
 weights; beyond the paper, optionally the sampled token ids and log-probs) with the swarm, and trains on
 its I local groups plus J groups drawn from what the other peers shared. Peers never wait for each other.
 
-How this file does it, in reading order (a reader who stops at the marker line has read all of SAPO's
-sharing; what follows it makes the same thing durable, bounded and safe against hostile input):
-- Store, the rules of the shared pool: publish() numbers a batch's groups 1, 2, 3, ... (`seq`) in
-  arrival order and stores a retry once; sample(K) draws K recent groups, every writer alike (what a
-  peer trains on); read(after) gives every group after a seq (the dashboard, the load test).
-- Client, a peer's side: its training loop only touches two queues (publish() into the outbox, fetch()
-  out of the inbox) and one thread does the talking, so training never waits for the network. With
-  the store down a peer trains in silo (the paper's baseline) and catches up when it returns.
-- connect(url) picks the store's transport: an HTTP server (HttpTransport), or Redis (RedisTransport,
-  for a swarm one Python server cannot carry, with one Redis ACL user per peer in the token's place).
-- Below the marker: RolloutStore (the Store on disk) and SwarmServer, the HTTP around it (`python
-  swarm.py --dir swarm_data --port 8000`, standard library only, built so that slow or hostile clients
-  cannot take it down), the transports, a dashboard (GET /) and the command line.
+In reading order (a reader who stops at the marker line has read all of SAPO's sharing; what follows makes
+it durable, bounded and safe against hostile input):
+- Store, the rules of the shared pool: publish() numbers groups in arrival order (`seq`) and stores a retry
+  once; sample(K) draws K recent groups, every writer alike; read(after) gives every group after a seq.
+- Client, a peer's side: two queues (publish() into the outbox, fetch() out of the inbox) and one thread
+  that talks, so training never waits for the network; with the store down a peer trains in silo (the
+  paper's baseline) and catches up when it returns.
+- connect(url) picks the transport: an HTTP server (HttpTransport) or Redis (RedisTransport, for a swarm one
+  Python server cannot carry, one Redis ACL user per peer in the token's place).
+- Below the marker: RolloutStore (the Store on disk), SwarmServer (`python swarm.py --dir swarm_data --port
+  8000`, standard library only, built so that slow or hostile clients cannot take it down), the transports,
+  the dashboard (GET /) and the command line.
 
 Deviations from the paper, and why:
 - The paper's swarm ran on Gensyn's RL Swarm, where peers exchange rollouts over a peer-to-peer DHT.
@@ -79,16 +78,15 @@ except ImportError:
 # The store's rules: groups numbered in arrival order, read after a cursor, or drawn as a sample.
 
 class Store:
-    """The heart of the server: an in-memory index of every kept group, and the rules it is read by.
-    (RolloutStore, below the marker line, adds the folder of batch files, retention and the draw's bookkeeping.)
+    """The heart of the server: an in-memory index of every kept group, and the rules it is read by
+    (RolloutStore, below the marker line, adds the folder of batch files, retention and the draw's bookkeeping).
 
         publish()  POST /rollouts: number the groups after the newest seq, write them as one batch file
-                   named after its last seq (batch-000000000042.json), then index them
-        read()     GET /rollouts?after=SEQ: the indexed groups with seq > SEQ, from memory
+                   named after its last seq (batch-000000000042.json), durable before it answers, then index
+        read()     GET /rollouts?after=SEQ: the indexed groups with seq > SEQ (the dashboard, the load test)
         sample()   GET /rollouts?sample=K: K groups drawn from the recent window, every writer alike
 
-    A writer is a peer name; with per-peer credentials, the name its credential belongs to. A batch is
-    durable (written atomically, fsynced) before publish() answers, so an acknowledged batch survives kill -9."""
+    A writer is a peer name; with per-peer credentials, the name its credential belongs to."""
 
     def __init__(self):
         self.write_lock = threading.Lock()  # orders the writers: one batch is stored at a time
@@ -99,9 +97,6 @@ class Store:
         self.replies = {}   # (writer, batch_id) -> the reply, of every kept batch and of the newest pruned ones
         self.drawable = []  # the writers a sampled read draws from: each one's newest batch is in the window
         self.last_seq = 0   # seq of the newest group ever stored: never reused
-        self.window_batches = Limits.window_batches  # a sampled read draws from each writer's newest batches,
-        self.window_seconds = Limits.window_seconds  # of the writers whose newest arrived within these seconds,
-        self.page_bytes = Limits.page_bytes          # and a reply (of any read) stops past this many bytes
 
     def publish(self, peer, round_, batch_id, groups):
         """Store one batch (or recognise a retry of one) -> {"accepted": groups, "seq": its last seq}."""
@@ -120,27 +115,27 @@ class Store:
     def read(self, after, exclude, limit):
         """Groups with seq > after not from `exclude` -> (their JSON texts, next cursor, last seq)."""
         with self.lock:
-            return (*_page(self.index, after, limit, exclude, self.page_bytes), self.last_seq)
+            return (*_page(self.index, after, limit, exclude), self.last_seq)
 
     def sample(self, k, exclude, seed):
         """K groups drawn from the window, none of them `exclude`'s -> (their JSON texts, last seq). The
-        window is decided here, never by what a sender claims: each writer's newest window_batches batches
-        by arrival, if its newest arrived within window_seconds (self.drawable). K times: a writer uniformly
-        among those with window groups left, then one of those uniformly. So each writer has the same
-        chance whatever its speed or I, and a reply holds at most K groups (it stops past page_bytes)
-        whatever the swarm's size. The same state and seed give the same draw. Cost: K draws, whatever
-        the number of writers (a writer drawn dry is swapped out of the first n places: a lazy shuffle)."""
+        window is decided here, never by what a sender claims: each writer's newest Limits.window_batches
+        batches by arrival, if its newest arrived within Limits.window_seconds (self.drawable). K times: a
+        writer uniformly among those with window groups left, then one of those uniformly. So each writer has
+        the same chance whatever its speed or I, and a reply holds at most K groups (it stops past
+        Limits.page_bytes) whatever the swarm's size. The same state and seed give the same draw. Cost: K
+        draws, whatever the number of writers (a writer drawn dry is swapped out of the first n places)."""
         rng, texts, size, left, moved = random.Random(seed), [], 0, {}, {}
         with self.lock:
-            self._expire(time.time() - self.window_seconds)
+            self._expire(time.time() - Limits.window_seconds)
             n = len(self.drawable)
-            while n and len(texts) < k and size < self.page_bytes:
+            while n and len(texts) < k and size < Limits.page_bytes:
                 i = rng.randrange(n)
                 writer = self.drawable[moved.get(i, i)]
                 if writer not in left:
                     kept = self.batches[writer]
                     left[writer] = [] if writer == exclude else [
-                        t for j in range(1, min(len(kept), self.window_batches) + 1) for t in kept[-j].texts]
+                        t for j in range(1, min(len(kept), Limits.window_batches) + 1) for t in kept[-j].texts]
                 if left[writer]:
                     texts.append(left[writer].pop(rng.randrange(len(left[writer]))))
                     size += len(texts[-1])
@@ -159,14 +154,14 @@ class Store:
         self._seen(peer, record["round"], record["time"], len(groups))
 
 
-def _page(entries, after, limit, exclude, most):
+def _page(entries, after, limit=None, exclude=None):
     """entries: (number, peer, UTF-8 JSON, ...) in number order -> (the JSON texts after `after` that are
     not `exclude`'s, the number to continue after, past the excluded ones too): at most `limit` (None:
-    any) and `most` bytes, unless one text alone is larger."""
+    any) and Limits.page_bytes, unless one text alone is larger."""
     start = bisect.bisect_right(entries, after, key=lambda entry: entry[0])
     texts, size, next_number = [], 0, after
     for number, peer, text, *_ in entries[start:start + Limits.scan_groups]:
-        if len(texts) == limit or (texts and size + len(text) > most):
+        if len(texts) == limit or (texts and size + len(text) > Limits.page_bytes):
             break
         next_number = number
         if peer != exclude:
@@ -251,7 +246,7 @@ class Client:
         try:
             send(*args)
         except Refused as e:
-            _say(self.peer, f"the server refused {what}, so it is dropped: {e}")
+            _log(f"the server refused {what}, so it is dropped: {e}", self.peer)
         with self.cond:
             if self.outbox and self.outbox[0] is entry:  # (a full outbox may have dropped it meanwhile)
                 self.outbox.popleft()
@@ -290,23 +285,19 @@ def connect(url, peer, sample, token=None, seed=0):
 
 
 # ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
-# The bounds, the checks of what arrives, the store on disk, the HTTP server, the client's transport
-# (HTTP and Redis), the dashboard and the command line.
 
 
 class Limits:
     """Every bound in one place (sizes in bytes): on what a sender may make the server hold, and a server a client."""
     body_bytes = 8 << 20        # one request body (413 beyond it); those over 1/8 of it are parsed one at a time
-    json_values = 1 << 20       # commas, objects and lists outside strings in one JSON text, counted before it
-                                # is parsed: a body (413 beyond) or a client's reply (parsing 2**20: ~45 ms)
+    json_values = 1 << 20       # values in a body (413 beyond) or a reply, counted before parsing (2**20: ~45 ms)
     group_tokens = 1 << 17      # token ids in one group, so that any reply of groups stays within json_values
     completion_tokens = 8192    # token ids (and log-probs) of one completion in a group
     page_bytes = 1 << 20        # one reply page of /rollouts or /metrics (a page holds at least one item)
     page_groups = 1024          # groups in one /rollouts page (?limit=, default 256)
     scan_groups = 16 * 1024     # groups one read may step over (the reader's own, which it excludes)
     keep_bytes = 256 << 20      # default --keep-bytes: what kept batches cost (7/8 of it) and pruned.json (1/8)
-    batch_overhead = 2048       # what a kept batch costs beyond its blocks on disk: its share of memory (a
-                                # tiny batch takes about 2.3 KB in all, its text included, measured)
+    batch_overhead = 2048       # a kept batch's cost beyond its disk blocks: memory (a tiny one: ~2.3 KB, measured)
     metrics_bytes = 8 << 20     # metrics rows kept, in memory and in metrics.jsonl
     replies = 20_000            # idempotency records of pruned batches (those of kept batches are all kept)
     peers = 1024                # peers in the table; the one seen least recently goes first
@@ -320,7 +311,7 @@ class Limits:
     backlog = 128               # connections the kernel queues before the server accepts them
     outbox_bytes = 64 << 20     # client: unsent batches and metrics; the oldest go first beyond it
     inbox_bytes = 64 << 20      # client: received groups not yet fetched; the oldest go first beyond it
-    reply_bytes = body_bytes + (64 << 10)  # client: the largest reply read (a page of one group of at most a body)
+    reply_bytes = body_bytes + (64 << 10)  # client: the largest reply read (one group of at most a body, and more)
     poll_seconds = 1.0          # client: the longest its thread idles before it looks at its queues again
     sample_groups = 256         # groups one sampled read may ask for (?sample=K)
     window_batches = 2          # a sampled read draws from each producer's newest this many batches,
@@ -332,8 +323,8 @@ class Limits:
 
 
 # -----------------------------------------------------------------------------
-# What may arrive from outside (requests, files read back, a server's replies) is checked by rules: a
-# rule takes (value, where) and returns a clean copy of the value, or raises BadRequest in one sentence.
+# What arrives from outside (requests, files read back, replies) is checked by rules: rule(value, where) ->
+# a clean copy, or BadRequest naming the first problem (where: what the value is; a body's may be left out).
 
 class BadRequest(Exception):
     """What the other side got wrong, in one sentence, with the HTTP status that says so."""
@@ -389,7 +380,7 @@ def items(most, each=None, least=0):  # a list of least to most values, each pas
 def fields(table, optional={}, also=()):
     """The rule for a JSON object with the fields of `table` (field -> rule) -> a copy with only those.
     optional: field -> the value a missing field takes; also: (test of the copy, what it says) pairs."""
-    def checked(value, where):
+    def checked(value, where=""):
         _want(isinstance(value, dict), f"{where or 'The body'} must be a JSON object.")
         clean = {}
         for field, each in table.items():
@@ -402,11 +393,6 @@ def fields(table, optional={}, also=()):
             _want(test(clean), f"In {where or 'the body'}, {says}.")
         return clean
     return checked
-
-
-def check(value, rule, where=""):
-    """A JSON value checked by a rule -> its clean copy, or BadRequest naming the first problem."""
-    return rule(value, where)
 
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # peer names: safe in URLs, logs and HTML
@@ -490,16 +476,16 @@ def _values(text):  # what parsing a JSON text costs: its commas, objects and li
     return bare.count(",") + bare.count("{") + bare.count("[")
 
 
-def _log(message):
-    print(f"swarm server: {message}", file=sys.stderr, flush=True)
+def _log(message, peer=None):  # a line of the server's log, or of peer's client's, lone surrogates escaped
+    who = f"client {peer}" if peer else "server"  # (a reply may carry one, and no stream may refuse the line)
+    print(f"swarm {who}: {message}".encode("utf-8", "backslashreplace").decode(), file=sys.stderr, flush=True)
 
 
 # -----------------------------------------------------------------------------
-# Storage: one file per accepted batch, and an in-memory index of everything kept.
+# Storage: one file per accepted batch (written atomically, fsynced), and an in-memory index of all kept.
 
 class RolloutStore(Store):
-    """Store on disk, behind the HTTP server: the folder of batch files (locked, written atomically and
-    fsynced), retention by what batches cost, the draw's bookkeeping, and the metrics rows."""
+    """Store on disk: the locked folder of batch files, retention by cost, the draw's bookkeeping, metrics rows."""
     copies = ("pruned.json", "pruned-copy.json")  # two copies: a damaged one alone loses nothing
 
     def __init__(self, folder, keep_bytes=Limits.keep_bytes):
@@ -580,9 +566,7 @@ class RolloutStore(Store):
         self.deleter.map(self._remove, self.doomed)  # (submitted at once)
         self.doomed = []
 
-    def _prune(self, target):
-        """(self.lock held) The writers holding most lose their oldest batches, each down to the level at which
-        all holdings, so cut, add up to target (< their sum)."""
+    def _prune(self, target):  # (self.lock held) _retain's cut, to a level at which all holdings add up to target
         held = {writer: sum(batch.cost for batch in kept) for writer, kept in self.batches.items()}
         costs, rest = sorted(held.values(), reverse=True), self.kept_bytes
         for k, cost in enumerate(costs):  # the k + 1 largest cut to the level, the others under it
@@ -635,7 +619,7 @@ class RolloutStore(Store):
         data, bad = self._read("metrics.jsonl"), 0
         for line in (data or b"").splitlines():
             try:
-                row = check(parse_json(line), ROW)
+                row = ROW(parse_json(line))
                 _want(not self.metrics or row["n"] > self.metrics[-1][0], "out of order")
                 self._keep_metrics(row)
             except BadRequest:
@@ -649,14 +633,14 @@ class RolloutStore(Store):
         self._retain()
 
     def _read(self, name, rule=None):
-        """A file of the folder -> its bytes, or with a rule (clean JSON, the bytes it takes on disk); None if
-        it is missing, b"" or None if it is not a regular file or is unreadable or bad (logged)."""
+        """A file of the folder -> its bytes, or with a rule (clean JSON, its bytes on disk); None if missing,
+        and if unreadable or bad (logged): b"", or None with a rule."""
         try:
             with self._open(name) as f:
                 data = f.read(4 * Limits.body_bytes + 1)  # more than this server ever writes in one file
                 size = max(len(data), os.fstat(f.fileno()).st_blocks * 512)
             _want(len(data) <= 4 * Limits.body_bytes, "it is larger than any file this server writes")
-            return (check(parse_json(data), rule, name), size) if rule else data
+            return (rule(parse_json(data), name), size) if rule else data
         except FileNotFoundError:
             return None
         except (OSError, BadRequest) as e:
@@ -696,7 +680,7 @@ class RolloutStore(Store):
 
     def read_metrics(self, after):
         with self.lock:
-            return (*_page(self.metrics, after, None, None, self.page_bytes), self.metrics[-1][0] if self.metrics else 0)
+            return (*_page(self.metrics, after), self.metrics[-1][0] if self.metrics else 0)
 
     def snapshot(self, metrics=False):  # (/health, which cursor readers ask often, walks no metrics rows)
         with self.lock:
@@ -723,9 +707,8 @@ class RolloutStore(Store):
         return f
 
     def _write_atomic(self, name, data):
-        """Bytes to folder/name, so that a reader or a restart after kill -9 sees all or nothing: a temporary
-        file, fsynced, renamed over the name (a link there is replaced, never followed), the rename fsynced.
-        -> the bytes it takes on disk (its blocks)."""
+        """Bytes to folder/name, all or nothing even after kill -9: a temporary file, fsynced, renamed over the
+        name (a link there is replaced, never followed), the rename fsynced -> the bytes it takes on disk."""
         try:
             self._remove(".tmp-" + name)  # whatever is in the way: a FIFO, a link, an empty folder
             with self._open(".tmp-" + name, "wb") as f:
@@ -733,11 +716,9 @@ class RolloutStore(Store):
                 f.flush()
                 os.fsync(f.fileno())
                 size = max(len(data), os.fstat(f.fileno()).st_blocks * 512)
-            try:
-                os.replace(".tmp-" + name, name, src_dir_fd=self.folder_fd, dst_dir_fd=self.folder_fd)
-            except IsADirectoryError:  # an empty folder in the way goes (a full one: the error stands)
+            with contextlib.suppress(OSError):  # an empty folder in the way goes (a full one: the rename fails)
                 os.rmdir(name, dir_fd=self.folder_fd)
-                os.replace(".tmp-" + name, name, src_dir_fd=self.folder_fd, dst_dir_fd=self.folder_fd)
+            os.replace(".tmp-" + name, name, src_dir_fd=self.folder_fd, dst_dir_fd=self.folder_fd)
             os.fsync(self.folder_fd)
             return size
         except OSError:
@@ -779,11 +760,10 @@ def _now():  # the server's clock as a TIME field holds it, so that no clock mak
 
 ROUTES = {"/": "GET", "/health": "GET", "/peers": "GET", "/rollouts": "GET, POST", "/metrics": "GET, POST"}  # _route
 JSON = "application/json"
-Request = collections.namedtuple("Request", "method target headers body peer")  # peer: _read_request
+Request = collections.namedtuple("Request", "method target body peer")  # peer: _read_request
 
 
-async def _readline(reader, status, what):
-    """One line of a request's head; one longer than Limits.line_bytes is answered with `status`."""
+async def _readline(reader, status, what):  # a line of a request's head; past Limits.line_bytes: `status`
     try:
         return (await reader.readuntil(b"\n")).decode("latin-1")
     except asyncio.LimitOverrunError:
@@ -815,11 +795,9 @@ def _int_param(query, name, default, lowest, highest):
 
 
 class SwarmServer:
-    """The HTTP side of the store. One asyncio loop (in a thread) reads each request whole under a
-    deadline, so a slow or idle connection costs a buffer, not a thread; a pool of threads for reads and
-    one for writes answer complete requests. A request's way: _accept -> _connection: _read_request (line,
-    headers, credential, body: under one deadline), _answer and _route in a worker thread (a POST in its
-    writer's turn: _in_turn), _send, _hang_up. credentials: see credentials() (empty: no checks)."""
+    """The HTTP side of the store. One asyncio loop (in a thread) reads each request whole under a deadline,
+    so a slow or idle connection costs a buffer, not a thread; worker threads answer whole requests. A
+    request's way: _accept, _connection (_read_request, _in_turn, _send, _hang_up). credentials: credentials()'s."""
 
     def __init__(self, store, host, port, credentials=None, public_reads=False, verbose=False):
         self.store, self.credentials, self.public_reads, self.verbose = store, credentials, public_reads, verbose
@@ -844,8 +822,8 @@ class SwarmServer:
         self.thread.start()
 
     async def _accept(self):
-        """One connection at a time, so the cap holds before the next. At the cap, or out of descriptors, _evict
-        closes one for it; with none to close, a new connection is refused, and accept() pauses, never spins."""
+        """One connection at a time, so the cap holds. At the cap, or out of descriptors, _evict closes one for
+        it; with none to close, a new connection is refused, and accept() pauses, never spins."""
         while True:
             try:
                 sock, _ = await self.loop.sock_accept(self.listener)
@@ -869,8 +847,8 @@ class SwarmServer:
             self.loop.create_task(self._connection(reader, writer))
 
     def _evict(self):
-        """Close the connection waiting longest among those idle or still sending a head (which proves
-        nothing, not even the token), else among those sending a body -> False if there is none."""
+        """Close the oldest of those idle or sending a head (which proves nothing, not even the token), else
+        of those sending a body -> False if there is none."""
         if not self.waiting:
             return False
         writer = min(self.waiting, key=self.waiting.get)  # the first of the lowest rank
@@ -880,8 +858,8 @@ class SwarmServer:
         return True
 
     async def _connection(self, reader, writer):
-        """One request per connection (nothing rides behind a body), read whole under the deadline, answered
-        in a worker thread, then closed (_hang_up). The body counts in self.in_flight until it is answered."""
+        """One request per connection (nothing rides behind a body), read whole under the deadline, answered,
+        closed. The body counts in self.in_flight until it is answered."""
         writer.transport.set_write_buffer_limits(0)  # so that drain() returns once the reply has left
         self.waiting[writer], body = 0, bytearray()
         try:
@@ -889,10 +867,7 @@ class SwarmServer:
                 request = await asyncio.wait_for(self._read_request(reader, writer, body), Limits.request_seconds)
             except asyncio.TimeoutError:
                 raise BadRequest(f"The request did not arrive whole within {Limits.request_seconds:g} s.", 408) from None
-            if request.method == "POST":
-                reply = await self._in_turn(request.peer, request)
-            else:
-                reply = await self.loop.run_in_executor(self.pools["GET"], self._answer, request)
+            reply = await self._in_turn(request)
             await self._send(writer, *reply, head_only=request.method == "HEAD")
             if self.verbose:
                 _log(f"{writer.get_extra_info('peername')} {request.method} {request.target[:200]} {reply[0]}")
@@ -916,17 +891,19 @@ class SwarmServer:
             self.waiting.pop(writer, None)
             writer.transport.abort()
 
-    async def _in_turn(self, writer, request):
-        """A POST's answer in its writer's turn: one POST of each per-peer credential at a time, so writers take
-        turns and one writer's many connections delay another's post by one of its own at most. Without
-        one, writers cannot be told apart (an address may be a proxy's): first come, first served."""
-        turn = self.turns.setdefault(writer, asyncio.Lock()) if writer else contextlib.nullcontext()
+    async def _in_turn(self, request):
+        """A request's answer from a worker thread, a POST's in its writer's turn: one POST of each per-peer
+        credential at a time, so one writer's many connections delay another's post by one of its own at most.
+        Without one, writers cannot be told apart (an address may be a proxy's): first come, first served."""
+        if request.method != "POST":
+            return await self.loop.run_in_executor(self.pools["GET"], self._answer, request)
+        turn = self.turns.setdefault(request.peer, asyncio.Lock()) if request.peer else contextlib.nullcontext()
         async with turn, self.posting:
             return await self.loop.run_in_executor(self.pools["POST"], self._answer, request)
 
     async def _hang_up(self, writer):
-        """Close once the kernel has delivered the reply, or at the deadline with a reset (SO_LINGER 0): a
-        reply its reader never takes does not stay in the kernel, as an orphaned socket's would, for minutes."""
+        """Close once the kernel has delivered the reply, or at the deadline with a reset (SO_LINGER 0), so no
+        reply its reader never takes stays in the kernel for minutes, as an orphaned socket's would."""
         sock, deadline = writer.get_extra_info("socket"), time.monotonic() + Limits.request_seconds
         while _unsent(sock) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -935,9 +912,9 @@ class SwarmServer:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
     async def _read_request(self, reader, writer, body):
-        """The request line, the headers and the body (into `body`) -> Request. Strict, so that no request
-        reads differently here and in a proxy in front. The credential is checked before any body is read, and
-        the body counts in self.in_flight as it arrives: a sender who only declares a length costs nothing."""
+        """The request line, the headers and the body (into `body`) -> Request. Strict: no request reads
+        differently in a proxy in front. The credential is checked before the body is read, which counts in
+        self.in_flight as it arrives: a sender who only declares a length costs nothing."""
         if (first := await reader.read(1)) in (b"", b"\x16"):  # gone, or TLS (this server speaks plain HTTP)
             raise EOFError("no request")
         line = first.decode("latin-1") + await _readline(reader, 414, "The request line")
@@ -976,7 +953,7 @@ class SwarmServer:
             self.in_flight += len(chunk)  # given back by _connection once the reply has gone
             body += chunk
         self.waiting.pop(writer, None)
-        return Request(method, target, headers, body, peer)
+        return Request(method, target, body, peer)
 
     async def _send(self, writer, status, content_type, body, headers=None, head_only=False):
         if len(body) > 65536 and self.in_flight + len(body) > Limits.in_flight_bytes:  # bound what waits
@@ -992,8 +969,7 @@ class SwarmServer:
         finally:
             self.in_flight -= len(data)
 
-    def _answer(self, request):
-        """A complete request -> (status, content type, body, headers). Runs in a worker thread."""
+    def _answer(self, request):  # (in a worker thread) a whole request -> (status, content type, body, headers)
         try:
             path, _, query = request.target.partition("?")
             _want(path.startswith("/"), "The request target must be a path such as /rollouts.")
@@ -1017,11 +993,11 @@ class SwarmServer:
             return BadRequest("The server hit an unexpected error; it was logged and the server keeps serving.",
                               500).reply
 
-    def _route(self, method, path, q, body, peer=None):
-        """A request for one of ROUTES (a write by `peer`'s credential) -> the reply's bytes. Groups are kept
-        as JSON text, so a page of them is joined, not encoded again."""
+    def _route(self, method, path, q, body, peer):
+        """A request for one of ROUTES (a write: by `peer`'s credential) -> the reply's bytes. Groups are kept as
+        JSON text: a page of them is joined, not encoded again."""
         if method == "POST":
-            b = check(parse_json(body), PUBLISH if path == "/rollouts" else METRICS)
+            b = (PUBLISH if path == "/rollouts" else METRICS)(parse_json(body))
             _want(peer in (None, b["peer"]), f"This credential is peer {peer}'s; it cannot write as {b['peer']}.", 403)
             if path == "/metrics":
                 self.store.add_metrics(b["peer"], b["round"], b["metrics"])
@@ -1051,9 +1027,6 @@ class SwarmServer:
 
     def shutdown(self):
         """Stop serving: close the listener and every connection, let running answers finish, close the store."""
-        if self.loop.is_closed():
-            return
-
         async def stop():
             self.accepting.cancel()
             self.listener.close()
@@ -1063,6 +1036,8 @@ class SwarmServer:
             if tasks:  # each ends on its own once its connection is gone (or its answer is done)
                 await asyncio.wait(tasks, timeout=Limits.request_seconds)
 
+        if self.loop.is_closed():
+            return
         asyncio.run_coroutine_threadsafe(stop(), self.loop).result(timeout=30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(30)
@@ -1072,17 +1047,15 @@ class SwarmServer:
         self.store.close()
 
 
-def check_token(token, what="the swarm token"):
-    """None, or a token of 1 to 256 visible ASCII characters (it travels in an HTTP header)."""
+def check_token(token, what="the swarm token"):  # -> None, or 1 to 256 visible ASCII characters (a header's)
     if token and not re.fullmatch(r"[!-~]{1,256}", token):
         raise ValueError(f"{what} must be 1 to 256 printable ASCII characters without spaces.")
     return token or None
 
 
 def credentials(token=None, peers=None):
-    """The shared token and per-peer tokens ({name: token}) -> {SHA-256 of a token: the name it writes as,
-    or None (the shared token: any name)}; or ValueError, in one sentence: each name once (compared in
-    lower case, as stored), each token one peer's."""
+    """The shared token and per-peer tokens ({name: token}) -> {SHA-256 of a token: the name it writes as, or
+    None (the shared token: any)}; or ValueError: each name once (in lower case, as stored), each token one's."""
     table, names = {hashlib.sha256(check_token(token).encode()).digest(): None} if token else {}, set()
     for name, secret in (peers or {}).items():
         if not isinstance(name, str) or not NAME.fullmatch(name) or name.lower() in names:
@@ -1097,8 +1070,7 @@ def credentials(token=None, peers=None):
 
 
 def read_peers(path):
-    """A --peers-file -> {name: token}: one 'name token' a line (blank lines and '#' lines skipped); ValueError,
-    in one sentence, if it cannot be read or holds no such line, or another."""
+    """A --peers-file -> {name: token}: one 'name token' a line (blank and '#' lines skipped), else ValueError."""
     try:
         with open(path, encoding="latin-1") as f:
             rows = [line.split() for line in f.read(Limits.body_bytes).splitlines() if line.strip()[:1] not in "#"]
@@ -1112,8 +1084,8 @@ def read_peers(path):
 def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.keep_bytes,
                  public_reads=False, verbose=False, peers=None):
     """Start a server in a daemon thread -> (server, "http://host:port"); server.shutdown() stops it. With a
-    token or peers ({name: token}) every request needs one of them (GETs not, with public_reads), and a
-    peer's token writes only as that peer (403). Bad settings: ValueError, in one sentence."""
+    token or peers ({name: token}) every request needs one (GETs not, with public_reads), and a peer's token
+    writes only as that peer (403). Bad settings: ValueError."""
     table = credentials(token, peers)
     if not isinstance(keep_bytes, int) or keep_bytes < 1:
         raise ValueError("--keep-bytes must be a size of at least 1 byte.")
@@ -1130,16 +1102,10 @@ def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.ke
 
 
 # -----------------------------------------------------------------------------
-# Client: the thread's loop, and its transports: publish(round, JSON texts, batch_id) -> the acknowledgement,
-# post_metrics(round, [JSON text]), sample(k, seed) -> [(checked group, bytes)], close() (ends an exchange at
-# once). An OSError or BadRequest: "no usable answer now, try later"; Refused: "malformed, drop it".
+# Client: the thread's loop, and its transports (_Transport).
 
 class Refused(Exception):
     """The store refused an outbox entry as malformed: the same bytes would be refused again."""
-
-
-def _say(peer, message):  # a client's log line (a lone surrogate a reply carried is escaped: no stream refuses it)
-    print(f"swarm client {peer}: {message}".encode("utf-8", "backslashreplace").decode(), file=sys.stderr, flush=True)
 
 
 def _check_client(peer, sample):
@@ -1154,10 +1120,10 @@ def _enqueue(client, what, send, make):
     try:
         args = make()
     except (TypeError, ValueError, OverflowError, AttributeError) as e:
-        return _say(client.peer, f"{what} cannot be sent ({e})")
+        return _log(f"{what} cannot be sent ({e})", client.peer)
     size = sum(len(text) + 1 for text in args[1]) + 256  # (and room for what a request wraps them in)
     if size > Limits.body_bytes:  # a server would refuse it (413): never held, even while it is down
-        return _say(client.peer, f"{what} is {size} bytes, over a request's {Limits.body_bytes}, so it is dropped")
+        return _log(f"{what} is {size} bytes, over a request's {Limits.body_bytes}, so it is dropped", client.peer)
     with client.cond:
         client.outbox.append((what, send, args, size))
         client.outbox_bytes += size
@@ -1182,14 +1148,14 @@ def _talk(client):
                 _idle(client, Limits.poll_seconds)
             if client.down:
                 lost = f"; {client.dropped} older entries did not fit the outbox" if client.dropped else ""
-                _say(client.peer, f"the server answers again{', sending what waited' * (entry is not None)}{lost}")
+                _log(f"the server answers again{', sending what waited' * (entry is not None)}{lost}", client.peer)
                 client.down, client.dropped = None, 0
             backoff = 0.0
         except Exception as e:  # (a bug must not end the thread either)
             if not client.down and not client.closing:
                 cause = e if isinstance(e, (OSError, BadRequest)) else f"unexpected error {e!r:.200}"
-                _say(client.peer, f"{cause}; training goes on, and what is unsent waits in the outbox (up to "
-                                  f"{Limits.outbox_bytes >> 20} MB) until the server answers")
+                _log(f"{cause}; training goes on, and what is unsent waits in the outbox (up to "
+                     f"{Limits.outbox_bytes >> 20} MB) until the server answers", client.peer)
             client.down, backoff = str(e) or type(e).__name__, min(5.0, max(0.25, 2 * backoff))
             _idle(client, backoff)
 
@@ -1201,7 +1167,10 @@ def _idle(client, seconds):  # until a publish, fetch or flush wakes it, except 
 
 
 class _Transport:
-    """What both transports share: the peer's name (lower-cased: `name`), and the checks of what a store says."""
+    """What both transports share: the peer's name (lower-cased: `name`), and the checks of what a store says.
+    A transport's calls: publish(round, JSON texts, batch_id) -> the acknowledgement, post_metrics(round, [JSON
+    text]), sample(k, seed) -> [(checked group, bytes)], close() (ends an exchange at once). They raise
+    OSError or BadRequest for "no usable answer now, try later", Refused for "malformed, drop it"."""
     def __init__(self, peer):
         self.peer, self.name, self.said, self.closed = peer, peer.lower(), None, False
 
@@ -1210,26 +1179,24 @@ class _Transport:
         good, bad = [], []
         for g in groups:
             try:
-                g = check(g, STORED, "a received group")
+                g = STORED(g, "a received group")
                 good.append((g, len(_dumps(g))))
             except (BadRequest, ValueError) as e:  # (ValueError: a lone surrogate, which UTF-8 cannot carry)
                 bad.append(getattr(e, "message", str(e)))
         if bad and bad[0] != self.said:
             self.said = bad[0]
-            _say(self.peer, f"dropped {len(bad)} malformed groups from the server (the first: {bad[0][:200]})")
+            _log(f"dropped {len(bad)} malformed groups from the server (the first: {bad[0][:200]})", self.peer)
         return good
 
-
-def _acknowledged(reply, groups, where):  # a reply to a publish -> it, if it says all groups were stored
-    _want(isinstance(reply, dict) and reply.get("accepted") == groups, f"{where} acknowledges nothing")
-    return check(reply, fields({"accepted": number(groups), "seq": SEQ}), where)
+    def _acknowledged(self, reply, groups, where):  # a reply to a publish -> it, if it says all were stored
+        _want(isinstance(reply, dict) and reply.get("accepted") == groups, f"{where} acknowledges nothing")
+        return fields({"accepted": number(groups), "seq": SEQ})(reply, where)
 
 
 class HttpTransport(_Transport):
-    """A swarm.py server's side of the exchanges, through requests, under a deadline, every reply checked.
-    It sends only where it was told: no redirect is followed (a 3xx is the server's trouble), no credential
-    but its token goes (requests' trust in the environment is off: no ~/.netrc), and of the environment
-    only the proxies (HTTP_PROXY, HTTPS_PROXY, NO_PROXY) and a REQUESTS_CA_BUNDLE count."""
+    """A swarm.py server's side of the exchanges, through requests, under a deadline, every reply checked. It
+    sends only where told: no redirect is followed, no credential but its token goes (no ~/.netrc), and of the
+    environment only the proxies (HTTP_PROXY, HTTPS_PROXY, NO_PROXY) and a REQUESTS_CA_BUNDLE count."""
 
     def __init__(self, url, peer, token):
         super().__init__(peer)
@@ -1246,36 +1213,28 @@ class HttpTransport(_Transport):
             self.session.mount(scheme, _Adapter(self))
 
     def publish(self, round_, texts, batch_id):
-        reply = self._post("/rollouts", b'{"peer":%s,"round":%d,"batch_id":%s,"groups":[%s]}' % (
+        reply = self._call("/rollouts", b'{"peer":%s,"round":%d,"batch_id":%s,"groups":[%s]}' % (
             _dumps(self.peer), round_, _dumps(batch_id), b",".join(texts)))
-        return _acknowledged(reply, len(texts), "a reply to /rollouts")
+        return self._acknowledged(reply, len(texts), "a reply to /rollouts")
 
     def post_metrics(self, round_, texts):
-        reply = self._post("/metrics", b'{"peer":%s,"round":%d,"metrics":%s}' % (_dumps(self.peer), round_, texts[0]))
+        reply = self._call("/metrics", b'{"peer":%s,"round":%d,"metrics":%s}' % (_dumps(self.peer), round_, texts[0]))
         _want(isinstance(reply, dict) and reply.get("ok") is True, "a reply to /metrics acknowledges nothing")
 
     def sample(self, k, seed):
-        status, reply = self._request("GET", f"/rollouts?sample={k}&exclude={self.peer}&seed={seed}")
-        if status != 200:
-            raise ConnectionError(f"HTTP {status}: {_said(reply)}")
-        return self._received(check(reply, SAMPLE, "the reply to /rollouts")["groups"][:k])
+        reply = self._call(f"/rollouts?sample={k}&exclude={self.peer}&seed={seed}")
+        return self._received(SAMPLE(reply, "the reply to /rollouts")["groups"][:k])
 
     def close(self):
         self.closed = True
         _shut(self.sockets)
         self.session.close()
 
-    def _post(self, path, body):  # -> the reply; a 400, 413 or 422 (the request's own fault) is Refused
-        status, reply = self._request("POST", path, body)
-        if status != 200:
-            raise Refused(f"HTTP {status}: {_said(reply)}")
-        return reply
-
-    def _request(self, method, path, body=None):
-        """One HTTP exchange -> (status, its JSON or None): 200, or 400, 413 or 422 (the request's own fault).
-        Any other status (a wrong token or URL said naming the likely cause, a redirect naming where), or no
-        whole reply within Limits.request_seconds (a timer shuts the socket, as close() does: requests bounds
-        each read, not a reply), is an OSError. A 200 is BadRequest unless it is JSON within
+    def _call(self, path, body=None):
+        """One HTTP exchange, a POST of body (else a GET) -> the JSON of a 200. A 400, 413 or 422 is Refused for
+        a POST (the same bytes would be refused again), an OSError for a GET (a proxy's). Any other status (said
+        with its likely cause), or no whole reply within Limits.request_seconds (a timer shuts the socket:
+        requests bounds each read, not a reply), is an OSError. A 200 is BadRequest unless it is JSON within
         Limits.reply_bytes and json_values values: parsing holds the interpreter lock, and with it training."""
         if self.closed:
             raise ConnectionError("the client is closing")
@@ -1283,8 +1242,8 @@ class HttpTransport(_Transport):
         timer = threading.Timer(Limits.request_seconds, _shut, [self.sockets])
         timer.start()
         try:
-            with self.session.request(method, self.url + path, data=body, stream=True, allow_redirects=False,
-                                      timeout=Limits.request_seconds) as r:
+            with self.session.request("GET" if body is None else "POST", self.url + path, data=body, stream=True,
+                                      allow_redirects=False, timeout=Limits.request_seconds) as r:
                 for chunk in r.iter_content(1 << 16):
                     reply += chunk
                     if len(reply) > Limits.reply_bytes:
@@ -1296,27 +1255,28 @@ class HttpTransport(_Transport):
             for sock in self.sockets:  # the duplicates _Adapter made
                 sock.close()
         if (late := time.monotonic() > deadline) or self.closed or isinstance(reply, Exception):  # (cut by the timer?)
-            raise ConnectionError(f"server unreachable ({_reason(None if late else reply)})")
-        if (r.status_code != 200 and not 400 <= r.status_code < 500) or r.status_code in (408, 429):
+            raise ConnectionError(f"server unreachable ({'no whole reply in time' if late else _reason(reply)})")
+        if (status := r.status_code) != 200 and not 400 <= status < 500 or status in (408, 429):
             moved = f", a redirect to {r.headers.get('Location', '')[:100]!r}, which this client does not follow" \
-                if 300 <= r.status_code < 400 else ""
-            raise ConnectionError(f"server unreachable (HTTP {r.status_code}{moved})")
+                if 300 <= status < 400 else ""
+            raise ConnectionError(f"server unreachable (HTTP {status}{moved})")
         try:
             _want(len(reply) <= Limits.reply_bytes, f"a reply of more than {Limits.reply_bytes} bytes")
             reply = parse_json(reply, surrogates=True)
         except BadRequest as e:
-            if r.status_code == 200:
+            if status == 200:
                 raise BadRequest(f"a reply it cannot use ({e.message[:200]})") from None
             reply = None
-        if r.status_code not in (200, 400, 413, 422):
-            raise ConnectionError(f"HTTP {r.status_code} from {self.url}{path.partition('?')[0]}: "
-                                  f"{_REFUSED.get(r.status_code) or _said(reply)}")
-        return r.status_code, reply
+        if status not in (200, 400, 413, 422):
+            raise ConnectionError(f"HTTP {status} from {self.url}{path.partition('?')[0]}: "
+                                  f"{_REFUSED.get(status) or _said(reply)}")
+        if status != 200:
+            raise (ConnectionError if body is None else Refused)(f"HTTP {status}: {_said(reply)}")
+        return reply
 
 
 class _Adapter(requests.adapters.HTTPAdapter):
-    """requests' own transport, but each connection it opens joins transport.sockets, which the deadline
-    and close() shut (at once, if the client is closing)."""
+    """requests' own, but each connection it opens joins transport.sockets, which the deadline and close() shut."""
     def __init__(self, transport):
         super().__init__()
         self.transport = transport
@@ -1345,13 +1305,12 @@ _REFUSED = dict.fromkeys((401, 403), "this peer's token is not the server's: pas
 _REFUSED[404] = "is that the swarm server's URL, or does a proxy send it elsewhere?"  # (the likely causes)
 
 
-def _reason(e):  # the words that matter in requests' long messages ("Connection refused"); no error: too late
-    found = re.findall(r"\[Errno -?\d+\] ([^'\"()\[\]]+)|(Read timed out|Connection aborted)", str(e)) if \
-        e is not None else [("no whole reply in time", "")]
+def _reason(e):  # the words that matter in requests' long messages ("Connection refused")
+    found = re.findall(r"\[Errno -?\d+\] ([^'\"()\[\]]+)|(Read timed out|Connection aborted)", str(e))
     return "".join(found[-1]).strip() if found else type(e).__name__
 
 
-def _said(data):  # the one sentence of an error reply, cut short (_say escapes any lone surrogate)
+def _said(data):  # the one sentence of an error reply, cut short (_log escapes any lone surrogate)
     return str(data.get("error"))[:200] if isinstance(data, dict) else "(no message)"
 
 
@@ -1360,9 +1319,8 @@ def _said(data):  # the one sentence of an error reply, cut short (_say escapes 
 # time, and a writer's own keys, sapo:writer:NAME:* (NAME lower-cased), only its ACL user may write: :window
 # ("FIRST LAST ROUND TIME" of its newest Limits.window_batches batches, newest first), :groups (seq -> group
 # JSON) and :reply:BATCH_ID. Window and groups expire Limits.window_seconds after its newest batch.
-
-# A batch, atomically. KEYS: the writer's window, groups and reply, which Redis checks against the caller's
-# ACL before the script runs. ARGV: name, round, window batches, window ms, reply seconds, batch groups, groups.
+# PUBLISH_LUA stores a batch atomically. KEYS: the writer's window, groups and reply, which Redis checks
+# against the caller's ACL. ARGV: name, round, window batches, window ms, reply seconds, batch groups, groups.
 PUBLISH_LUA = """local reply, n = redis.call('GET', KEYS[3]), #ARGV - 6
 if reply then return reply end
 local t, last, kept = redis.call('TIME'), redis.call('INCRBY', 'sapo:seq', n), {}
@@ -1380,10 +1338,9 @@ redis.call('ZREMRANGEBYSCORE', 'sapo:producers', '-inf', now - ARGV[4] / 1000)
 reply = '{"accepted":' .. n .. ',"seq":' .. last .. '}'
 redis.call('SET', KEYS[3], reply, 'EX', ARGV[5])
 return reply"""
-# The sampled read (Store.sample's draw), read-only. KEYS: sapo:producers. ARGV: K, the name left out, seed,
-# page bytes, group bytes, window batches, batch groups. A lazy shuffle of the producers' ranks takes out those
-# left out, silent or drawn dry: each pick is uniform over the writers left, and a read costs O(K) whatever
-# their number. What no publish writes is passed over. -> [writer, seq, round, time, group JSON] a group.
+# SAMPLE_LUA, Store.sample's draw, read-only. KEYS: sapo:producers. ARGV: K, the name left out, seed, page
+# bytes, group bytes, window batches, batch groups. A lazy shuffle of the producers' ranks (as Store.sample's)
+# costs O(K) whatever their number; what no publish writes is passed over. -> [writer, seq, round, time, JSON].
 SAMPLE_LUA = """local k, x = tonumber(ARGV[1]), tonumber(ARGV[3]:sub(-9)) % 2147483646 + 1
 local n, out, undrawn, moved, size = redis.call('ZCARD', KEYS[1]), {}, {}, {}, 0
 local function rand(m) x = x * 16807 % 2147483647 return x % m end
@@ -1416,10 +1373,9 @@ return out"""
 
 class RedisTransport(_Transport):
     """A Redis server's side of the exchanges (redis-py and the scripts above): redis://USER@HOST:PORT/DB,
-    rediss:// for TLS, the scheme in any case. The password is the token ($SWARM_TOKEN) or the URL's, never
-    both: which should win is not the client's to guess. One option, ?ssl_ca_certs=FILE with rediss://;
-    timeouts, retries and the rest are the client's own. Each exchange is bounded as HTTP's is: within
-    Limits.request_seconds in all, a reply within Limits.reply_bytes (_bounded) and json_values values."""
+    rediss:// for TLS. The password is the token ($SWARM_TOKEN) or the URL's, never both (which should win is
+    not the client's to guess). One option: ?ssl_ca_certs=FILE with rediss://. Each exchange is bounded as
+    HTTP's: within Limits.request_seconds, a reply within Limits.reply_bytes (_bounded) and json_values values."""
 
     def __init__(self, url, peer, token):
         super().__init__(peer)
@@ -1428,12 +1384,12 @@ class RedisTransport(_Transport):
         except ImportError:
             raise ValueError("a redis:// swarm needs the redis package: pip install redis") from None
         u, shape = urlsplit(url), "the swarm URL must look like redis://USER@HOST:PORT/0 (rediss:// for TLS)"
-        try:
+        try:  # (u.port raises ValueError on a port that is no number)
             tls, port, options = u.scheme.lower() == "rediss", u.port, parse_qs(u.query, keep_blank_values=True)
+            if not u.hostname or not re.fullmatch(r"/?[0-9]{0,5}", u.path):
+                raise ValueError(shape)
         except ValueError:
             raise ValueError(shape + ".") from None
-        if not u.hostname or not re.fullmatch(r"/?[0-9]{0,5}", u.path):
-            raise ValueError(shape + ".")
         if set(options) - {"ssl_ca_certs"} or (options and not tls):
             raise ValueError(f"{shape}: it takes one option, ?ssl_ca_certs=FILE with rediss://, not "
                              f"{', '.join(sorted(options))[:80]}.")
@@ -1454,7 +1410,7 @@ class RedisTransport(_Transport):
         keys = [f"sapo:writer:{self.name}:{key}" for key in ("window", "groups", f"reply:{batch_id}")]
         reply = self._call(self.redis.eval, PUBLISH_LUA, 3, *keys, self.name, round_, Limits.window_batches,
                            int(1000 * Limits.window_seconds), Limits.reply_seconds, Limits.batch_groups, *texts)
-        return _acknowledged(parse_json(reply) if isinstance(reply, str) else None, len(texts), "Redis's reply")
+        return self._acknowledged(parse_json(reply) if isinstance(reply, str) else None, len(texts), "Redis's reply")
 
     def post_metrics(self, round_, texts):
         row = b'{"peer":%s,"round":%d,"metrics":%s}' % (_dumps(self.peer), round_, texts[0])
@@ -1473,8 +1429,8 @@ class RedisTransport(_Transport):
         self.redis.connection_pool.disconnect()  # (even the connection in use, which ends its exchange)
 
     def _call(self, command, *args, **kwargs):
-        """One Redis command within Limits.request_seconds in all (a timer drops the connection, as close()
-        does) -> its reply. Redis unreachable or refusing (a read-only user's publish) is an OSError."""
+        """One Redis command within Limits.request_seconds (a timer drops the connection) -> its reply; Redis
+        unreachable or refusing (a read-only user's publish) is an OSError."""
         if self.closed:
             raise ConnectionError("the client is closing")
         timer = threading.Timer(Limits.request_seconds, self.redis.connection_pool.disconnect)
@@ -1497,9 +1453,8 @@ def _stored(writer, seq, round_, time_, text):  # an entry the sampled read drew
 
 
 def _bounded(redis):
-    """redis-py's RESP2 parser, bounded as the HTTP client is (else it reads whatever a store sends): a reply
-    past Limits.reply_bytes, or more values than a sampled read of Limits.sample_groups groups (6 a group),
-    is refused as it arrives, and redis-py drops the connection, unread."""
+    """redis-py's RESP2 parser, bounded as the HTTP client is: a reply past Limits.reply_bytes, or of more values
+    than a sampled read of Limits.sample_groups groups (6 a group), is refused as it arrives, unread."""
     class Bounded(redis._parsers._RESP2Parser):
         def on_connect(self, connection):
             super().on_connect(connection)  # (its buffer reads the socket through recv and settimeout only)

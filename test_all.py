@@ -2595,7 +2595,7 @@ def test_swarm_utf8_on_disk_and_pages_bounded_in_bytes(_sw_server, monkeypatch):
     assert _sw_post(url, "alice", 0, [_sw_group(0, completions=[text], stopped=[True])]).status_code == 200
     data = open(os.path.join(folder, _sw_files(folder)[0]), "rb").read()
     assert text.encode() in data and len(data) < len(text.encode()) + 1000  # UTF-8, not \uXXXX escapes
-    monkeypatch.setattr(server.store, "page_bytes", 20_000)
+    monkeypatch.setattr(swarm.Limits, "page_bytes", 20_000)
     for r in range(1, 6):
         _sw_post(url, "alice", r, [_sw_group(10 * r + j, completions=["x" * 4000], stopped=[True]) for j in range(4)])
     seen, after, pages = [], 0, 0
@@ -4190,7 +4190,7 @@ def test_swarm_wire_group_is_what_a_server_takes():
     full = swarm.wire_group("t", "What?", "4", ["a", "b"], [True, True], {"n": 1}, "m", [[5, 2], [7]],
                             [[-0.5, -0.1], [-3.0]], "vocab-1")
     body = {"peer": "p", "round": 0, "batch_id": "b", "groups": [plain, full]}
-    assert swarm.check(body, swarm.PUBLISH)["groups"] == [plain, full]
+    assert swarm.PUBLISH(body)["groups"] == [plain, full]
     assert plain == {"task": "t", "question": "What?", "answer": "4", "metadata": {}, "model": "",
                      "completions": ["<answer>4</answer>", "5"], "stopped": [True, False]}
     assert {"token_ids", "logprobs", "tokenizer"} <= set(full)
@@ -4871,7 +4871,7 @@ def test_train_shared_logprobs_publishes_them_and_trains_shared_rows_against_the
         collected = peer.collect(0)
         published = peer.client.published[0][1]
         for g, local in zip(published, collected["groups"]):
-            assert swarm.check(g, swarm.fields(swarm.GROUP, swarm.OPTIONAL, swarm.ALSO)) == g  # what the server accepts, unchanged
+            assert swarm.fields(swarm.GROUP, swarm.OPTIONAL, swarm.ALSO)(g) == g  # what the server accepts, unchanged
             if flag == "--shared-logprobs":
                 assert g["token_ids"] == local.completions and g["tokenizer"] == train.tokenizer_fingerprint(peer.tok)
                 assert [len(x) for x in g["logprobs"]] == [len(c) for c in local.completions]

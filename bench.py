@@ -4,7 +4,7 @@ same shapes and batch, the load the rollout server takes, and how far reward.py'
 ReasoningGym's.
 
     python bench.py                     # sampling: our generate() vs transformers' generate()
-    python bench.py --train             # one GRPO training step's forward + backward: tokens/s, peak memory
+    python bench.py --train             # one GRPO step: packed groups, row by row, transformers
     python bench.py --swarm             # the rollout server under 32 simulated peers, then both stores under 200
     python bench.py --attack            # what the server and the client survive (docs/swarm.md, Reliability)
     python bench.py --attack --against DIR  # the same, against DIR/swarm.py (another checkout)
@@ -19,12 +19,14 @@ share of the memory-bandwidth roofline: every decode step must read all weights 
 filled so far, so (bytes per step x steps / time) / peak bandwidth says how close to the hardware
 limit the sampler runs.
 
-Training: our model's final hidden states go through grpo.hidden_logprobs (the log-prob of each
-target token, computed chunk by chunk and recomputed in the backward pass), against transformers'
-model whose full logits go through log_softmax + gather, the usual way. Both backpropagate the mean
-log-prob over a (batch x seq) batch. Peak memory is torch.cuda.max_memory_allocated on CUDA and the
-peak resident memory above the process's size after imports on the CPU; each side runs in a fresh
-process of its own, so neither sees the other's memory.
+Training: one GRPO step (grpo.step, AdamW) on --batch completions of real one-shot prompts (the
+default model's tokenizer; --tasks easy or paper), G to a prompt, each of --completion-tokens tokens,
+three ways: packed (each group one row, the prompt once), row by row (the same step with each
+(prompt, completion) its own group: the prompt once per completion, as per-row trainers do), and
+transformers' model row by row (full logits, log_softmax, gather, the usual way). Completion tokens
+per second, peak memory (torch.cuda.max_memory_allocated on CUDA, the peak resident memory above the
+process's size after imports on the CPU; each side in a fresh process of its own), and the achieved
+FLOP/s (the step's model FLOPs over its time) against a large matmul's, measured in the same run.
 
 Swarm: a server in a subprocess and --peers simulated peers (threads) that each publish one batch
 of groups and fetch a sampled read of the others' every round, for --rounds rounds: posts per second,
@@ -182,75 +184,180 @@ def rss_bytes():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
+# -----------------------------------------------------------------------------
+# the training step: packed groups against the same step row by row and against transformers
+
+
+MEAN_PROMPT_TOKENS = {"easy": 110, "paper": 298}  # one-shot prompts, the default model's tokenizer (200 of each)
+TRAIN_DEFAULTS = dict(  # --train's, as train.py's on a CPU and on a GPU: --tasks auto, G, --max-new-tokens, ...
+    cpu=dict(tasks=["easy"], generations=[4], completion_tokens=[64], micro_tokens=1024, grad_checkpoint=True),
+    cuda=dict(tasks=["paper"], generations=[8], completion_tokens=[256], micro_tokens=8192, grad_checkpoint=False))
+
+
+def train_prompts(tasks, n, seed=0):
+    """n one-shot prompts of reward.py's `tasks` ("easy" or "paper"), as the default model's tokenizer
+    writes them for a peer (reward.prompt_ids), from a local copy of it (the Hugging Face cache or
+    nanoSAPO's own). Without one, random ids of the mean length those prompts have, said on stderr."""
+    import model as M
+    from transformers import AutoTokenizer
+    rng = random.Random(seed)
+    for folder in (lambda: M.cache_root() + "/SmolLM2-135M-Instruct-Q4_1", lambda: snapshot(M.DEFAULT_MODEL)):
+        try:
+            tok = AutoTokenizer.from_pretrained(folder())
+        except (OSError, ValueError):
+            continue
+        names = reward.task_names(tasks)
+        return [reward.prompt_ids(tok, reward.get_task(rng.choice(names)).generate(rng), True) for _ in range(n)]
+    print(f"bench.py: no local copy of {M.DEFAULT_MODEL}'s tokenizer: random prompts of "
+          f"{MEAN_PROMPT_TOKENS[tasks]} tokens, the mean of the real ones", file=sys.stderr)
+    return [[rng.randrange(1000, 30000) for _ in range(MEAN_PROMPT_TOKENS[tasks])] for _ in range(n)]
+
+
+def snapshot(repo):
+    from huggingface_hub import snapshot_download
+    return snapshot_download(repo, local_files_only=True)
+
+
+def step_flops(cfg, prompt_lengths, G, C, packed):
+    """Model FLOPs of one training step on groups of G completions of C tokens (forward and backward,
+    3 forwards; recomputed activations not counted): 2 per weight per token through the blocks, 4 x
+    heads x head_dim per layer for each (query, key it may see), the output layer on completion
+    tokens only. Packed, each prompt counts once; row by row, once per completion."""
+    weights = cfg.dim * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + cfg.n_heads * cfg.head_dim * cfg.dim
+    per_token = 2 * cfg.n_layers * (weights + 3 * cfg.dim * cfg.hidden_dim)
+    per_key = 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim
+    total = 0
+    for P in prompt_lengths:
+        copies, completions = (1, G) if packed else (G, 1)
+        keys = P * (P + 1) // 2 + completions * (C * P + C * (C + 1) // 2)
+        total += copies * (per_token * (P + completions * C) + per_key * keys)
+    return 3 * (total + 2 * cfg.dim * cfg.vocab_size * G * C * len(prompt_lengths))
+
+
+def matmul_flops(device, dtype):
+    """FLOP/s of a large square matrix multiply in the step's compute dtype: what this machine can do."""
+    n = 8192 if device.type == "cuda" else 2048
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    a @ b  # warm-up
+    return 2 * n ** 3 / min(timed(lambda: a @ b, device) for _ in range(3))
+
 
 def bench_train(args, name, device, dtype):
-    """Each side runs in a fresh process of its own, so its peak memory is its own: weights, gradients,
-    activations and temporaries (torch.cuda.max_memory_allocated on CUDA, peak resident memory above
-    the process's size after imports on the CPU). Random weights of the right shape."""
-    results = []
-    for batch in args.batch:
-        sides = {}
-        for side in ("ours", "hf"):
-            cmd = [sys.executable, os.path.abspath(__file__), "--train-side", side, "--model", name,
-                   "--device", str(device), "--dtype", str(dtype).removeprefix("torch."), "--batch", str(batch),
-                   "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens),
-                   "--repeats", str(args.repeats)]
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            if out.returncode != 0:
-                sys.exit(f"bench.py: the {side} training step failed:\n{out.stderr[-2000:]}")
-            sides[side] = json.loads(out.stdout.strip().splitlines()[-1])
-        T = args.prompt_tokens + args.new_tokens
-        r = dict(what="train", model=name, device=str(device), batch=batch, seq=T,
-                 tok_per_s=sides["ours"]["tok_per_s"], hf_tok_per_s=sides["hf"]["tok_per_s"])
-        r["ratio"] = r["tok_per_s"] / r["hf_tok_per_s"]
-        r.update(peak_gb=sides["ours"]["peak_bytes"] / 1e9, hf_peak_gb=sides["hf"]["peak_bytes"] / 1e9)
-        r["memory_ratio"] = r["peak_gb"] / max(r["hf_peak_gb"], 1e-9)
-        results.append(r)
-        report(r, args)
+    """For each of --tasks, --batch, --generations and --completion-tokens: one GRPO step (AdamW, gradient
+    clipping, the peer's micro-batches and checkpointing) on --batch completions, three ways, each in a
+    fresh process of its own so that its peak memory is its own: grpo.step on packed groups; the same
+    step with every (prompt, completion) row a group of its own (the prompt computed once per row);
+    transformers' model on the same rows (train_side says how). Completion tokens per second, peak
+    memory, and the achieved FLOP/s against a large matmul's, measured here in the same run."""
+    import model as M
+    cfg, peak, results = M.config_from_hf(dict(SHAPES[name])), matmul_flops(device, dtype), []
+    for tasks, batch, G in ((t, b, g) for t in args.tasks for b in args.batch for g in args.generations):
+        prompts = train_prompts(tasks, max(1, batch // G))
+        for C in args.completion_tokens:
+            r = dict(what="train", model=name, device=str(device), tasks=tasks, G=G, completion_tokens=C,
+                     batch=G * len(prompts), prompt_tokens=sum(map(len, prompts)) / len(prompts),
+                     matmul_tflops=peak / 1e12)
+            for side in ("packed", "rows", "hf"):
+                s = train_subprocess(args, side, name, device, dtype, prompts, G, C)
+                flops = step_flops(cfg, [len(p) for p in prompts], G, C, side == "packed") / s["seconds"]
+                r.update({f"{side}_tok_per_s": r["batch"] * C / s["seconds"], f"{side}_peak_gb": s["peak_bytes"] / 1e9,
+                          f"{side}_tflops": flops / 1e12, f"{side}_matmul_pct": 100 * flops / peak})
+            r.update(speedup=r["packed_tok_per_s"] / r["rows_tok_per_s"],
+                     ratio=r["packed_tok_per_s"] / r["hf_tok_per_s"],
+                     memory_ratio=r["packed_peak_gb"] / max(r["hf_peak_gb"], 1e-9))
+            results.append(r)
+            print(json.dumps(r) if args.json else
+                  f"train {name} {device} {tasks} G={G} C={C} batch {r['batch']} (prompts of {r['prompt_tokens']:.0f} "
+                  f"tokens): " + " | ".join(f"{side} {r[f'{side}_tok_per_s']:,.0f} tok/s {r[f'{side}_peak_gb']:.2f} GB "
+                                           f"{r[f'{side}_matmul_pct']:.0f}%" for side in ("packed", "rows", "hf"))
+                  + f" | packed {r['speedup']:.2f}x rows, {r['ratio']:.2f}x transformers (% of a matmul's "
+                  f"{r['matmul_tflops']:.2f} TFLOP/s)", flush=True)
     return results
 
 
+def train_subprocess(args, side, name, device, dtype, prompts, G, C):
+    """One side of --train in a fresh process (train_side): its seconds and peak_bytes."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--train-side", side, "--model", name, "--device", str(device),
+           "--dtype", str(dtype).removeprefix("torch."), "--repeats", str(args.repeats), "--generations", str(G),
+           "--completion-tokens", str(C), "--micro-tokens", str(args.micro_tokens),
+           "--grad-checkpoint" if args.grad_checkpoint else "--no-grad-checkpoint"]
+    out = subprocess.run(cmd, input=json.dumps(prompts), capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"bench.py: the {side} training step failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def train_side(args):
-    """One side of --train in this process: forward + backward of the mean log-prob of every token."""
+    """One side of --train in this process, on the prompts that stdin holds (JSON), each with
+    --generations completions of exactly --completion-tokens random tokens (no stop: every row as long),
+    one advantage of +-1 each, float32 weights under --dtype autocast (none for float32), AdamW:
+    "packed" and "rows" are grpo.step on the groups and on one group per row; "hf" is transformers'
+    model row by row, in right-padded micro-batches of as many rows as --micro-tokens holds, its full
+    logits through log_softmax, the surrogate at ratio 1 (-A x log-prob, token mean), the same clipping
+    and optimizer. The best of --repeats steps after a warm-up; JSON: seconds, peak_bytes."""
     import resource
     import grpo
     import model as M
     from transformers import AutoConfig, AutoModelForCausalLM
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    device, amp = torch.device(args.device), None if args.dtype == "float32" else getattr(torch, args.dtype)
     base_rss = rss_bytes()
     torch.manual_seed(0)
-    cfg_dict = dict(SHAPES[args.model[0]])
-    if args.train_side == "ours":
-        model = M.Transformer(M.config_from_hf(cfg_dict), cfg_dict).to(device=device, dtype=dtype)
-        model.init_rope()
+    rng, cfg_dict = random.Random(0), dict(SHAPES[args.model[0]])
+    G, C, prompts = args.generations[0], args.completion_tokens[0], json.loads(sys.stdin.read())
+    groups = [(p, [[rng.randrange(1000, 30000) for _ in range(C)] for _ in range(G)]) for p in prompts]
+    adv = [rng.choice([-1.0, 1.0]) for _ in range(G * len(groups))]
+    if args.train_side == "hf":
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg_dict), dtype=torch.float32,
+                                                     attn_implementation="sdpa")
+        if args.grad_checkpoint:
+            model.gradient_checkpointing_enable()
+    else:
+        model = M.Transformer(M.config_from_hf(cfg_dict), cfg_dict).to(device)
+        model.grad_checkpoint = args.grad_checkpoint
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0, 0.02)
-    else:
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg_dict), dtype=dtype,
-                                                     attn_implementation="sdpa")
-    model.train()
-    batch, T = args.batch[0], args.prompt_tokens + args.new_tokens
-    ids = torch.randint(0, 32000, (batch, T), generator=torch.Generator().manual_seed(batch)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    rows = [(p, [c]) for p, cs in groups for c in cs]
 
     def step():
-        if args.train_side == "ours":
-            logp = grpo.hidden_logprobs(model.hidden(ids[:, :-1]), model.lm_head.weight, ids[:, 1:])
-        else:
-            logits = model(ids[:, :-1]).logits
-            logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        logp.mean().backward()
+        if args.train_side == "hf":
+            return hf_rows_step(model, opt, [(p, cs[0]) for p, cs in rows], adv, args.micro_tokens, amp)
+        grpo.step(model, opt, groups if args.train_side == "packed" else rows, adv, pad_id=0, stop_ids=[2],
+                  micro_tokens=args.micro_tokens, autocast_dtype=amp)
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    step()  # warm-up; the gradients exist from here on, as in training
-    times = [timed(step, device) for _ in range(args.repeats)]
+    step()  # warm-up; AdamW's state exists from here on, as in training
+    seconds = min(timed(step, device) for _ in range(args.repeats))
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated()
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss
-    print(json.dumps(dict(tok_per_s=batch * (T - 1) / min(times), peak_bytes=peak)))
+    print(json.dumps(dict(seconds=seconds, peak_bytes=peak)))
+
+
+def hf_rows_step(model, opt, rows, adv, micro_tokens, amp):
+    """train_side's "hf": one step of transformers' model on rows (prompt, completion), every completion
+    of the same length, as a per-row trainer computes it."""
+    model.train()
+    device, per = model.device, max(1, micro_tokens // max(len(p) + len(c) for p, c in rows))
+    total = sum(len(c) for _, c in rows)
+    for i in range(0, len(rows), per):
+        part, T = rows[i:i + per], max(len(p) + len(c) for p, c in rows[i:i + per])
+        ids = torch.tensor([p + c + [0] * (T - len(p) - len(c)) for p, c in part], device=device)
+        lengths = torch.tensor([len(p) + len(c) for p, c in part], device=device)
+        attention = (torch.arange(T, device=device) < lengths[:, None]).long()  # 1 on each row's tokens, 0 on padding
+        at = torch.tensor([[len(p) - 1 + j for j in range(len(c))] for p, c in part], device=device)
+        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+            logits = model(input_ids=ids, attention_mask=attention).logits
+        logp = torch.log_softmax(logits.float(), -1).gather(1, at[:, :, None].expand(-1, -1, logits.shape[-1]))
+        logp = logp.gather(-1, torch.tensor([c for _, c in part], device=device)[..., None])[..., 0]
+        (-(torch.tensor(adv[i:i + per], device=device)[:, None] * logp).sum() / total).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
 
 SWARM_PY = os.path.join(HERE, "swarm.py")  # the server the swarm benches run (--against DIR: DIR/swarm.py)
@@ -1665,6 +1772,13 @@ def main():
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each side; the best counts")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--train", action="store_true", help="measure a training step instead of sampling")
+    p.add_argument("--tasks", nargs="+", choices=["easy", "paper"], help="--train: prompts of these tasks "
+                   "(default: easy on a CPU, paper on CUDA)")
+    p.add_argument("--generations", type=int, nargs="+", help="--train: G, completions per prompt (default: 4; CUDA 8)")
+    p.add_argument("--completion-tokens", type=int, nargs="+", help="--train: tokens per completion (default: 64; CUDA 256)")
+    p.add_argument("--micro-tokens", type=int, help="--train: tokens per forward and backward (default: train.py's)")
+    p.add_argument("--grad-checkpoint", action=argparse.BooleanOptionalAction, help="--train: recompute "
+                   "activations in the backward pass (default: train.py's, on for a CPU)")
     p.add_argument("--swarm", action="store_true", help="measure the rollout server under simulated peers")
     p.add_argument("--peers", type=int, default=32, help="--swarm: simulated peers")
     p.add_argument("--rounds", type=int, default=20, help="--swarm: rounds each peer posts and polls")
@@ -1678,7 +1792,7 @@ def main():
     p.add_argument("--parity", type=int, metavar="N", help="reward.py's scorers vs reasoning_gym's, N items per family")
     p.add_argument("--lines", action="store_true", help="the reading path and file sizes against their budgets")
     p.add_argument("--json", action="store_true", help="one JSON object per measurement")
-    p.add_argument("--train-side", choices=["ours", "hf"], help=argparse.SUPPRESS)  # one side of --train
+    p.add_argument("--train-side", choices=["packed", "rows", "hf"], help=argparse.SUPPRESS)  # one side of --train
     args = p.parse_args()
     if args.train_side:
         return train_side(args)
@@ -1713,7 +1827,12 @@ def main():
     cpu = device.type == "cpu"
     models = args.model or (["smollm2-135m"] if cpu else ["smollm2-135m", "qwen2.5-0.5b"])
     if args.batch is None:
-        args.batch = ([4] if args.train else [8]) if cpu else ([64] if args.train else [1, 64, 256])
+        args.batch = ([16] if args.train else [8]) if cpu else ([64] if args.train else [1, 64, 256])
+    for k, v in TRAIN_DEFAULTS["cpu" if cpu else "cuda"].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.train and min(args.batch + args.generations + args.completion_tokens + [args.micro_tokens]) < 1:
+        p.error("--train needs a positive --batch, --generations, --completion-tokens and --micro-tokens")
     torch.set_grad_enabled(args.train)
     if args.train and any(m not in SHAPES for m in models):
         sys.exit(f"bench.py: --train measures the shapes {', '.join(SHAPES)} (random weights)")

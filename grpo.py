@@ -1,8 +1,8 @@
 """
 The whole GRPO update, written from scratch in plain torch: group-normalised advantages, the clipped
 surrogate with an optional k3 KL penalty and the three usual ways of averaging it, the completion
-tokens' log-probs under the model (chunked, so the (tokens x vocabulary) logits are never held at
-once), and the step itself (step: padding, micro-batches, gradient clipping, the optimizer). SAPO
+tokens' log-probs under the model, with each group packed into one row (chunked, so the (tokens x
+vocabulary) logits are never held at once), and the step (micro-batches, clipping, the optimizer). SAPO
 (arXiv 2509.08721, Sec. 3 and Algorithm 1) trains every peer with exactly this update; what it changes
 is which rollouts go into the batch (local groups plus J sampled from the swarm), not the loss.
 
@@ -36,27 +36,31 @@ Where this deviates from, or says more than, the paper:
   the round for them too: shared rows are off-policy and nothing corrects for it. Beyond the paper,
   step() takes the senders' sampling log-probs (`behaviour`) as "old" for shared rows, so their ratio
   is pi_receiver / pi_sender per token: the clip is then a trust region around the sender, and a dual
-  clip at DUAL_CLIP bounds every token's weight to [0, DUAL_CLIP] * |A|, whatever a sender claims.
+  clip at DUAL_CLIP bounds those tokens' weights to [0, DUAL_CLIP] * |A|, whatever a sender claims.
 - The KL term (beta > 0) is off by default, as in the paper's runs; it needs a frozen reference model.
 - Loss aggregation is a choice the paper inherits from its code ("token_mean", as in DAPO); the
   original GRPO per-sequence mean and Dr. GRPO's constant normaliser are offered beside it.
 - Groups of size 1 have no spread (torch's unbiased std is nan there): their advantage is defined as 0.
 
-Which tokens are trained, and where their log-probs come from. A row is a prompt and one completion,
-as token ids; pad_rows cuts each completion after its first stop token and right-pads the batch.
-Position t of the model's output predicts token t + 1, so the hidden state *before* each completion
-token scores it (e.g. stop 2, pad 0):
+Which tokens are trained, and how a group is packed (pack): one row, its prompt once, then each
+completion (cut after its first stop token) with RoPE positions from P, the prompt's length, again, and
+a mask that lets it see the prompt and its own earlier tokens only. Each hidden state is then the one a
+row of its own (prompt + that completion) would give, with the prompt computed once, not G times
+(Prefix Grouper, arXiv 2506.05433). The hidden state before a token scores it (e.g. stop 2, P = 2):
 
-    rows    = [([5, 6], [7, 8, 2, 9]),  ([4, 5, 6], [7])]     (prompt, completion); the 9 follows a stop
-    ids     = [[5, 6, 7, 8, 2],         [4, 5, 6, 7, 0]]      right-padded, the 9 dropped
-    pos     = [[2, 3, 4],               [3, 3, 3]]            where each completion token sits in ids
-    M       = [[1, 1, 1],               [1, 0, 0]]            completion up to its stop; padding repeats
-                                                              a valid pos and is masked
-    logp    = hidden_logprobs(hidden at pos - 1, lm_head.weight, ids at pos)      -> (B, Tc) = (2, 3)
+    group = ([5, 6], [[7, 8, 2, 9], [4]])   (prompt, completions); the 9 follows a stop: dropped
+    index  id  pos  sees 0 1 2 3 4 5        the packed row; x: the token may attend to that index
+      0     5   0        x
+      1     6   1        x x
+      2     7   2        x x x
+      3     8   3        x x x x
+      4     2   4        x x x x x
+      5     4   2        x x       x        completion 2's positions start again at P; it sees the prompt and itself
+    src   = [[1, 2, 3], [1, -, -]]          the index whose hidden state scores each token (a first: the prompt's last)
+    M     = [[1, 1, 1], [1, 0, 0]]          one row per completion, as grpo_loss takes them (logp: (2, 3))
 
 Log-probs are taken at the sampling temperature (logits / temperature before the softmax), so the
-policy being trained is the one that sampled. On CUDA the forward pass runs under bfloat16 autocast
-over float32 weights.
+policy being trained is the one that sampled; the forward runs under the caller's autocast dtype.
 """
 
 import torch
@@ -100,18 +104,17 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
 
 
 def grpo_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_high=0.28, beta=0.0,
-              ref_logprobs=None, loss_type="token_mean", max_tokens=None, dual_clip=None):
+              ref_logprobs=None, loss_type="token_mean", max_tokens=None, dual_clip=None, shared=None):
     """The clipped GRPO surrogate (plus beta * k3 KL when beta > 0), averaged over masked tokens.
 
     logprobs, old_logprobs, mask, ref_logprobs: (B, T); advantages: (B,), one per completion, spread
-    over its tokens. old_logprobs, ref_logprobs and advantages are constants (detached). E.g. B=2, T=4:
-        mask [[1, 1, 1, 0],       row 0: 3 completion tokens then padding
-              [1, 1, 1, 1]]       row 1: ran to the length limit
+    over its tokens (mask: M in the file's worked example). old_logprobs, ref_logprobs and advantages
+    are constants (detached).
     loss_type: "token_mean" sum(M*l) / sum(M)                  (DAPO; the paper's code)
                "seq_mean"   mean over rows of each row's token mean (original GRPO; empty rows count 0)
                "constant"   sum(M*l) / (B * max_tokens), max_tokens defaulting to T   (Dr. GRPO)
-    dual_clip C (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL"): where A < 0
-    the loss is at most C * |A|, so no token's weight exceeds C whatever old_logprobs claim.
+    dual_clip C (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL"): where A < 0, on
+    the rows shared (B,) marks (all without it), the loss is at most C * |A|, whatever old_logprobs claim.
     Returns (loss, stats) with stats a dict of python floats: clip_low and clip_high (fractions of
     masked tokens where the clip removed the gradient), ratio_mean, kl (masked mean of k3; 0 without
     ref_logprobs) and zero_adv_frac (fraction of rows whose advantage is exactly 0)."""
@@ -125,7 +128,8 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_hig
     ratio = torch.exp((logprobs - old_logprobs.detach()).clamp(max=20))    # e^20: finite, past any clip
     per_token = -torch.min(ratio * A, ratio.clamp(1 - epsilon, 1 + epsilon_high) * A)
     if dual_clip is not None:
-        per_token = torch.minimum(per_token, dual_clip * A.abs())
+        bounded = torch.minimum(per_token, dual_clip * A.abs())
+        per_token = bounded if shared is None else torch.where(shared[:, None], bounded, per_token)
     kl = None
     if ref_logprobs is not None:
         delta = ref_logprobs.detach() - logprobs
@@ -153,45 +157,108 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_hig
 
 
 # -----------------------------------------------------------------------------
-# log-probs of the completion tokens
+# packed groups and the log-probs of their completion tokens
 
 
-def pad_rows(rows, pad_id, stop_ids, device="cpu"):
-    """rows, a list of (prompt ids, completion ids), as tensors: ids (B, T) right-padded with pad_id, and
-    for the completion tokens their positions in ids, pos (B, Tc), and the mask M (B, Tc), where Tc is
-    the longest completion. Each completion is cut after its first stop token (any of stop_ids): nothing
-    after a stop is ever trained on, and the stop itself is, even when pad_id is a stop token too.
-    Worked example in the file's docstring."""
-    def cut(c):  # up to and including the first stop token
+def pack(groups, pad_id, stop_ids, device="cpu"):
+    """groups (prompt ids, [completion ids, ...]) as tensors on device (the file's worked example), each
+    completion cut after its first stop (any of stop_ids; trained, even when pad_id is a stop too). Per
+    group, right-padded with pad_id (N, L): ids, pos, attn (N, 1, L, L; None, causal, if no group has two
+    completions); per completion (B, Tc): src (into the N rows laid end to end), the tokens (-1 where M
+    is 0) and M."""
+    def cut(c):  # up to and including the first stop token: nothing after a stop is trained
         return next((c[:k + 1] for k, token in enumerate(c) if token in stop_ids), c)
 
-    rows = [(p, cut(c)) for p, c in rows]
-    T = max(2, max(len(p) + len(c) for p, c in rows))  # 2: a one-token prompt's empty completion sits at 1
-    Tc = max(1, max(len(c) for _, c in rows))
-    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    pos = torch.zeros(len(rows), Tc, dtype=torch.long)
-    mask = torch.zeros(len(rows), Tc, dtype=torch.bool)
-    for b, (p, c) in enumerate(rows):
-        ids[b, :len(p) + len(c)] = torch.tensor(p + c)
-        pos[b] = (len(p) + torch.arange(Tc).clamp(max=max(len(c) - 1, 0))).clamp(max=T - 1)
-        mask[b, :len(c)] = True
-    return ids.to(device), pos.to(device), mask.to(device)
+    def padded(lists, fill):  # right-padded to the longest, at least 1 wide
+        width = max([1, *map(len, lists)])
+        return torch.tensor([x + [fill] * (width - len(x)) for x in lists], dtype=torch.long, device=device)
+
+    groups = [(p, [cut(c) for c in cs]) for p, cs in groups]
+    L = max(len(p) + sum(map(len, cs)) for p, cs in groups)
+    rows, src = [], []
+    for n, (p, cs) in enumerate(groups):
+        ids, pos, part = list(p), list(range(len(p))), [0] * len(p)  # part: 0 the prompt, k the k-th completion
+        for k, c in enumerate(cs, 1):  # c's first token is scored by the prompt's last state, the rest by c's own
+            src.append([n * L + i for i in [len(p) - 1, *range(len(ids), len(ids) + len(c) - 1)]])
+            ids, pos, part = ids + c, pos + list(range(len(p), len(p) + len(c))), part + [k] * len(c)
+        rows.append((ids, pos, part))
+    ids, pos, part = (padded([row[i] for row in rows], fill) for i, fill in enumerate([pad_id, 0, -1]))
+    attn = part.new_ones(L, L, dtype=torch.bool).tril() & ((part[:, None] == 0) | (part[:, None] == part[:, :, None]))
+    attn = attn[:, None] if max(len(cs) for _, cs in groups) > 1 else None  # a group of one: a causal row, no mask
+    tokens = padded([c for _, cs in groups for c in cs], -1)
+    return dict(ids=ids, pos=pos, attn=attn, src=padded(src, -1), tokens=tokens, M=tokens >= 0)
 
 
-def completion_logprobs(model, ids, pos, temperature, autocast_dtype=None):
-    """Log-probs (B, Tc) of the completion tokens ids[b, pos[b, j]] under the model, each scored by the
-    hidden state one position before it: log_softmax(h @ W.T / temperature) at each target, which
-    hidden_logprobs computes chunk by chunk, so the (B, T, vocabulary) logits are never held."""
-    with torch.autocast(ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        h = model.hidden(ids)                                                  # (B, T, dim)
-    h = h.gather(1, (pos - 1)[:, :, None].expand(-1, -1, h.shape[-1]))         # (B, Tc, dim)
-    return hidden_logprobs(h.to(autocast_dtype or h.dtype), model.lm_head.weight, ids.gather(1, pos), temperature)
+def completion_logprobs(model, batch, temperature, autocast_dtype=None):
+    """Log-probs (B, Tc) of a packed batch's completion tokens (pack) under the model, each scored by the
+    hidden state src names: log_softmax(h @ W.T / temperature) at its token, which hidden_logprobs
+    computes chunk by chunk, so the (tokens, vocabulary) logits are never held; 0 where M is 0."""
+    with torch.autocast(batch["ids"].device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        h = model.hidden(batch["ids"], pos=batch["pos"], mask=batch["attn"])     # (N, L, dim)
+    M = batch["M"]
+    h = h.flatten(0, 1)[batch["src"][M]]                                         # (tokens, dim)
+    logp = hidden_logprobs(h.to(autocast_dtype or h.dtype), model.lm_head.weight, batch["tokens"][M], temperature)
+    return torch.zeros(M.shape, dtype=logp.dtype, device=logp.device).masked_scatter(M, logp)
 
 
 # -----------------------------------------------------------------------------
 # the step
 
 DUAL_CLIP = 3.0  # a shared token's weight is at most 3 |A| (dual-clip PPO's usual C, Ye et al. 2020)
+
+
+def step(model, opt, groups, advantages, *, pad_id, stop_ids, micro_tokens=4096, inner_steps=1, max_grad_norm=1.0,
+         temperature=1.0, ref_model=None, behaviour=None, autocast_dtype=None, **loss_settings):
+    """The GRPO update on groups (prompt ids, [completion ids, ...]), one advantage per completion in order:
+    inner_steps optimizer steps over micro-batches of whole packed groups (as many as fit in micro_tokens
+    tokens if all were the longest, at least one), their losses weighted to add up to the batch's (the
+    gradient does not depend on the split), clipped to max_grad_norm. "Old" log-probs: the model's own
+    before the first step, or a shared row's sender's (behaviour, per completion: None or a log-prob per
+    token), under the dual clip. ref_model: the KL's reference (beta > 0); autocast_dtype: the forward's
+    (None: float32); loss_settings: grpo_loss's (max_tokens: the longest completion by default). Returns
+    the last step's stats over the batch: grpo_loss's, loss, grad_norm, zero_adv_frac."""
+    device = model.lm_head.weight.device
+    adv = torch.tensor(advantages, dtype=torch.float64, device=device)  # grpo_loss casts it to the log-probs'
+    n = max(1, micro_tokens // max(len(p) + sum(map(len, cs)) for p, cs in groups))  # groups per micro-batch
+    parts = [pack(groups[i:i + n], pad_id, stop_ids, device) for i in range(0, len(groups), n)]
+    first = [sum(len(batch["M"]) for batch in parts[:k]) for k in range(len(parts))]  # each one's first row
+    total_tokens = sum(int(batch["M"].sum()) for batch in parts)
+    if loss_settings.get("max_tokens") is None:  # not each micro-batch's own longest: one normaliser for all
+        loss_settings["max_tokens"] = max(batch["M"].shape[1] for batch in parts)
+    shared = torch.tensor([lp is not None for lp in behaviour or [None] * len(adv)], device=device)
+    old, ref = [None] * len(parts), [None] * len(parts)
+    token_mean = loss_settings.get("loss_type", "token_mean") == "token_mean"
+    model.train()
+    opt.zero_grad(set_to_none=True)
+    for _ in range(inner_steps):
+        stats = {}
+        for k, batch in enumerate(parts):
+            rows = slice(first[k], first[k] + len(batch["M"]))
+            logp = completion_logprobs(model, batch, temperature, autocast_dtype)
+            if old[k] is None:
+                old[k] = behaviour_logprobs(logp, behaviour[rows]) if behaviour else logp.detach()
+            if ref_model is not None and ref[k] is None:
+                with torch.no_grad():
+                    ref[k] = completion_logprobs(ref_model, batch, temperature, autocast_dtype)
+            loss, s = grpo_loss(logp, old[k], adv[rows], batch["M"], ref_logprobs=ref[k], dual_clip=DUAL_CLIP,
+                                shared=shared[rows], **loss_settings)
+            # weight each micro-batch so that the sum of their losses is the whole batch's loss, and the
+            # per-token stats by its tokens (by rows they would change with the split)
+            tokens = batch["M"].sum().item() / max(total_tokens, 1)
+            share = tokens if token_mean else len(batch["M"]) / len(adv)
+            (loss * share).backward()
+            for key, v in dict(s, loss=loss.item()).items():
+                stats[key] = stats.get(key, 0.0) + v * (share if key == "loss" else tokens)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)  # gradients live only during a step: between rounds, memory is free
+    model.eval()
+    # the share of rows with no advantage over the whole batch (grpo_loss's would change with the split)
+    return dict(stats, grad_norm=float(grad_norm), zero_adv_frac=float((adv == 0).double().mean()))
+
+
+# ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
+# Senders' log-probs checked, and the targets' log-probs chunk by chunk (never all the logits at once).
 
 
 def behaviour_logprobs(own, behaviour):
@@ -206,60 +273,6 @@ def behaviour_logprobs(own, behaviour):
     return old
 
 
-def step(model, opt, rows, advantages, pad_id, stop_ids, micro_batch=16, inner_steps=1, max_grad_norm=1.0,
-         temperature=1.0, ref_model=None, behaviour=None, **loss_settings):
-    """The GRPO update on one batch of rows (prompt ids, completion ids), one advantage per row:
-    inner_steps optimizer steps, each over micro-batches of micro_batch rows whose weighted losses add
-    up to the loss over the whole batch (so the gradient does not depend on micro_batch), with the
-    gradient clipped to max_grad_norm. "Old" log-probs are the model's own before the first step: the
-    policy that sampled, as far as this peer knows: behaviour (one entry per row: None, or the sender's
-    log-prob of each completion token) replaces them for shared rows, with the dual clip DUAL_CLIP.
-    ref_model (for beta > 0) gives the KL's reference.
-    loss_settings go to grpo_loss: epsilon, epsilon_high, beta, loss_type, max_tokens ("constant"'s
-    max_tokens defaults to the batch's longest completion, the same for every micro-batch). Returns the
-    last step's stats over the whole batch: grpo_loss's, per token, plus loss, grad_norm, zero_adv_frac."""
-    device = model.lm_head.weight.device
-    amp = torch.bfloat16 if device.type == "cuda" else None
-    adv = torch.tensor(advantages, dtype=torch.float32, device=device)
-    parts = [list(range(i, min(i + micro_batch, len(rows)))) for i in range(0, len(rows), micro_batch)]
-    batches = [pad_rows([rows[i] for i in part], pad_id, stop_ids, device) for part in parts]
-    total_tokens = sum(int(mask.sum()) for _, _, mask in batches)
-    if loss_settings.get("max_tokens") is None:  # not each micro-batch's own longest: one normaliser for all
-        loss_settings["max_tokens"] = max(mask.shape[1] for _, _, mask in batches)
-    old, ref = [None] * len(parts), [None] * len(parts)
-    token_mean = loss_settings.get("loss_type", "token_mean") == "token_mean"
-    model.train()
-    opt.zero_grad(set_to_none=True)
-    for _ in range(inner_steps):
-        stats = {}
-        for k, (part, (ids, pos, mask)) in enumerate(zip(parts, batches)):
-            logp = completion_logprobs(model, ids, pos, temperature, amp)
-            if old[k] is None:
-                old[k] = behaviour_logprobs(logp, [behaviour[i] for i in part]) if behaviour else logp.detach()
-            if ref_model is not None and ref[k] is None:
-                with torch.no_grad():
-                    ref[k] = completion_logprobs(ref_model, ids, pos, temperature, amp)
-            loss, s = grpo_loss(logp, old[k], adv[part], mask, ref_logprobs=ref[k],
-                                dual_clip=DUAL_CLIP if behaviour else None, **loss_settings)
-            # weight each micro-batch so that the sum of their losses is the whole batch's loss, and the
-            # per-token stats by its tokens (by rows they would change with micro_batch)
-            tokens = mask.sum().item() / max(total_tokens, 1)
-            share = tokens if token_mean else len(part) / len(rows)
-            (loss * share).backward()
-            for key, v in dict(s, loss=loss.item()).items():
-                stats[key] = stats.get(key, 0.0) + v * (share if key == "loss" else tokens)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)  # gradients live only during a step: between rounds, memory is free
-    model.eval()
-    # the share of rows with no advantage over the whole batch (grpo_loss's would change with micro_batch)
-    return dict(stats, grad_norm=float(grad_norm), zero_adv_frac=float((adv == 0).float().mean()))
-
-
-# ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
-# The log-probs of the targets, chunk by chunk, never holding the (tokens x vocabulary) logits at once.
-
-
 def hidden_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=512):
     """log softmax(hidden @ weight.T / temperature)[target] at every position, from the final (post-norm)
     hidden states and the output embedding, chunk_size rows at a time. Each chunk runs under
@@ -272,7 +285,7 @@ def hidden_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=512):
     V=49152: 2 chunks of (512, 49152) float32 logits, one at a time, instead of (1024, 49152) at once"""
     h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     chunks = [checkpoint(_chunk_logprobs, h[i:i + chunk_size], weight, t[i:i + chunk_size], temperature,
-                         use_reentrant=False) for i in range(0, len(t), chunk_size)]
+                         use_reentrant=False) for i in range(0, max(len(t), 1), chunk_size)]  # none: 1 empty chunk
     return torch.cat(chunks).view(targets.shape)
 
 

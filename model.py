@@ -106,7 +106,7 @@ def config_from_hf(hf: dict) -> Config:
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 and cast back before the weight (as Hugging Face does)."""
+    """x / rms(x) * weight, computed in float32 (float64 stays), cast back before the weight (as Hugging Face does)."""
 
     def __init__(self, dim, eps):
         super().__init__()
@@ -114,7 +114,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        x32 = x.float()
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
@@ -150,11 +150,12 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv=None, slots=None, mask=None):
         """x (B, T, dim) -> (B, T, dim).
-        Without kv: causal self-attention over the T positions of x (training, scoring).
+        Without kv: self-attention over the T positions of x, causal, or under `mask` (B, 1, T, T), True =
+        may attend (grpo.py's packed groups: a completion sees its prompt and its own earlier tokens only).
         With kv, this layer's part of the KV cache, keys and values (2, B, n_kv_heads, S, head_dim) (the
         layout sample.py's docstring draws): the new keys and values go into slots `slots` (T,), and the
-        queries attend to the first W slots under `mask` (B, 1, T, W), True = may attend. The mask's
-        width W says how many slots are read: the filled ones, or all S in a decode step of fixed shape."""
+        queries attend to the first W slots under `mask` (B, 1, T, W). The mask's width W says how many
+        slots are read: the filled ones, or all S in a decode step of fixed shape."""
         B, T, _ = x.shape
         cfg = self.cfg
         q = self.q_proj(x).view(B, T, cfg.n_heads, cfg.head_dim)
@@ -164,13 +165,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
-        if kv is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
+        if kv is not None:
             kv[0].index_copy_(2, slots, k)
             kv[1].index_copy_(2, slots, v)
-            W = mask.shape[-1]
-            k, v = kv[0, :, :, :W], kv[1, :, :, :W]
+            k, v = kv[0, :, :, :mask.shape[-1]], kv[1, :, :, :mask.shape[-1]]
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
             # Query heads g*rep .. g*rep+rep-1 share key/value head g: fold them into the query length,
             # (B, n_heads, T, D) -> (B, n_kv_heads, rep*T, D), so one plain attention call serves them.
             # (With a mask, enable_gqa=True would drop CUDA to the slow math kernel.)
@@ -242,7 +243,7 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(idx)
         for i, block in enumerate(self.model.layers):
             if self.grad_checkpoint and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, None, None, mask, use_reentrant=False)
             else:
                 x = block(x, cos, sin, None if cache is None else cache[i], slots, mask)
         return self.model.norm(x)

@@ -106,12 +106,12 @@ import train
 PRESETS = {
     # tiny models built here, on the CPU (4 configurations x 3 seeds took 7 minutes on 2 quiet cores)
     "toy": dict(configs="8/0,6/2,4/4,4/4+is,2/6", peers=8, seeds=5, rounds=150, generations=8, max_new_tokens=None,
-                lr=1e-3, micro_batch=64, model="toy", tasks="alphabet_position", guess=0.3, one_shot=False,
+                lr=1e-3, micro_tokens=4096, model="toy", tasks="alphabet_position", guess=0.3, one_shot=False,
                 device="cpu"),
     # the default model (or --model) on one GPU; the size is a guess until measured: the estimate
     # printed before the run starts says how long it will take on this machine
     "gpu": dict(configs="8/0,4/4", peers=8, seeds=1, rounds=100, generations=8, max_new_tokens=256,
-                lr=1e-5, micro_batch=16, model=M.DEFAULT_MODEL, tasks="auto", guess=None, one_shot=True,
+                lr=1e-5, micro_tokens=8192, model=M.DEFAULT_MODEL, tasks="auto", guess=None, one_shot=True,
                 device="cuda"),
 }
 MIXED_CONFIGS = "8/0,4/4,4/4+is"  # --mixed's default --configs
@@ -143,7 +143,7 @@ def parse_args(argv=None):
     a("--mixed", action="store_true", help="toy: a mixed swarm, the word-level toy and a larger character-level one "
       f"in turn (--model toy,chars), each against its own silo (default --configs {MIXED_CONFIGS})")
     a("--tasks", default=None, help="gpu preset: train.py's --tasks")
-    a("--micro-batch", type=int, default=None, help="completions per forward/backward (same result, less memory)")
+    a("--micro-tokens", type=int, default=None, help="tokens per forward/backward, whole groups (same result, less memory)")
     a("--guess", type=float, default=None, help="toy: fraction of pre-training answers that are uniform guesses")
     a("--known", type=float, default=0.0, help="toy: fraction of the questions it is pre-trained to answer right (0)")
     a("--pretrain-steps", type=int, default=1000, help="toy: supervised steps that build the toy model (1000)")
@@ -189,9 +189,9 @@ def check_args(p, args):
         p.error("need --peers >= 2, --seeds >= 1, --rounds >= 2, --generations >= 2 and --max-new-tokens >= 1")
     if args.peers > 64 or args.seeds > 100:  # every peer of a run lives in this one process
         p.error("--peers is at most 64 and --seeds at most 100 (the paper's swarm has 8 peers)")
-    if not (args.lr > 0 and args.micro_batch >= 1 and args.pretrain_steps >= 1 and args.sample_every >= 0
+    if not (args.lr > 0 and args.micro_tokens >= 1 and args.pretrain_steps >= 1 and args.sample_every >= 0
             and (args.jobs is None or args.jobs >= 1)):
-        p.error("--lr must be positive, --micro-batch, --pretrain-steps and --jobs at least 1, "
+        p.error("--lr must be positive, --micro-tokens, --pretrain-steps and --jobs at least 1, "
                 "--sample-every at least 0")
     if args.preset == "toy" and not 0 < args.guess <= 1:
         p.error("--guess must be in (0, 1]: the toy needs some lucky guesses to learn from")
@@ -346,9 +346,9 @@ def pretrain_toy(model, tok, task_name, guess, known=0.0, steps=1000, batch=16, 
             item = task.generate(rng)
             answer = task.generate(rng)["answer"] if rng.random() < guess else belief(task, item, known)
             completion = tok(f"<answer> {answer} </answer>", add_special_tokens=False)["input_ids"]
-            rows.append((reward.prompt_ids(tok, item, False), completion + [tok.eos_token_id]))
-        ids, pos, mask = grpo.pad_rows(rows, tok.pad_token_id, [tok.eos_token_id])
-        loss = -(grpo.completion_logprobs(model, ids, pos, 1.0) * mask).sum() / mask.sum()
+            rows.append((reward.prompt_ids(tok, item, False), [completion + [tok.eos_token_id]]))  # a group of one
+        packed = grpo.pack(rows, tok.pad_token_id, [tok.eos_token_id])
+        loss = -(grpo.completion_logprobs(model, packed, 1.0) * packed["M"]).sum() / packed["M"].sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -450,15 +450,17 @@ class DiagnosedPeer(CountingPeer):
 def diagnose(peer, groups):
     """{lp_, grad_, reward_} x {local, external}, and grad_share, the shared half's share of the two
     norms, grad_external / (grad_local + grad_external); a kind absent from the batch gets None."""
-    kinds = ["external" if "peer" in g.item else "local" for g in groups for _ in g.completions]
-    rows, rewards, adv = peer.batch(groups)
-    ids, pos, mask = grpo.pad_rows(rows, peer.pad_id, peer.stop_ids, peer.device)
-    logp = grpo.completion_logprobs(peer.model, ids, pos, peer.args.temperature)  # one forward, two backward
+    kinds = ["external" if g.external else "local" for g in groups for _ in g.completions]
+    packed, rewards, adv = peer.batch(groups)
+    batch = grpo.pack(packed, peer.pad_id, peer.stop_ids, peer.device)
+    mask = batch["M"]
+    logp = grpo.completion_logprobs(peer.model, batch, peer.args.temperature)  # one forward, two backward
     behaviour = peer.behaviour(groups)
     old = grpo.behaviour_logprobs(logp, behaviour) if behaviour else logp.detach()
+    shared = torch.tensor([lp is not None for lp in behaviour or [None] * len(adv)], device=mask.device)
     out = {}
     for kind in ("local", "external"):
-        keep = torch.tensor([k == kind for k in kinds], device=ids.device)
+        keep = torch.tensor([k == kind for k in kinds], device=mask.device)
         if not keep.any():
             out.update({f"lp_{kind}": None, f"grad_{kind}": None, f"reward_{kind}": None})
             continue
@@ -466,7 +468,7 @@ def diagnose(peer, groups):
         peer.model.zero_grad(set_to_none=True)
         # the loss with the other kind's advantages set to 0: its gradient is this kind's share
         loss, _ = grpo.grpo_loss(logp, old, adv * keep, mask, loss_type=peer.args.loss_type,
-                                 max_tokens=peer.args.max_new_tokens, dual_clip=grpo.DUAL_CLIP if behaviour else None)
+                                 max_tokens=peer.args.max_new_tokens, dual_clip=grpo.DUAL_CLIP, shared=shared)
         loss.backward(retain_graph=True)
         out[f"grad_{kind}"] = float(torch.sqrt(sum((p.grad ** 2).sum() for p in peer.model.parameters()
                                                    if p.grad is not None)))
@@ -488,7 +490,7 @@ def peer_args(s, model, I, J, seed, k, folder, url, rule=None):
     args = train.parse_args(["--model", model, "--tasks", s.tasks, "--device", s.device])
     vars(args).update(out=folder, name=f"peer{k}", seed=train.peer_seed(seed, k), local=I, external=J,
                       generations=s.generations, max_new_tokens=s.max_new_tokens, lr=s.lr, rounds=s.rounds,
-                      quiet=True, save_every=0, micro_batch=s.micro_batch, sample_every=s.sample_every,
+                      quiet=True, save_every=0, micro_tokens=s.micro_tokens, sample_every=s.sample_every,
                       one_shot=s.one_shot, swarm=url if J > 0 else None, shared_logprobs=rule == "is",
                       grad_checkpoint=args.grad_checkpoint and s.preset != "toy")  # the toy is tiny
     return args

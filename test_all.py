@@ -1372,37 +1372,67 @@ def test_grpo_hidden_logprobs_bf16_close_to_fp32():
 
 
 # -----------------------------------------------------------------------------
-# rows, completion log-probs and the step, on a tiny model
+# packed groups, completion log-probs and the step, on a tiny model
 
 
-def test_grpo_pad_rows_train_each_completion_up_to_its_first_stop():
+def test_grpo_pack_trains_each_completion_up_to_its_first_stop():
     # stops 2 and 3; the pad id is a stop too (pad == eos), and still only real stops count
-    rows = [([5, 6], [7, 8, 2, 9, 2]),    # the first 2 is kept; what follows it is not
-            ([4], [5, 2]),                # stop, nothing after it
-            ([4, 5, 6], [7, 8, 9, 6]),    # no stop: ran into the length limit, all 4 kept
-            ([4], [3, 7])]                # a second stop id (3) first: 1
-    ids, pos, mask = grpo.pad_rows(rows, 2, [2, 3])
-    assert mask.sum(1).tolist() == [3, 2, 4, 1]
-    assert ids.tolist() == [[5, 6, 7, 8, 2, 2, 2], [4, 5, 2, 2, 2, 2, 2], [4, 5, 6, 7, 8, 9, 6], [4, 3, 2, 2, 2, 2, 2]]
-    assert [ids[b, pos[b][mask[b]]].tolist() for b in range(4)] == [[7, 8, 2], [5, 2], [7, 8, 9, 6], [3]]
-    _, pos_empty, mask_empty = grpo.pad_rows([([5, 6, 7], []), ([5], [8])], 0, [2])
-    assert pos_empty.max() < 3 and mask_empty.tolist() == [[0], [1]]  # an empty completion stays in range
+    groups = [([5, 6], [[7, 8, 2, 9, 2],     # the first 2 is kept; what follows it is not
+                        [5, 2]]),            # stop, nothing after it
+              ([4, 5, 6], [[7, 8, 9, 6],     # no stop: ran into the length limit, all 4 kept
+                           [3, 7]])]         # a second stop id (3) first: 1
+    b = grpo.pack(groups, 2, [2, 3])
+    assert b["M"].sum(1).tolist() == [3, 2, 4, 1]
+    assert b["ids"].tolist() == [[5, 6, 7, 8, 2, 5, 2, 2], [4, 5, 6, 7, 8, 9, 6, 3]]
+    assert b["pos"].tolist()[0][:7] == [0, 1, 2, 3, 4, 2, 3] and b["pos"].tolist()[1] == [0, 1, 2, 3, 4, 5, 6, 3]
+    assert [b["tokens"][k][b["M"][k]].tolist() for k in range(4)] == [[7, 8, 2], [5, 2], [7, 8, 9, 6], [3]]
+    flat = b["ids"].flatten()  # src names the token before each completion token, the prompt's last for a first
+    assert [flat[b["src"][k][b["M"][k]]].tolist() for k in range(4)] == [[6, 7, 8], [6, 5], [6, 7, 8, 9], [6]]
+    empty = grpo.pack([([5, 6, 7], [[]]), ([5], [[8]])], 0, [2])
+    assert empty["M"].tolist() == [[0], [1]] and empty["src"][1, 0] == 3  # the second row's prompt, 5, at 3
+    assert empty["attn"] is None and b["attn"] is not None  # groups of one are causal rows: the model's own mask
 
 
-def test_grpo_completion_logprobs_line_up_with_the_full_forward(tiny):
-    ours, tok = M.load_model(str(tiny))
-    rows = [([5, 6], [7, 8, tok.eos_token_id]), ([9, 10, 11], [12])]
-    ids, pos, mask = grpo.pad_rows(rows, tok.pad_token_id, [tok.eos_token_id])
-    assert ids.tolist()[0][:5] == [5, 6, 7, 8, tok.eos_token_id] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+def test_grpo_the_packed_mask_never_lets_a_completion_see_another(tiny):
+    """The mask: a completion's token sees the prompt and its own earlier tokens, no other completion's
+    and no padding; the prompt sees only itself. And what it means: whatever one completion says, every
+    other completion's log-probs are exactly what they were (so a completion cannot see another)."""
+    groups = [([5, 6, 7], [[8, 9, 10], [11], [12, 13]]), ([5], [[6, 7, 8, 9, 10, 11, 12]])]
+    b = grpo.pack(groups, 0, [3])
+    part = [[0, 0, 0, 1, 1, 1, 2, 3, 3], [0, 1, 1, 1, 1, 1, 1, 1, -1]]  # 0 the prompt, k completion k, -1 padding
+    assert b["attn"].shape == (2, 1, 9, 9)
+    for n in range(2):
+        for q in range(9):
+            for k in range(9):
+                want = k <= q and (part[n][k] == 0 or part[n][k] == part[n][q])
+                assert bool(b["attn"][n, 0, q, k]) == want, (n, q, k)
+    ours, _ = M.load_model(str(tiny))
     with torch.no_grad():
-        got = grpo.completion_logprobs(ours, ids, pos, temperature=0.7)
-        full = torch.log_softmax(ours(ids) / 0.7, dim=-1)
-    for b, (p, c) in enumerate(rows):
-        for j, token in enumerate(c):  # the logits at position t predict the token at t + 1
-            assert abs(got[b, j] - full[b, len(p) + j - 1, token]) < 1e-5
+        before = grpo.completion_logprobs(ours, b, 1.0)
+        for other in range(3):  # rewrite completion `other` of the first group
+            changed = [([5, 6, 7], [[14] * len(c) if k == other else c for k, c in enumerate(groups[0][1])]),
+                       groups[1]]
+            after = grpo.completion_logprobs(ours, grpo.pack(changed, 0, [3]), 1.0)
+            keep = [k for k in range(4) if k != other]
+            assert torch.equal(after[keep], before[keep]) and not torch.equal(after[other], before[other])
 
 
-_GR_ROWS = [([5, 6, 7], [8, 9, 3]), ([5, 6, 7], [10]), ([11, 12], [13, 14, 15, 16]), ([11], [9, 9])]
+@pytest.mark.parametrize("family,tie", FAMILIES)
+def test_grpo_completion_logprobs_line_up_with_each_row_alone(family, tie):
+    """Packed, each completion's log-probs equal those of its row (prompt + completion) run alone through
+    the model's causal forward, for every family (grouped-query heads folded under the mask)."""
+    ours = ours_from(hf_model(family, tie))
+    groups = [([5, 6], [[7, 8, 3], [9], [10, 11, 12, 13]]), ([14, 15, 16], [[17], [18, 19]])]
+    with torch.no_grad():
+        got = grpo.completion_logprobs(ours, grpo.pack(groups, 0, [3]), temperature=0.7)
+        rows = [(p, c) for p, cs in groups for c in cs]
+        for k, (p, c) in enumerate(rows):  # the logits at position t predict the token at t + 1
+            full = torch.log_softmax(ours(torch.tensor([p + c])) / 0.7, dim=-1)[0]
+            want = torch.stack([full[len(p) + j - 1, token] for j, token in enumerate(c)])
+            assert (got[k, :len(c)] - want).abs().max() < 1e-5 and (got[k, len(c):] == 0).all()
+
+
+_GR_GROUPS = [([5, 6, 7], [[8, 9, 3], [10]]), ([11, 12], [[13, 14, 15, 16]]), ([11], [[9, 9]])]  # 4 rows
 
 
 class _GrSGD(torch.optim.SGD):
@@ -1413,12 +1443,87 @@ class _GrSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-def _gr_step(model, rows, adv, **settings):
+def _gr_step(model, groups, adv, **settings):
     """grpo.step with SGD at lr 1, pad id 0 and stop id 3 (the tiny model's) -> its stats and the
     gradient its (last) optimizer step used, one tensor per parameter."""
-    opt = _GrSGD(model.parameters(), lr=1.0)
-    stats = grpo.step(model, opt, rows, adv, 0, [3], **settings)
+    opt = _GrSGD(model.parameters(), lr=settings.pop("lr", 1.0))
+    stats = grpo.step(model, opt, groups, adv, pad_id=0, stop_ids=[3], **settings)
     return stats, opt.grads
+
+
+def _gr_per_row_step(model, groups, adv, behaviour=None, ref_model=None, inner_steps=1, temperature=1.0, lr=1.0,
+                     dual_clip=grpo.DUAL_CLIP, **loss_settings):
+    """The reference a packed step must equal: every (prompt, completion) row through the model on its
+    own (its causal forward, no mask), one grpo_loss over the whole batch (dual_clip on the rows with a
+    sender's log-probs only), SGD at lr, no gradient clipping. Returns what _gr_step does."""
+    rows = [(p, c[:c.index(3) + 1] if 3 in c else c) for p, cs in groups for c in cs]
+    Tc = max([1] + [len(c) for _, c in rows])
+    mask = torch.tensor([[j < len(c) for j in range(Tc)] for _, c in rows])
+
+    def logprobs(m):
+        out = []
+        for p, c in rows:
+            lp = torch.log_softmax(m(torch.tensor([p + c])) / temperature, -1)[0, len(p) - 1:len(p) - 1 + len(c)]
+            lp = lp.gather(1, torch.tensor(c, dtype=torch.long)[:, None])[:, 0]
+            out.append(torch.cat([lp, lp.new_zeros(Tc - len(c))]))
+        return torch.stack(out)
+
+    opt = _GrSGD(model.parameters(), lr=lr)
+    adv = torch.tensor(adv, dtype=torch.float64)
+    with torch.no_grad():
+        ref = logprobs(ref_model) if ref_model is not None else None
+    shared = torch.tensor([lp is not None for lp in behaviour]) if behaviour else None
+    loss_settings.setdefault("max_tokens", Tc)
+    old = None
+    model.train()
+    for _ in range(inner_steps):
+        logp = logprobs(model)
+        old = (grpo.behaviour_logprobs(logp, behaviour) if behaviour else logp.detach()) if old is None else old
+        loss, stats = grpo.grpo_loss(logp, old, adv, mask, ref_logprobs=ref, dual_clip=dual_clip if behaviour else None,
+                                     shared=shared, **loss_settings)
+        opt.zero_grad()
+        loss.backward()
+        norm = torch.cat([p.grad.flatten().double() for p in model.parameters()]).norm()  # a float32 sum would round
+        opt.step()
+    return dict(stats, loss=loss.item(), grad_norm=float(norm)), opt.grads
+
+
+# groups of G = 4, 2, 3 and 2 with completions stopped, empty, cut at the limit (6 tokens, no stop), with
+# text after a stop, and a one-token prompt: packed rows of 13, 11, 7 and 10 tokens
+_GR_MIXED = [([5, 6, 7], [[8, 9, 3], [10], [], [11, 12, 13, 14, 15, 16]]),
+             ([11, 12], [[13, 14, 3, 9, 9], [9, 9, 9, 9, 9, 9]]),
+             ([7], [[5, 3], [6], [8, 8, 8]]),
+             ([20, 21, 22, 23], [[24, 25], [26, 27, 28, 3]])]
+_GR_MIXED_ADV = [1.2, -0.4, 0.0, -0.8, 0.7, -0.7, 0.0, 0.0, 0.0, -1.5, 1.5]
+_GR_SPLITS = (1, 26, 10**6)  # micro_tokens: one group each, two and two, all four at once
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("loss_type", ["token_mean", "seq_mean", "constant"])
+@pytest.mark.parametrize("shared", [False, True])
+def test_grpo_packed_step_equals_the_per_row_step(tiny, dtype, tol, loss_type, shared):
+    """The packed step against the per-row reference, for every loss type, with the KL to a perturbed
+    reference model, with and without senders' log-probs (forged ones among them, -50, where the dual
+    clip acts), over two inner steps (the clip bites in the second), with micro-batches of one group,
+    two groups and all: the same loss, the same gradient of every parameter and the same stats."""
+    ours = M.load_model(str(tiny))[0].to(dtype)
+    ref = copy_model(ours)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).to(dtype))
+    behaviour = None
+    if shared:  # the last two groups came from a sender, who claims these log-probs (one row none)
+        behaviour = [None] * 6 + [[-0.5, -2.0], [-50.0], [-1.0, -3.0, -0.2], [-0.7, -0.1], None]
+    settings = dict(loss_type=loss_type, inner_steps=2, lr=0.3, beta=0.1, ref_model=ref, behaviour=behaviour,
+                    max_tokens=6)
+    want_stats, want = _gr_per_row_step(copy_model(ours), _GR_MIXED, _GR_MIXED_ADV, **settings)
+    assert 0 < want_stats["clip_low"] + want_stats["clip_high"] < 1 and want_stats["kl"] > 0
+    norm = torch.cat([g.flatten() for g in want]).norm()
+    for micro_tokens in _GR_SPLITS:
+        stats, grads = _gr_step(copy_model(ours), _GR_MIXED, _GR_MIXED_ADV, micro_tokens=micro_tokens,
+                                max_grad_norm=1e9, **settings)
+        assert torch.cat([(a - b).flatten() for a, b in zip(grads, want)]).norm() <= tol * norm, micro_tokens
+        assert stats == pytest.approx(dict(want_stats, zero_adv_frac=4 / 11), rel=tol, abs=tol * 1e-2), micro_tokens
 
 
 def test_grpo_step_gradient_equals_a_plain_reference(tiny):
@@ -1435,7 +1540,8 @@ def test_grpo_step_gradient_equals_a_plain_reference(tiny):
         logp = torch.log_softmax(ref(torch.tensor([p + c])) / 0.7, -1)[0, len(p) - 1:-1].gather(1, torch.tensor(c)[:, None])
         terms.append(-a * logp.sum())
     (sum(terms) / sum(len(c[:c.index(3) + 1] if 3 in c else c) for _, c in rows)).backward()
-    stats, grads = _gr_step(copy_model(ours), rows, adv, temperature=0.7, micro_batch=3, max_grad_norm=1e9)
+    groups = [([5, 6, 7], [[8, 3, 7], [10]]), ([11, 12], [[13, 14, 15, 16]]), ([11], [[9, 9]])]
+    stats, grads = _gr_step(copy_model(ours), groups, adv, temperature=0.7, micro_tokens=8, max_grad_norm=1e9)
     assert stats["ratio_mean"] == pytest.approx(1.0) and stats["grad_norm"] > 0
     assert all(torch.allclose(g, p.grad, rtol=1e-4, atol=1e-7) for g, p in zip(grads, ref.parameters()))
 
@@ -1446,14 +1552,14 @@ def test_grpo_step_changes_every_parameter(tiny):
     is present but zero, so the gradients are checked where the optimizer sees them)."""
     ours, tok = M.load_model(str(tiny))
     before = {n: p.detach().clone() for n, p in ours.named_parameters()}
-    rows = [([5, 6, 7], [8, 9, tok.eos_token_id]), ([5, 6, 7], [10]), ([11, 12], [13, 14]), ([11, 12], [9])]
+    groups = [([5, 6, 7], [[8, 9, tok.eos_token_id], [10]]), ([11, 12], [[13, 14], [9]])]
     opt, grads = torch.optim.AdamW(ours.parameters(), lr=1e-3), {}
     real_step = opt.step
     def step_and_look(*a, **k):  # noqa: E306
         grads.update({n: None if p.grad is None else p.grad.detach().clone() for n, p in ours.named_parameters()})
         return real_step(*a, **k)
     opt.step = step_and_look
-    stats = grpo.step(ours, opt, rows, [1.0, -1.0, 0.5, -0.5], tok.pad_token_id, [tok.eos_token_id])
+    stats = grpo.step(ours, opt, groups, [1.0, -1.0, 0.5, -0.5], pad_id=tok.pad_token_id, stop_ids=[tok.eos_token_id])
     assert stats["loss"] == pytest.approx(-(1.0 * 3 - 1.0 * 1 + 0.5 * 2 - 0.5 * 1) / 7, abs=1e-6)  # 7 tokens
     assert stats["grad_norm"] > 0
     no_grad = [n for n, g in grads.items() if g is None or not bool(g.abs().sum() > 0)]
@@ -1465,27 +1571,27 @@ def test_grpo_step_changes_every_parameter(tiny):
 def test_grpo_step_micro_batches_give_the_gradient_of_the_whole_batch(tiny):
     ours, _ = M.load_model(str(tiny))
     for loss_type in ("token_mean", "seq_mean", "constant"):
-        whole, micro = (_gr_step(copy_model(ours), _GR_ROWS, [1.0, -1.0, 0.5, -0.5], micro_batch=mb,
-                                 loss_type=loss_type, max_tokens=6)[1] for mb in (4, 1))
+        whole, micro = (_gr_step(copy_model(ours), _GR_GROUPS, [1.0, -1.0, 0.5, -0.5], micro_tokens=mt,
+                                 loss_type=loss_type, max_tokens=6)[1] for mt in (10**6, 1))
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(whole, micro))
 
 
 @pytest.mark.parametrize("loss_type", ["token_mean", "seq_mean", "constant"])
 def test_grpo_step_gradient_and_stats_do_not_depend_on_the_micro_batch(tiny, loss_type):
-    """Rows of 1 to 5 completion tokens in micro-batches of 1, 3 and all 7: the same gradient (to 1e-6,
-    relative) and the same stats, per token, for every loss type; "constant" without max_tokens too.
-    A second inner step (SGD at lr 1) moves the ratios, so the clip bites, and a perturbed reference
-    model gives the KL a value. In float64, so that the first step's rounding does not blur the second."""
+    """Groups of 1 to 3 completions of 1 to 5 tokens in micro-batches of 1, 2, 3 and all 5 groups: the same
+    gradient (to 1e-6, relative) and the same stats, per token, for every loss type; "constant" without
+    max_tokens too. A second inner step (SGD at lr 1) moves the ratios, so the clip bites, and a perturbed
+    reference model gives the KL a value. In float64, so that the first step's rounding does not blur the second."""
     ours = M.load_model(str(tiny))[0].double()
     ref = copy_model(ours)
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-    rows = [([5, 6], [7]), ([5], [8, 9, 10, 11, 12]), ([11, 12, 13], [9, 9]), ([6], [10, 12, 8]),
-            ([7, 8], [13, 14, 15, 16]), ([9], [5, 6]), ([10, 11], [12, 13, 14])]
-    adv = [1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.0]
-    runs = [_gr_step(copy_model(ours), rows, adv, micro_batch=mb, loss_type=loss_type, inner_steps=2,
-                     max_grad_norm=1e9, beta=0.1, ref_model=ref) for mb in (1, 3, 7)]
+    groups = [([5, 6], [[7], [13, 14, 15, 16]]), ([5], [[8, 9, 10, 11, 12]]), ([11, 12, 13], [[9, 9], [5, 6], [8]]),
+              ([6], [[10, 12, 8]]), ([10, 11], [[12, 13, 14]])]
+    adv = [1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.0, 0.3, -0.3]
+    runs = [_gr_step(copy_model(ours), groups, adv, micro_tokens=mt, loss_type=loss_type, inner_steps=2,
+                     max_grad_norm=1e9, beta=0.1, ref_model=ref) for mt in (1, 16, 30, 10**6)]
     (stats, grads), others = runs[-1], runs[:-1]
     assert 0 < stats["clip_low"] + stats["clip_high"] < 1 and stats["kl"] > 0
     norm = torch.cat([g.flatten() for g in grads]).norm()
@@ -1495,19 +1601,20 @@ def test_grpo_step_gradient_and_stats_do_not_depend_on_the_micro_batch(tiny, los
 
 
 def test_grpo_one_token_prompts_with_empty_completions(tiny):
-    """A micro-batch whose rows are all a one-token prompt and an empty completion: nothing to train,
-    no crash, and the step's gradient is the other rows' alone."""
+    """A micro-batch whose completions are all empty after a one-token prompt: nothing to train, no
+    crash, and the step's gradient is the other groups' alone."""
     ours, _ = M.load_model(str(tiny))
-    ids, pos, mask = grpo.pad_rows([([5], []), ([6], [])], 0, [3])
+    batch = grpo.pack([([5], [[], []]), ([6], [[]])], 0, [3])
     with torch.no_grad():
-        assert grpo.completion_logprobs(ours, ids, pos, 1.0).shape == (2, 1) and not mask.any()
-    rows, adv = [([5, 6], [7, 8]), ([5], []), ([6], [])], [1.0, -1.0, 0.5]
-    _, with_empty = _gr_step(copy_model(ours), rows, adv, micro_batch=1, max_grad_norm=1e9)
-    _, alone = _gr_step(copy_model(ours), rows[:1], adv[:1], max_grad_norm=1e9)
+        assert grpo.completion_logprobs(ours, batch, 1.0).shape == (3, 1) and not batch["M"].any()
+    groups, adv = [([5, 6], [[7, 8]]), ([5], [[], []]), ([6], [[]])], [1.0, -1.0, 0.5, 0.2]
+    _, with_empty = _gr_step(copy_model(ours), groups, adv, micro_tokens=1, max_grad_norm=1e9)
+    _, alone = _gr_step(copy_model(ours), groups[:1], adv[:1], max_grad_norm=1e9)
     assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(with_empty, alone))
 
 
 def test_grpo_step_with_grad_checkpoint_gives_the_same_gradients(tiny, monkeypatch):
+    """Recomputed blocks see the packed mask too: the same gradients as without checkpointing."""
     ours, _ = M.load_model(str(tiny))
     calls = []
     monkeypatch.setattr(M, "checkpoint", lambda *a, **k: calls.append(1) or torch.utils.checkpoint.checkpoint(*a, **k))
@@ -1515,7 +1622,7 @@ def test_grpo_step_with_grad_checkpoint_gives_the_same_gradients(tiny, monkeypat
     for flag in (False, True):
         model = copy_model(ours)
         model.grad_checkpoint = flag
-        grads.append(_gr_step(model, _GR_ROWS[::2], [1.0, -1.0])[1])
+        grads.append(_gr_step(model, _GR_GROUPS[:1], [1.0, -1.0])[1])
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
     assert len(calls) == ours.cfg.n_layers  # one recomputed block per layer, in the second run only
 
@@ -1526,32 +1633,104 @@ def test_grpo_step_behaviour_logprobs(tiny):
     claims of a 1e-30 chance make their rows count for nothing."""
     ours, _ = M.load_model(str(tiny))
     adv = [1.0, -1.0, 0.5, -0.5]
-    paper = _gr_step(copy_model(ours), _GR_ROWS, adv, micro_batch=3)[1]
+    paper = _gr_step(copy_model(ours), _GR_GROUPS, adv, micro_tokens=8)[1]
     same = lambda grads: all(torch.allclose(a, b, atol=1e-6) for a, b in zip(paper, grads))  # noqa: E731
-    assert same(_gr_step(copy_model(ours), _GR_ROWS, adv, micro_batch=3, behaviour=[None] * 4)[1])
+    assert same(_gr_step(copy_model(ours), _GR_GROUPS, adv, micro_tokens=8, behaviour=[None] * 4)[1])
     with torch.no_grad():
-        own = grpo.completion_logprobs(ours, *grpo.pad_rows(_GR_ROWS, 0, [3])[:2], 1.0)
-    claims = [own[b, :len(c[:c.index(3) + 1] if 3 in c else c)].tolist() for b, (_, c) in enumerate(_GR_ROWS)]
-    assert same(_gr_step(copy_model(ours), _GR_ROWS, adv, micro_batch=3, behaviour=claims)[1])
+        own = grpo.completion_logprobs(ours, grpo.pack(_GR_GROUPS, 0, [3]), 1.0)
+    rows = [c for _, cs in _GR_GROUPS for c in cs]
+    claims = [own[b, :len(c[:c.index(3) + 1] if 3 in c else c)].tolist() for b, c in enumerate(rows)]
+    assert same(_gr_step(copy_model(ours), _GR_GROUPS, adv, micro_tokens=8, behaviour=claims)[1])
     for forged in (0.0, float("nan"), -50.0, "long", "short"):
         lists = ([[forged] * 8] * 4 if isinstance(forged, float) else
                  [c + [-0.1] * 5 for c in claims] if forged == "long" else [c[:1] for c in claims])
-        stats, grads = _gr_step(copy_model(ours), _GR_ROWS, adv, micro_batch=3, behaviour=lists)
+        stats, grads = _gr_step(copy_model(ours), _GR_GROUPS, adv, micro_tokens=8, behaviour=lists)
         assert math.isfinite(stats["grad_norm"]) and all(torch.isfinite(g).all() for g in grads)
         if forged != forged or forged in ("long", "short"):  # NaN: ratio 1; extra values ignored, missing: own
             assert same(grads)
     low = [None, [-1e30] * 4, None, [-1e30] * 2]  # the A < 0 rows claim a 1e-30 chance
-    nothing = _gr_step(copy_model(ours), _GR_ROWS, adv, micro_batch=3, behaviour=low)[1]
-    rows = [_GR_ROWS[0], _GR_ROWS[2]]  # as if only the other two rows were there, same normaliser
-    want = _gr_step(copy_model(ours), rows + [(p, c) for p, c in _GR_ROWS[1::2]], [1.0, 0.5, 0.0, 0.0],
-                    micro_batch=3)[1]
+    nothing = _gr_step(copy_model(ours), _GR_GROUPS, adv, micro_tokens=8, behaviour=low)[1]
+    want = _gr_step(copy_model(ours), _GR_GROUPS, [1.0, 0.0, 0.5, 0.0], micro_tokens=8)[1]  # as if only the others
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(nothing, want))
+
+
+def test_grpo_dual_clip_acts_only_on_rows_trained_against_a_sender(tiny):
+    """With senders' log-probs on, the peer's own rows (behaviour None) train exactly by the paper's rule,
+    also in a second inner step, where the first step has raised the ratios of the A < 0 rows past
+    DUAL_CLIP (their tokens are those of the A > 0 row): the dual clip acts on shared rows only. Every row
+    claiming its own log-probs, so that the dual clip acts on all, changes the step: the clip does bite."""
+    ours, _ = M.load_model(str(tiny))
+    groups, adv = [([5, 6, 7], [[8, 9, 10, 3], [8, 9, 10]]), ([11], [[9, 9]])], [2.0, -0.2, -1.0]
+    paper = _gr_step(copy_model(ours), groups, adv, inner_steps=2)[1]
+    local = _gr_step(copy_model(ours), groups, adv, inner_steps=2, behaviour=[None] * 3)[1]
+    assert all(torch.equal(a, b) for a, b in zip(paper, local))
+    with torch.no_grad():
+        own = grpo.completion_logprobs(ours, grpo.pack(groups, 0, [3]), 1.0)
+    claims = [own[0].tolist(), own[1, :3].tolist(), own[2, :2].tolist()]
+    every = _gr_step(copy_model(ours), groups, adv, inner_steps=2, behaviour=claims)[1]
+    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(paper, every))
+
+
+def test_grpo_step_loss_stays_within_the_dual_clip_whatever_senders_claim(tiny):
+    """Shared rows with negative advantages whose senders claim log-prob -50 (ratios of e^20 and more):
+    the step's loss is at most DUAL_CLIP x max|A| (without the dual clip, about 5e8 here), and its
+    gradient is that of the dual-clipped per-row loss. Past e^20 the ratio's clamp stops the gradient
+    anyway, so claims 5 nats below the model's own (ratio e^5 > DUAL_CLIP) show the clip in the gradient:
+    the step's equals the dual-clipped loss's and not the unclipped one's."""
+    ours = M.load_model(str(tiny))[0].double()
+    adv = [-1.0, -0.5, -1.5, 1.0]
+    claims = [[-50.0] * 4, [-50.0], [-50.0] * 4, None]
+    stats, grads = _gr_step(copy_model(ours), _GR_GROUPS, adv, behaviour=claims, micro_tokens=8, max_grad_norm=1e9)
+    assert stats["loss"] <= grpo.DUAL_CLIP * 1.5 + 1e-6 and stats["ratio_mean"] > 1e6
+    want_stats, want = _gr_per_row_step(copy_model(ours), _GR_GROUPS, adv, behaviour=claims)
+    assert stats["loss"] == pytest.approx(want_stats["loss"], rel=1e-10)
+    assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-12) for a, b in zip(grads, want))
+    with torch.no_grad():
+        own = grpo.completion_logprobs(ours, grpo.pack(_GR_GROUPS, 0, [3]), 1.0)
+    claims = [(own[b, :n] - 5.0).tolist() for b, n in enumerate([3, 1, 4])] + [None]
+    _, grads = _gr_step(copy_model(ours), _GR_GROUPS, adv, behaviour=claims, micro_tokens=8, max_grad_norm=1e9)
+    clipped = _gr_per_row_step(copy_model(ours), _GR_GROUPS, adv, behaviour=claims)[1]
+    unclipped = _gr_per_row_step(copy_model(ours), _GR_GROUPS, adv, behaviour=claims, dual_clip=None)[1]
+    flat = lambda grads: torch.cat([g.flatten() for g in grads])  # noqa: E731
+    assert (flat(grads) - flat(clipped)).norm() <= 1e-10 * flat(clipped).norm()
+    assert (flat(grads) - flat(unclipped)).norm() > 0.5 * flat(unclipped).norm()
+
+
+def test_grpo_micro_batches_hold_whole_groups_within_micro_tokens(tiny, monkeypatch):
+    """step packs consecutive whole groups, in order, as many per micro-batch as fit in micro_tokens if
+    each were the batch's longest (the packed N x L then fits), and a group longer than that alone."""
+    calls, real = [], grpo.pack
+    monkeypatch.setattr(grpo, "pack", lambda groups, *a, **k: calls.append(groups) or real(groups, *a, **k))
+    ours, _ = M.load_model(str(tiny))
+    groups = [([5, 6], [[7], [13, 14, 15, 16]]), ([5], [[8, 9]]), ([11, 12, 13], [[9, 9], [5, 6], [8]]),
+              ([6], [[10]]), ([10, 11], [[12, 13, 14]])]  # packed lengths 7, 3, 8, 2 and 5
+    adv = [1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.0, 0.3, -0.3]
+    for micro_tokens, sizes in [(1, [1] * 5), (8, [1] * 5), (16, [2, 2, 1]), (39, [4, 1]), (40, [5])]:
+        calls.clear()
+        _gr_step(copy_model(ours), groups, adv, micro_tokens=micro_tokens)
+        assert [len(c) for c in calls] == sizes and sum(calls, []) == groups, micro_tokens
+        for part in calls:
+            packed = real(part, 0, [3])
+            assert len(part) == 1 or packed["ids"].numel() <= micro_tokens
+
+
+def test_grpo_step_takes_its_autocast_dtype_from_the_caller(tiny):
+    """None trains in float32; a dtype the caller gives (train.py: bfloat16 on CUDA) runs the forward
+    under autocast: a gradient close to float32's, not equal to it."""
+    ours, _ = M.load_model(str(tiny))
+    adv = [1.0, -1.0, 0.5, -0.5]
+    f32 = torch.cat([g.flatten() for g in _gr_step(copy_model(ours), _GR_GROUPS, adv)[1]])
+    same = torch.cat([g.flatten() for g in _gr_step(copy_model(ours), _GR_GROUPS, adv, autocast_dtype=None)[1]])
+    bf16 = torch.cat([g.flatten() for g in _gr_step(copy_model(ours), _GR_GROUPS, adv,
+                                                    autocast_dtype=torch.bfloat16)[1]])
+    assert torch.equal(f32, same) and not torch.equal(f32, bf16)
+    assert torch.nn.functional.cosine_similarity(f32, bf16, dim=0) > 0.99
 
 
 def test_grpo_step_zero_adv_frac_does_not_depend_on_the_micro_batch(tiny):
     ours, _ = M.load_model(str(tiny))
-    fracs = [_gr_step(copy_model(ours), _GR_ROWS, [1.0, -1.0, 0.0, 0.0], micro_batch=mb)[0]["zero_adv_frac"]
-             for mb in (4, 1)]
+    fracs = [_gr_step(copy_model(ours), _GR_GROUPS, [1.0, -1.0, 0.0, 0.0], micro_tokens=mt)[0]["zero_adv_frac"]
+             for mt in (10**6, 1)]
     assert fracs == [0.5, 0.5]
 
 
@@ -4164,7 +4343,7 @@ def tiny_args(tmp_path, *extra, model=None):
     args = train.parse_args(["--model", str(model or tmp_path / "tiny"), "--tasks", "repeat_number", "--no-one-shot",
                              "--out", str(tmp_path / "run"), "--local", "2", "--external", "2", "--generations", "4",
                              "--max-new-tokens", "6", "--lr", "1e-3", "--quiet", "--save-every", "0",
-                             "--micro-batch", "16", "--no-grad-checkpoint", *swarm_url, *extra])
+                             "--micro-tokens", "4096", "--no-grad-checkpoint", *swarm_url, *extra])
     args.swarm = args.swarm if "--swarm" in extra else None
     return args
 
@@ -4382,9 +4561,9 @@ def format_model(tmp_path_factory):
             tagged = rng.random() < (1.0 if step < 250 else 0.3)
             text = f"<answer> {item['answer']} </answer>" if tagged else item["answer"]
             answer = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            rows.append((reward.prompt_ids(tok, item, False), answer))
-        ids, pos, mask = grpo.pad_rows(rows, tok.pad_token_id, [tok.eos_token_id])
-        loss = -(grpo.completion_logprobs(ours, ids, pos, 1.0) * mask).sum() / mask.sum()
+            rows.append((reward.prompt_ids(tok, item, False), [answer]))  # a group of one
+        batch = grpo.pack(rows, tok.pad_token_id, [tok.eos_token_id])
+        loss = -(grpo.completion_logprobs(ours, batch, 1.0) * batch["M"]).sum() / batch["M"].sum()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -4741,16 +4920,16 @@ def test_train_device_is_resolved_once_and_anything_but_cuda_gets_the_small_defa
     """--device, declared once, becomes a torch.device; a CPU and any device but a CUDA GPU (mps) get the
     smaller defaults; --dtype defaults to what this machine would pick, and --help says which."""
     assert re.findall(r'"--device"', open(os.path.join(HERE, "train.py")).read()) == ['"--device"']
-    small = lambda a: (a.local, a.external, a.generations, a.max_new_tokens, a.micro_batch, a.grad_checkpoint)  # noqa
+    small = lambda a: (a.local, a.external, a.generations, a.max_new_tokens, a.micro_tokens, a.grad_checkpoint)  # noqa
     cpu = train.parse_args(["--model", "some/model", "--device", "cpu", "--swarm", "http://h:1"])
     mps = train.parse_args(["--model", "some/model", "--device", "mps", "--swarm", "http://h:1"])
-    assert mps.device == torch.device("mps") and small(mps) == small(cpu) == (2, 2, 4, 64, 4, True)
+    assert mps.device == torch.device("mps") and small(mps) == small(cpu) == (2, 2, 4, 64, 1024, True)
     assert (cpu.dtype, mps.dtype) == ("float32", "float32")
     assert train.parse_args(["--device", "cpu", "--dtype", "bfloat16"]).dtype == "bfloat16"  # still overrides
     for native_bf16, dtype in ((True, "bfloat16"), (False, "float16")):
         _fake_gpu(monkeypatch, native_bf16)
         gpu = train.parse_args(["--model", "some/model", "--device", "cuda", "--swarm", "http://h:1"])
-        assert gpu.device == torch.device("cuda") and small(gpu) == (4, 4, 8, 256, 16, False) and gpu.dtype == dtype
+        assert gpu.device == torch.device("cuda") and small(gpu) == (4, 4, 8, 256, 8192, False) and gpu.dtype == dtype
         with pytest.raises(SystemExit):
             train.parse_args(["--help", "--device", "cuda"])
         assert re.search(r"--dtype \{[a-z0-9,]+\}.*\(default: " + dtype + r"\)", " ".join(capsys.readouterr().out.split()))
@@ -4865,7 +5044,7 @@ def test_train_shared_logprobs_publishes_them_and_trains_shared_rows_against_the
     flag it publishes none and trains every row by the paper's rule (behaviour None)."""
     steps = []
     real = grpo.step
-    monkeypatch.setattr(grpo, "step", lambda *a, **k: steps.append(a[11]) or real(*a, **k))
+    monkeypatch.setattr(grpo, "step", lambda *a, **k: steps.append(k["behaviour"]) or real(*a, **k))
     for flag in ("--shared-logprobs", "--no-shared-logprobs"):
         peer = train.Peer(tiny_args(tmp_path, "--name", flag[2:], flag), log=quiet, client=FakeClient())
         collected = peer.collect(0)
@@ -4911,15 +5090,46 @@ def test_train_external_text_cannot_smuggle_control_tokens(which, monkeypatch):
     assert train.external_group(tok, sneaky, tok.eos_token_id, 64, False, quiet) is None
 
 
+def test_train_a_group_is_external_by_its_own_field_not_by_what_its_item_holds(tiny, tmp_path):
+    """With --shared-logprobs, behaviour hands grpo.step a sender's log-probs for external groups only;
+    what makes a group external is Group.external, which external_group sets, not a field its item
+    happens to hold (a local question's dict may carry "peer" too)."""
+    peer = train.Peer(tiny_args(tmp_path, "--shared-logprobs"), log=quiet, client=FakeClient())
+    own = train.Group({"peer": "a task's own field"}, [9], [[5, 6], [7]], ["", ""], [False, False], [1.0, 0.0],
+                      logprobs=[[-0.5, -0.5], [-1.0]])
+    item = reward.TASKS["repeat_number"].generate(random.Random(0))
+    theirs = train.external_group(peer.tok, wire_group(item), peer.stop_id, 6, False, quiet)
+    theirs.logprobs = [[-0.25] * len(c) for c in theirs.completions]
+    assert not own.external and theirs.external
+    assert peer.behaviour([own, theirs]) == [None, None] + theirs.logprobs
+
+
 def test_train_every_row_is_trained_up_to_its_first_stop_only(tiny, tmp_path, monkeypatch):
     peer = train.Peer(tiny_args(tmp_path), log=quiet)
     stop = peer.stop_id
-    padded, real = [], grpo.pad_rows
-    monkeypatch.setattr(grpo, "pad_rows", lambda *a, **k: padded.append(real(*a, **k)) or padded[-1])
+    packed, real = [], grpo.pack
+    monkeypatch.setattr(grpo, "pack", lambda *a, **k: packed.append(real(*a, **k)) or packed[-1])
     local = train.Group({}, [9, 9], [[5, stop, 7, 8], [6, 6]], ["", ""], [True, False], [1.0, 0.0])
     assert peer.update([local])["stepped"]
-    ids, pos, mask = padded[0]
-    assert [ids[b, pos[b][mask[b]]].tolist() for b in range(2)] == [[5, stop], [6, 6]]
+    batch = packed[0]
+    assert [batch["tokens"][b][batch["M"][b]].tolist() for b in range(2)] == [[5, stop], [6, 6]]
+    assert batch["ids"].tolist() == [[9, 9, 5, stop, 6, 6]]  # one packed row: the prompt once
+
+
+def test_train_shared_logprobs_leave_local_rows_to_the_paper_rule_over_inner_steps(tiny, tmp_path, monkeypatch):
+    """--shared-logprobs with --inner-steps 2: a peer's own groups train exactly as without the flag (the
+    paper's rule). DUAL_CLIP at 0.5 forces the condition: a dual clip on these rows would bound every
+    A < 0 token from the first step on (its loss |A| > 0.5 |A| at ratio 1) and stop its gradient."""
+    monkeypatch.setattr(grpo, "DUAL_CLIP", 0.5)
+    local = [train.Group({}, [9, 9], [[5, 6, 7], [6, 6], [8]], ["", "", ""], [False] * 3, [1.0, 0.0, 0.0]),
+             train.Group({}, [10], [[7, 7], [5]], ["", ""], [False] * 2, [0.0, 1.0])]
+    weights = []
+    for flag in ("--shared-logprobs", "--no-shared-logprobs"):
+        peer = train.Peer(tiny_args(tmp_path, flag, "--inner-steps", "2", "--lr", "0.05", "--out", str(tmp_path / flag)),
+                          log=quiet, client=FakeClient())
+        assert peer.update(local)["stepped"] and peer.behaviour(local) == ([None] * 5 if flag == "--shared-logprobs" else None)
+        weights.append([p.detach().clone() for p in peer.model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*weights))
 
 
 def test_train_no_claimed_round_makes_groups_stale_and_the_pool_ages_by_the_receivers_rounds(tiny, tmp_path):
@@ -5055,9 +5265,22 @@ def test_train_plot_shows_the_local_reward_first(tmp_path, monkeypatch):
     assert len(charts) == 3 and root.get("height") == "360" and len(root.findall("{http://www.w3.org/2000/svg}svg")) == 1
 
 
+def test_train_micro_batch_gives_way_to_micro_tokens_in_one_sentence(tiny, capsys):
+    """Micro-batches hold whole packed groups, bounded in tokens: the old --micro-batch (completions) is
+    refused with one sentence naming --micro-tokens, whatever its value, and --help says what a micro-batch is."""
+    for value in ("4", "16"):
+        with pytest.raises(SystemExit) as e:
+            train.parse_args(["--model", str(tiny), "--device", "cpu", "--micro-batch", value])
+        assert e.value.code == 2 and "--micro-tokens" in capsys.readouterr().err
+    assert train.parse_args(["--model", str(tiny), "--device", "cpu", "--micro-tokens", "512"]).micro_tokens == 512
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help", "--device", "cpu"])
+    assert "whole groups" in " ".join(capsys.readouterr().out.split())
+
+
 def test_train_cpu_defaults_save_memory_and_the_launcher_refuses_what_does_not_fit(tiny, tmp_path, monkeypatch, capsys):
     args = train.parse_args(["--model", str(tiny), "--device", "cpu"])
-    assert args.grad_checkpoint is True and args.micro_batch == 4
+    assert args.grad_checkpoint is True and args.micro_tokens == 1024
     ours, _ = M.load_model(str(tiny))
     params = sum(p.numel() for p in ours.parameters())
     assert train.count_params(str(tiny)) == params

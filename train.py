@@ -110,6 +110,7 @@ class Group:
     rewards: list      # one per completion
     arrived: int = 0   # the receiver's round in which an external group came
     logprobs: list = None  # each completion's sampling log-probs (an external one's: its sender's, or None)
+    external: bool = False  # taken from the swarm (external_group), not sampled by this peer
 
 
 def retokenise(tokenizer, text, stopped, stop_id, max_new_tokens):
@@ -144,7 +145,7 @@ def external_group(tokenizer, g, stop_id, max_new_tokens, one_shot, log, system=
     if len(set(rewards)) < 2:
         return None
     same = g.get("tokenizer") == tokenizer_fingerprint(tokenizer)  # then swarm.py checked the sender's ids, log-probs
-    return Group(g, reward.prompt_ids(tokenizer, g, one_shot, system), ids, texts, stopped, rewards, logprobs=[
+    return Group(g, reward.prompt_ids(tokenizer, g, one_shot, system), ids, texts, stopped, rewards, external=True, logprobs=[
         g["logprobs"][k][:len(c)] if same and g["token_ids"][k][:len(c)] == c else None for k, c in enumerate(ids)])
 
 
@@ -259,34 +260,35 @@ class Algorithm1:
         return external, dict(external_available=len(fetched), external_survived=len(fresh))
 
     def batch(self, groups):
-        """The groups as GRPO's batch: rows (prompt ids, completion ids), rewards, and group-normalised
-        advantages, one per row."""
-        rows = [(g.prompt, c) for g in groups for c in g.completions]
+        """The groups as GRPO's batch: (prompt ids, [completion ids, ...]) each, to be packed into one row,
+        the rewards, and group-normalised advantages, one per completion."""
         rewards = torch.tensor([x for g in groups for x in g.rewards])
-        return rows, rewards, grpo.group_advantages(rewards, [len(g.rewards) for g in groups], self.args.adv_scale)
+        advantages = grpo.group_advantages(rewards, [len(g.rewards) for g in groups], self.args.adv_scale)
+        return [(g.prompt, g.completions) for g in groups], rewards, advantages
 
     def behaviour(self, groups):
-        """Per row: with --shared-logprobs, a shared completion's sender log-probs (external_group's), else None."""
-        return [lp if "peer" in g.item else None for g in groups for lp in g.logprobs or [None] * len(g.completions)
+        """Per completion: with --shared-logprobs, an external one's sender log-probs (external_group's), else None."""
+        return [lp if g.external else None for g in groups for lp in g.logprobs or [None] * len(g.completions)
                 ] if self.args.shared_logprobs else None
 
     def update(self, groups):
         """Step 6: group-normalised advantages, then a GRPO step (grpo.step) unless they are all zero; the
         sampling copy gets the new weights. Returns the step's stats; `stepped` says whether it stepped."""
         a = self.args
-        rows, _, adv = self.batch(groups)
+        batch, _, adv = self.batch(groups)
         if not bool((adv != 0).any()):
             return dict(stepped=False, zero_adv_frac=1.0, train_tok_per_s=0.0)
         t0 = time.time()
-        stats = grpo.step(self.model, self.opt, rows, adv.tolist(), self.pad_id, self.stop_ids, a.micro_batch,
-                          a.inner_steps, a.max_grad_norm, a.temperature, self.ref_model, self.behaviour(groups),
-                          epsilon=a.epsilon, epsilon_high=a.epsilon_high, beta=a.beta, loss_type=a.loss_type,
-                          max_tokens=a.max_new_tokens)
+        stats = grpo.step(self.model, self.opt, batch, adv.tolist(), pad_id=self.pad_id, stop_ids=self.stop_ids,
+                          micro_tokens=a.micro_tokens, inner_steps=a.inner_steps, max_grad_norm=a.max_grad_norm,
+                          temperature=a.temperature, ref_model=self.ref_model, behaviour=self.behaviour(groups),
+                          autocast_dtype=self.amp_dtype, epsilon=a.epsilon, epsilon_high=a.epsilon_high, beta=a.beta,
+                          loss_type=a.loss_type, max_tokens=a.max_new_tokens)
         if self.sampler is not self.model:
             with torch.no_grad():
                 for ps, pm in zip(self.sampler.parameters(), self.model.parameters()):
                     ps.copy_(pm)
-        tokens = sum(len(c) for _, c in rows)
+        tokens = sum(len(c) for g in groups for c in g.completions)
         return dict(stats, stepped=True, train_tok_per_s=tokens / max(time.time() - t0, 1e-9))
 
     def log_round(self, r, collected, external, counts, stats, seconds):
@@ -386,14 +388,14 @@ def device_flag():  # --device alone, which parse_args reads first; parser takes
 
 def parser(device, I, J):
     """Every flag, with its meaning and its default on `device`, I and J among them. With the small
-    defaults (a CPU: ~100x slower, several peers in its memory) smaller I, J, G and completions, and
-    micro-batches of 4 with recomputed activations."""
+    defaults (a CPU: ~100x slower, several peers in its memory) smaller I, J, G, completions and
+    micro-batches, with recomputed activations."""
     cpu = small_defaults(device)  # a CPU's defaults, which any device but a CUDA GPU gets
     p = argparse.ArgumentParser(description="SAPO: swarm sampling policy optimization (arXiv 2509.08721)",
                                 formatter_class=Help, allow_abbrev=False, parents=[device_flag()],
                                 epilog=f"The defaults shown are this machine's ({device}): "
-                                       + ("smaller than a GPU's (4, 4, 8, 256, 16, off) for --local, --external, "
-                                          "--generations, --max-new-tokens, --micro-batch and --grad-checkpoint."
+                                       + ("smaller than a GPU's (4, 4, 8, 256, 8192, off) for --local, --external, "
+                                          "--generations, --max-new-tokens, --micro-tokens and --grad-checkpoint."
                                           if cpu else "a CPU's are smaller, see the README.") + " " + BAR_HELP)
     a = p.add_argument
     # what to run
@@ -434,7 +436,9 @@ def parser(device, I, J):
     a("--adv-scale", default="group", choices=["group", "batch", "none"], help="advantage normalisation")
     a("--inner-steps", type=at_least(1), default=1, help="optimizer steps on each round's batch (1: one step per round)")
     a("--max-grad-norm", type=positive, default=1.0, help="gradient clipping norm")
-    a("--micro-batch", type=at_least(1), default=4 if cpu else 16, help="completions per forward and backward pass")
+    a("--micro-tokens", type=at_least(1), default=1024 if cpu else 8192,
+      help="tokens per forward and backward pass: whole groups, each packed into one row (a longer group goes alone)")
+    a("--micro-batch", type=matching("(?!)", "left out: now --micro-tokens, tokens of whole groups"), help=argparse.SUPPRESS)
     a("--grad-checkpoint", action=argparse.BooleanOptionalAction, default=cpu,
       help="recompute activations in the backward pass")
     a("--shared-logprobs", action=argparse.BooleanOptionalAction, default=False,

@@ -1723,7 +1723,7 @@ def print_parity(n):
 
 COMPONENTS = ["reward.py", "model.py", "sample.py", "grpo.py", "swarm.py", "train.py"]  # the README's order
 MARKER = "# ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----"
-BUDGETS = dict(reading=1700, whole=4300, function=60, readme=250)  # lines: reading path, six files, a function, README
+BUDGETS = dict(reading=1700, whole=4550, function=60, readme=250)  # lines: reading path, six files, a function, README
 
 
 def line_counts(folder=HERE):

@@ -109,7 +109,7 @@ FAMILIES = [("llama", True), ("llama", False), ("qwen2", False), ("qwen2", True)
 
 def test_the_reading_path_fits_its_budget():
     """Every component file has the one marker line; the six reading paths (each file up to its marker)
-    add up to at most 1,700 lines, the six whole files to at most 4,300, no function is longer than 60
+    add up to at most 1,700 lines, the six whole files to at most 4,550, no function is longer than 60
     lines, and the README has at most 250 (bench.py --lines)."""
     import bench
     rows = bench.line_counts()

@@ -1586,6 +1586,7 @@ def bench_attack(args):
                "client vs poisoned reads": attack_poisoned_reads, "client vs large Redis replies": attack_redis_reply,
                "memory and disk": attack_memory,
                "memory and disk, largest bodies": lambda: attack_memory(256, 512, 16, largest=True),
+               "sybil: one writer under many names": lambda: attack_sybil(20 if q else 100, reads=20 if q else 100),
                "impersonation: posting as alice": lambda: attack_impersonation(3 if q else 10, 20 if q else 100),
                "flood: one writer at full rate under --keep-bytes 4M": lambda: attack_flood_writer(4 if q else 20),
                "write queue: many writer connections": lambda: attack_write_queue(50 if q else 500, 4 if q else 15),

@@ -119,12 +119,12 @@ class Store:
 
     def sample(self, k, exclude, seed):
         """K groups drawn from the window, none of them `exclude`'s -> (their JSON texts, last seq). The
-        window is decided here, never by what a sender claims: each writer's newest Limits.window_batches
-        batches by arrival, if its newest arrived within Limits.window_seconds (self.drawable). K times: a
-        writer uniformly among those with window groups left, then one of those uniformly. So each writer has
-        the same chance whatever its speed or I, and a reply holds at most K groups (it stops past
-        Limits.page_bytes) whatever the swarm's size. The same state and seed give the same draw. Cost: K
-        draws, whatever the number of writers (a writer drawn dry is swapped out of the first n places)."""
+        window is decided here, never by what a sender claims: each writer's newest Limits.window_batches (2)
+        batches by arrival, if its newest arrived within Limits.window_seconds (600) (self.drawable). K times:
+        a writer uniformly among those with window groups left, then one of those uniformly. So each writer
+        has the same chance whatever its speed or I, and a reply holds at most K groups (it stops past
+        Limits.page_bytes, 1 MB) whatever the swarm's size. The same state and seed give the same draw. Cost:
+        K draws, whatever the number of writers (a writer drawn dry is swapped out of the first n places)."""
         rng, texts, size, left, moved = random.Random(seed), [], 0, {}, {}
         with self.lock:
             self._expire(time.time() - Limits.window_seconds)

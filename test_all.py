@@ -2254,6 +2254,13 @@ def test_swarm_fuzzed_requests_never_get_a_5xx(_sw_server):
     assert requests.get(url + "/health", timeout=5).json()["ok"] is True
 
 
+def test_swarm_store_sample_states_the_window_limits_hold():
+    """Store.sample's rule, above the marker, gives the values of the Limits below it that it reads."""
+    doc, L = " ".join(swarm.Store.sample.__doc__.split()), swarm.Limits
+    assert f"window_batches ({L.window_batches})" in doc and f"window_seconds ({L.window_seconds})" in doc
+    assert f"page_bytes, {L.page_bytes >> 20} MB" in doc
+
+
 def test_swarm_bench_attack_runs_every_attack_bench_py_defines():
     """bench.py --attack runs every attack_* case the file holds (a case left out of its table measures
     nothing, and docs/swarm.md quotes them all)."""

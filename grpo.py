@@ -124,7 +124,7 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_hig
         raise ValueError("beta > 0 needs ref_logprobs from a reference model; pass them or set beta to 0.")
     B, T = logprobs.shape
     M = mask.to(logprobs.dtype)
-    A = advantages.detach().to(logprobs.dtype)[:, None]                     # (B, 1)
+    A = advantages.detach().to(logprobs.device, logprobs.dtype)[:, None]    # (B, 1)
     ratio = torch.exp((logprobs - old_logprobs.detach()).clamp(max=20))    # e^20: finite, past any clip
     per_token = -torch.min(ratio * A, ratio.clamp(1 - epsilon, 1 + epsilon_high) * A)
     if dual_clip is not None:
@@ -218,7 +218,7 @@ def step(model, opt, groups, advantages, *, pad_id, stop_ids, micro_tokens=4096,
     (None: float32); loss_settings: grpo_loss's (max_tokens: the longest completion by default). Returns
     the last step's stats over the batch: grpo_loss's, loss, grad_norm, zero_adv_frac."""
     device = model.lm_head.weight.device
-    adv = torch.tensor(advantages, dtype=torch.float64, device=device)  # grpo_loss casts it to the log-probs'
+    adv = torch.tensor(advantages, dtype=torch.float64)  # on the CPU (mps has no float64); grpo_loss moves it
     n = max(1, micro_tokens // max(len(p) + sum(map(len, cs)) for p, cs in groups))  # groups per micro-batch
     parts = [pack(groups[i:i + n], pad_id, stop_ids, device) for i in range(0, len(groups), n)]
     first = [sum(len(batch["M"]) for batch in parts[:k]) for k in range(len(parts))]  # each one's first row

@@ -508,7 +508,7 @@ def bench_stores(peers=200, rounds=3, local=4, sample=16, workers=8):
             proc, url = _server(os.path.join(folder, store))[:2] if store == "http" else \
                 _redis_server(os.path.join(folder, store))
             kind = swarm.HttpTransport if store == "http" else swarm.RedisTransport
-            transports, sessions = [kind(url, f"peer{k:05d}", None) for k in range(peers)], threading.local()
+            transports, http = [kind(url, f"peer{k:05d}", None) for k in range(peers)], threading.local()
 
             def post(k, r):
                 groups = [swarm._dumps(g) for g in _groups(f"peer {k} round {r}", local)]
@@ -519,9 +519,9 @@ def bench_stores(peers=200, rounds=3, local=4, sample=16, workers=8):
                 if query == "sampled":
                     size = sum(n for _, n in transports[k].sample(sample, random.getrandbits(63)))
                     return 1000 * (time.perf_counter() - t), size
-                sessions.s = getattr(sessions, "s", None) or requests.Session()
+                http.s = getattr(http, "s", None) or requests.Session()  # one connection pool a thread
                 while True:  # a cursor read takes pages until it is level
-                    page = sessions.s.get(f"{url}/rollouts?after={after}&exclude=peer{k:05d}", timeout=60).json()
+                    page = http.s.get(f"{url}/rollouts?after={after}&exclude=peer{k:05d}", timeout=60).json()
                     size += len(swarm._dumps(page["groups"]))
                     if page["next"] in (after, page["last"]):
                         position[k] = page["next"]

@@ -593,7 +593,8 @@ class RolloutStore(Store):
                 dropped.add(batch.seq)
             if not kept:
                 del self.batches[writer]
-                self._undraw(writer) if writer in self.fresh else None
+                if writer in self.fresh:
+                    self._undraw(writer)
         self.index = [entry for entry in self.index if entry[3] not in dropped]
         while len(self.gone) > min(Limits.replies, max(16, self.keep_bytes // 4096)):  # (a reply takes at most
             del self.replies[self.gone.popleft()]  # 512 bytes in the two copies: an eighth of --keep-bytes in all)
@@ -1118,7 +1119,7 @@ class Refused(Exception):
 
 def _check_client(peer, sample):
     if not isinstance(peer, str) or not NAME.fullmatch(peer):
-        raise ValueError(f"peer must be a name matching {NAME.pattern}.")
+        raise ValueError(f"peer must be a name of {NAMES}.")
     if type(sample) is not int or not 1 <= sample <= Limits.sample_groups:
         raise ValueError(f"sample must be a whole number from 1 to {Limits.sample_groups}.")
 
@@ -1580,7 +1581,8 @@ def render_page(snap, groups=(), score=None):
                        title="local_reward per round (dots), mean of the last 5 rounds (lines)")
     newest = {g["peer"]: g for g in groups if g["peer"] in drawn}  # the last group of each peer wins
     said = "".join(f"<h3>{html.escape(p)}, round {g['round']}: {html.escape(g['question'][:300])}</h3>"
-                   + "".join(f"<pre>{f'reward {score(g, c):g}: ' if score else ''}{html.escape(c[:500])}</pre>" for c in g["completions"][:2])
+                   + "".join(f"<pre>{f'reward {score(g, c):g}: ' if score else ''}{html.escape(c[:500])}</pre>"
+                             for c in g["completions"][:2])
                    for p, g in sorted(newest.items()))
     rows, models = [], {g["peer"]: g.get("model", "") for g in groups}
     for peer, info in sorted(snap["peers"].items()):

@@ -791,7 +791,7 @@ def without(argv, flag):
 
 def start_peer(args, argv, k, url, children, token=None):
     """Peer k as a child process: this command line's flags (a later flag wins) with its own name, seed
-    (peer_seed), model (peer_model), the server's URL and the run folder, and its token (else --token) in its
+    (peer_seed), model (the models in turn), the server's URL and the run folder, and its token (else --token) in its
     environment. It reads the flags as the launcher did: the same machine, so the same defaults; --tasks auto
     as the launcher resolved it, so peers of different models draw from the same task families."""
     name, mixed = f"peer{k}", args.tasks == "auto" and len(args.models) > 1

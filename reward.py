@@ -10,10 +10,8 @@ formats, same partial credit); each generator follows the paper's config with ou
 wording, so items are alike, not identical (`python bench.py --parity`).
 
 Deviations, and why:
-- Where our families differ from ReasoningGym's, for fewer lines or to skip degenerate items (43 of
-  its 77 arc_1d rules, 134 bf words, a basic_arithmetic division that rounds or a propositional_logic
-  item without a conclusion worth 1.0 drawn again, answers over 2,000 characters scoring 0 where
-  parsing is not linear time, ast.literal_eval for rg's eval()), docs/rewards.md lists each difference.
+- Our families differ from ReasoningGym's in places, for fewer lines or to skip degenerate items (43
+  of its 77 arc_1d rules, 134 bf words, ...); docs/rewards.md lists each difference.
 - The paper's code never rewards propositional_logic (its items have no answer, worth 0: rl-swarm
   rgym_exp/src/rewards.py). We use rg's scorer: 1.0 for a non-trivial conclusion that follows.
 - Trust: the paper's peers score shared rollouts against the sender's ground truth, an open problem
@@ -43,7 +41,8 @@ from fractions import Fraction
 # ReasoningGym's default system prompt, which the paper's code uses: reasoning_gym 0.1.25,
 # reasoning_gym/utils.py SYSTEM_PROMPTS["default"], chosen in rl-swarm rgym_exp/src/data.py.
 RG_SYSTEM_PROMPT = (
-    "Given a problem, your task is to answer the question by thinking step-by-step in a clear and specific manner.\n"
+    "Given a problem, your task is to answer the question by thinking step-by-step "
+    "in a clear and specific manner.\n"
     "Once you have thought about the reasoning process, provide the answer in the following format:\n"
     "<answer>answer here</answer>\n"
     "Do not explain your reasoning inside the answer tags, provide only the final answer. When an example is "
@@ -62,7 +61,7 @@ EASY_TASKS = ["one_digit_addition", "one_digit_multiplication", "two_digit_addit
 TASKS = {}  # name -> Task, filled as each family below is defined
 
 # -----------------------------------------------------------------------------
-# the contract: extract_answer, Task, score, verify_item, solution, prompt_ids, get_task, task_names
+# the contract: extract_answer, Task, score, verify_item, solution, prompt_ids, get_task
 
 
 def extract_answer(text):
@@ -81,16 +80,18 @@ def extract_answer(text):
 
 
 class Task:
-    """One task family: make(rng, **config) -> (question, answer, metadata), drawing only from rng,
-    config being its entry of PAPER_CONFIGS (none for an easy family); score_answer(answer, item) ->
-    reward in [0, 1] of an extracted answer (None for none; raising scores 0), by default ReasoningGym's
-    default rule; WORKING, the worked example's line of working, filled in with the item's answer and
-    metadata (or a working(item) of its own).
+    """One task family. make(rng, **config) returns (question, answer, metadata), drawing only from rng;
+    config is the family's entry of PAPER_CONFIGS (an easy family has none). score_answer(answer, item)
+    is the reward in [0, 1] of an extracted answer (None if there is none; raising scores 0), by default
+    ReasoningGym's default rule. WORKING is the worked example's line of working, filled in with the
+    item's answer and metadata (or the family has a working(item) of its own).
 
-    An item is trusted by making it again: a seeded family (the paper's nine) makes it from
-    random.Random(seed), recorded as metadata["seed"]; an unseeded one (the easy families) from the
-    caller's rng, recording every value drawn as metadata, which verify() replays to make() (_Replay)."""
+    An item is trusted by making it again. A seeded family (the paper's nine) makes it from
+    random.Random(seed) and records the seed as metadata["seed"]; an unseeded one (the easy families)
+    draws from the caller's rng and records every value it drew as metadata, which verify() replays to
+    make() (_Replay)."""
 
+    name = ""  # the family's name, its key in TASKS
     seeded = True
     max_answer_chars = None  # a longer answer scores 0 (for scorers whose parsing is not linear time)
     WORKING = ""
@@ -127,8 +128,9 @@ class Task:
             fresh = self.from_seed(meta["seed"])
         else:
             return False
+        # compared as JSON text, which tells 1, 1.0 and True apart
         return all(json.dumps(item[k], sort_keys=True) == json.dumps(fresh[k], sort_keys=True)
-                   for k in ("question", "answer", "metadata"))  # as JSON text, which tells 1, 1.0 and True apart
+                   for k in ("question", "answer", "metadata"))
 
 
 class _Replay:
@@ -182,8 +184,8 @@ def verify_item(item, tasks=None):
 
 def _task_of(item):
     """The Task of a well-formed item (a known task, a str question and answer, dict metadata), else None."""
-    if not (isinstance(item, dict) and all(isinstance(item.get(k), str) for k in ("task", "question", "answer"))
-            and isinstance(item.get("metadata"), dict)):
+    if not (isinstance(item, dict) and isinstance(item.get("metadata"), dict)
+            and all(isinstance(item.get(k), str) for k in ("task", "question", "answer"))):
         return None
     try:
         return get_task(item["task"])
@@ -202,7 +204,7 @@ def prompt_ids(tokenizer, item, one_shot, system="default"):
     a fixed item of the family and its solution], the question, the assistant's turn (the chat template)."""
     messages = [{"role": "system", "content": SYSTEM_PROMPTS[system]}]
     if one_shot:
-        with contextlib.suppress(Exception):  # a family this peer cannot generate (e.g. rg: without reasoning_gym)
+        with contextlib.suppress(Exception):  # no example where the family cannot be made here
             example = get_task(item["task"]).generate(random.Random(f"one-shot example of {item['task']}"))
             messages += [{"role": "user", "content": example["question"]},
                          {"role": "assistant", "content": solution(example)}]
@@ -222,23 +224,8 @@ def get_task(name):
                      f"and rg:paper, and rg:NAME for any reasoning_gym dataset.")
 
 
-def task_names(spec):
-    """The task names that a --tasks value selects: a comma list of task names and the groups "paper"
-    (the nine), "easy" and "rg:paper" (the nine from reasoning_gym, with the paper's configs).
-    task_names("rg:paper,easy") -> ["rg:base_conversion", ..., "two_digit_addition"]."""
-    groups = {"paper": PAPER_TASKS, "easy": EASY_TASKS, "rg:paper": ["rg:" + n for n in PAPER_TASKS]}
-    names = []
-    for part in str(spec).split(","):
-        for name in groups.get(part.strip(), [part.strip()] if part.strip() else []):
-            get_task(name)  # raises ValueError naming the known tasks
-            names.append(name)
-    if not names:
-        raise ValueError("No tasks given: name tasks, or paper, easy or rg:paper.")
-    return names
-
-
 # -----------------------------------------------------------------------------
-# one of the paper's nine families, and one easy family
+# the paper's configs, and one easy family
 
 
 # The generator configs of the paper's code (rl-swarm rgym_exp/src/datasets.yaml, in reasoning_gym's
@@ -257,41 +244,10 @@ PAPER_CONFIGS = {
     "decimal_arithmetic": {"min_terms": 2, "max_terms": 6, "min_num_decimal_places": 1,
                            "max_num_decimal_places": 3, "precision": 5},
     "calendar_arithmetic": {"year": 2023, "offset_upper_bound": 100, "leap_year_range": 200,
-                            "tasks": ["count_days", "weekday_of_date", "is_leap_year", "recurring_event_day"]},
+                            "tasks": ["count_days", "weekday_of_date", "is_leap_year",
+                                      "recurring_event_day"]},
     "binary_matrix": {"min_n": 3, "max_n": 10, "p_zero": 0.25},
 }
-
-
-def _to_base(n, base):
-    """n >= 0 written in base 2..36 with lowercase digits: _to_base(255, 16) -> "ff"."""
-    digits = ""
-    while True:
-        n, r = divmod(n, base)
-        digits = "0123456789abcdefghijklmnopqrstuvwxyz"[r] + digits
-        if n == 0:
-            return digits
-
-
-class BaseConversion(Task):
-    """Convert a number 0..1000 between two different bases 2..16, digits above 9 as lowercase
-    letters: "... convert the base-7 number 1234 to hexadecimal" -> "1d2". ReasoningGym's default
-    rule, so "1D2" and "0x1d2" are not the answer (the latter earns 3/5 partial credit)."""
-
-    name = "base_conversion"
-    WORKING = ("In decimal the number is {decimal_value}; dividing by {target_base} again and again and reading "
-               "the remainders backwards gives {answer}.")
-
-    def make(self, rng, min_base, max_base, min_value, max_value):
-        value = rng.randint(min_value, max_value)
-        source, target = rng.sample(range(min_base, max_base + 1), 2)
-        names = [{2: "binary", 16: "hexadecimal"}.get(base, f"base-{base}") for base in (source, target)]
-        question = ("Convert a number from one base to another. If the target base is above 10, write "
-                    "the digits above 9 as lowercase letters a-z.\n\n"
-                    f"Now, convert the {names[0]} number {_to_base(value, source)} to {names[1]}.")
-        return question, _to_base(value, target), {"decimal_value": value, "source_base": source, "target_base": target}
-
-
-TASKS["base_conversion"] = BaseConversion()
 
 
 _NUMBER_RE = re.compile(r"[+-]?(?:[0-9]{1,60}(?:\.[0-9]{0,60})?|\.[0-9]{1,60})(?:[eE][+-]?[0-9]{1,3})?")
@@ -334,12 +290,59 @@ TASKS.update({name: Arithmetic(name, op, digits) for name, op, digits in [
     ("one_digit_addition", "+", 1), ("one_digit_multiplication", "*", 1), ("two_digit_addition", "+", 2)]})
 
 # ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
+# The --tasks value, the paper's nine families, the other easy families, and the optional bridge
+# to the reasoning_gym package.
+
+
+def task_names(spec):
+    """The task names that a --tasks value selects: a comma list of task names and the groups "paper"
+    (the nine), "easy" and "rg:paper" (the nine from reasoning_gym, with the paper's configs).
+    task_names("rg:paper,easy") -> ["rg:base_conversion", ..., "two_digit_addition"]."""
+    groups = {"paper": PAPER_TASKS, "easy": EASY_TASKS, "rg:paper": ["rg:" + n for n in PAPER_TASKS]}
+    names = []
+    for part in str(spec).split(","):
+        for name in groups.get(part.strip(), [part.strip()] if part.strip() else []):
+            get_task(name)  # raises ValueError naming the known tasks
+            names.append(name)
+    if not names:
+        raise ValueError("No tasks given: name tasks, or paper, easy or rg:paper.")
+    return names
 
 
 # -----------------------------------------------------------------------------
-# the paper's other eight families
+# the paper's nine families
 
 MAX_ANSWER_CHARS = 2_000  # a longer answer scores 0 where parsing is not linear time
+
+
+def _to_base(n, base):
+    """n >= 0 written in base 2..36 with lowercase digits: _to_base(255, 16) -> "ff"."""
+    digits = ""
+    while True:
+        n, r = divmod(n, base)
+        digits = "0123456789abcdefghijklmnopqrstuvwxyz"[r] + digits
+        if n == 0:
+            return digits
+
+
+class BaseConversion(Task):
+    """Convert a number 0..1000 between two different bases 2..16, digits above 9 as lowercase
+    letters: "... convert the base-7 number 1234 to hexadecimal" -> "1d2". ReasoningGym's default
+    rule, so "1D2" and "0x1d2" are not the answer (the latter earns 3/5 partial credit)."""
+
+    name = "base_conversion"
+    WORKING = ("In decimal the number is {decimal_value}; dividing by {target_base} again and again "
+               "and reading the remainders backwards gives {answer}.")
+
+    def make(self, rng, min_base, max_base, min_value, max_value):
+        value = rng.randint(min_value, max_value)
+        source, target = rng.sample(range(min_base, max_base + 1), 2)
+        names = [{2: "binary", 16: "hexadecimal"}.get(base, f"base-{base}") for base in (source, target)]
+        question = ("Convert a number from one base to another. If the target base is above 10, write "
+                    "the digits above 9 as lowercase letters a-z.\n\n"
+                    f"Now, convert the {names[0]} number {_to_base(value, source)} to {names[1]}.")
+        meta = {"decimal_value": value, "source_base": source, "target_base": target}
+        return question, _to_base(value, target), meta
 
 
 def _evaluate(node, number=Decimal, divide=operator.truediv):
@@ -381,7 +384,8 @@ class BasicArithmetic(Task):
 
     name = "basic_arithmetic"
     TEMPLATES = ("What is {}?", "Calculate {}.", "Compute {}.", "Evaluate: {}.")
-    WORKING = "Multiply and divide before adding and subtracting, innermost parentheses first: {expression} = {answer}."
+    WORKING = ("Multiply and divide before adding and subtracting, innermost parentheses first: "
+               "{expression} = {answer}.")
 
     def _terms(self, rng, n, digits):
         """The tokens of an expression of n numbers: a first part of k numbers (a group in parentheses,
@@ -410,10 +414,11 @@ class BasicArithmetic(Task):
         divisor = rng.choice(_divisors(dividend)) if dividend else rng.randint(1, 10**digits - 1)
         return left + ["/", str(divisor)] + (["+"] + rest if rest else [])
 
-    def make(self, rng, min_terms, max_terms, min_digits, max_digits, **fixed):  # fixed: + - * /, ( ), negation
+    def make(self, rng, min_terms, max_terms, min_digits, max_digits, **fixed):  # fixed: the operators
         while True:
             terms, digits = rng.randint(min_terms, max_terms), rng.randint(min_digits, max_digits)
-            with contextlib.suppress(ArithmeticError):  # a division that rounds, or a dividend too large to factor
+            # a division that rounds, or a dividend too large to factor, draws again
+            with contextlib.suppress(ArithmeticError):
                 expression = " ".join(self._terms(rng, terms, digits))
                 value = _int_value(expression)
                 break
@@ -434,7 +439,8 @@ class DecimalArithmetic(Task):
         if len(numbers) == 1:
             return numbers[0]
         k = rng.randint(1, len(numbers) - 1)
-        text = self._group(rng, numbers[:k], ops[:k - 1]) + ops[k - 1] + self._group(rng, numbers[k:], ops[k:])
+        left, right = self._group(rng, numbers[:k], ops[:k - 1]), self._group(rng, numbers[k:], ops[k:])
+        text = left + ops[k - 1] + right
         return f"({text})" if rng.random() < 0.5 else text
 
     def make(self, rng, min_terms, max_terms, min_num_decimal_places, max_num_decimal_places, precision):
@@ -474,8 +480,9 @@ class FractionSimplification(Task):
         form = self.STYLES[style]
         question = (f"Simplify the fraction {form.format(p * k, q * k)} to lowest terms. Give only the "
                     f"simplified fraction, written the same way, as your answer.")
-        return question, form.format(p, q), {"numerator": p * k, "denominator": q * k, "simplified_numerator": p,
-                                             "simplified_denominator": q, "style": style}
+        meta = {"numerator": p * k, "denominator": q * k, "simplified_numerator": p,
+                "simplified_denominator": q, "style": style}
+        return question, form.format(p, q), meta
 
     def score_answer(self, answer, item):
         meta = item["metadata"]
@@ -496,7 +503,8 @@ class FractionSimplification(Task):
 
 
 _DAYS = "Monday Tuesday Wednesday Thursday Friday Saturday Sunday".split()  # English in any locale
-_MONTHS = [""] + "January February March April May June July August September October November December".split()
+_MONTHS = [""] + ("January February March April May June July August September October November "
+                  "December").split()
 
 
 def _long_date(d, weekday=False):
@@ -514,10 +522,11 @@ class CalendarArithmetic(Task):
     name = "calendar_arithmetic"
     ORDINALS = ("first", "second", "third", "fourth", "last")
     WORKING_OF_KIND = {
-        "weekday_of_date": "January 1, 2023 was a Sunday; count the days from it and take the remainder after "
-                           "dividing by 7.",
+        "weekday_of_date": "January 1, 2023 was a Sunday; count the days from it and take the remainder "
+                           "after dividing by 7.",
         "count_days": "List the {weekday}s from {start_date} to {end_date}, and count them.",
-        "is_leap_year": "A leap year is divisible by 4, except century years, which must be divisible by 400.",
+        "is_leap_year": "A leap year is divisible by 4, except century years, "
+                        "which must be divisible by 400.",
         "recurring_event_day": "Find the first {weekday} of the month, then add 7 days per week."}
 
     def make(self, rng, year, offset_upper_bound, leap_year_range, tasks):
@@ -528,11 +537,13 @@ class CalendarArithmetic(Task):
             return (f"What day of the week was {_long_date(day)}? Answer with the weekday's full name.",
                     _DAYS[day.weekday()], {"task": task, "target_date": day.isoformat()})
         if task == "count_days":
-            start = datetime.date(year, 1, 1) + datetime.timedelta(rng.randint(0, 364 + calendar.isleap(year)))
+            day_of_year = rng.randint(0, 364 + calendar.isleap(year))
+            start = datetime.date(year, 1, 1) + datetime.timedelta(day_of_year)
             span = min(offset_upper_bound, (datetime.date(year, 12, 31) - start).days)
             end = start + datetime.timedelta(rng.randint(0, span))
             weekday = rng.randrange(7)
-            count = sum((start + datetime.timedelta(i)).weekday() == weekday for i in range((end - start).days + 1))
+            dates = [start + datetime.timedelta(i) for i in range((end - start).days + 1)]
+            count = sum(d.weekday() == weekday for d in dates)
             question = (f"How many {_DAYS[weekday]}s are there from {_long_date(start, True)} to "
                         f"{_long_date(end, True)}, counting both dates? Answer with a number.")
             return question, str(count), {"task": task, "year": year, "start_date": start.isoformat(),
@@ -543,7 +554,8 @@ class CalendarArithmetic(Task):
                     {"task": task, "year": y, "is_leap": calendar.isleap(y)})
         month, ordinal, weekday = rng.randint(1, 12), rng.choice(self.ORDINALS), rng.randrange(7)
         days = [d for d, w in calendar.Calendar().itermonthdays2(year, month) if d and w == weekday]
-        day = days[-1] if ordinal == "last" else days[self.ORDINALS.index(ordinal)]  # every month has 4 of each
+        # every month has at least 4 of each weekday
+        day = days[-1] if ordinal == "last" else days[self.ORDINALS.index(ordinal)]
         question = (f"A meeting is held on the {ordinal} {_DAYS[weekday]} of {_MONTHS[month]} {year}. "
                     f"On which day of the month is it? Answer with a number, or -1 if there is no such day.")
         return question, str(day), {"task": "recurring_event_day", "year": year, "month": month,
@@ -553,7 +565,9 @@ class CalendarArithmetic(Task):
         task, oracle = item["metadata"]["task"], item["answer"]
         if task == "weekday_of_date":
             answer = answer.strip()
-            return 1.0 if answer == oracle else 0.1 if answer in _DAYS else 0.05 if answer.title() in _DAYS else 0.0
+            if answer == oracle:
+                return 1.0
+            return 0.1 if answer in _DAYS else 0.05 if answer.title() in _DAYS else 0.0
         if task == "is_leap_year":
             return float(answer.strip().lower() == oracle.lower())
         a, o = int(answer.strip()), int(oracle.strip())  # count_days, recurring_event_day; "4.0" raises: 0
@@ -612,13 +626,14 @@ def _bf_print(text):
 
 
 # common five-letter words (ReasoningGym prints words from a Wordle list)
-_WORDS = """about above actor agent album alive angle arena award basic beach black board brain brave brick bring brown
-build candy chair charm cheap chest child clean clear cloud cover craft cream curve dream dress drink eagle earth empty
-enjoy error extra faith field flame focus frame fresh fruit glass grace grain grass guard guest guide heart hotel house
-human juice large laugh layer level lucky lunch magic match model money month music noble north novel offer paint paper
-party phone piece pilot place plate power price prize queen quiet radio range ready robot round royal scale sense shape
-share shelf short skill sleep smile solid sound space sport stone storm story sunny table taste teach thing toast today
-tower trade trust truth uncle upper value video visit watch wheel white whole write youth zebra""".split()
+_WORDS = """about above actor agent album alive angle arena award basic beach black board brain brave brick
+bring brown build candy chair charm cheap chest child clean clear cloud cover craft cream curve dream dress
+drink eagle earth empty enjoy error extra faith field flame focus frame fresh fruit glass grace grain grass
+guard guest guide heart hotel house human juice large laugh layer level lucky lunch magic match model money
+month music noble north novel offer paint paper party phone piece pilot place plate power price prize queen
+quiet radio range ready robot round royal scale sense shape share shelf short skill sleep smile solid sound
+space sport stone storm story sunny table taste teach thing toast today tower trade trust truth uncle upper
+value video visit watch wheel white whole write youth zebra""".split()
 
 
 class BF(Task):
@@ -646,7 +661,8 @@ def _parse_logic(s):
     if not s:
         raise ValueError("empty formula")
     if s[0] == "(" and s[-1] == ")":
-        depths = list(itertools.accumulate(map({"(": 1, ")": -1}.get, s[1:-1], itertools.repeat(0)), initial=0))
+        steps = map({"(": 1, ")": -1}.get, s[1:-1], itertools.repeat(0))
+        depths = list(itertools.accumulate(steps, initial=0))
         if min(depths) == 0 == depths[-1]:  # one pair around it all
             return _parse_logic(s[1:-1])
     for op in (op for op in "↔→∨∧" if op in s):
@@ -721,7 +737,8 @@ class PropositionalLogic(Task):
         listed = "\n".join(f"{i}. {p}" for i, p in enumerate(premises, 1))
         question = ("This is a propositional logic question. Given the premises below, state a conclusion "
                     "that follows from them; a bare variable or a tautology earns partial credit only.\n"
-                    "Write it with these symbols: ∨ (or), ∧ (and), → (implies), ↔ (if and only if), ¬ (not).\n\n"
+                    "Write it with these symbols: ∨ (or), ∧ (and), → (implies), ↔ (if and only if), "
+                    "¬ (not).\n\n"
                     f"Premises:\n{listed}\n\nWhat can we conclude from the above statements?")
         return question, answer, {"premises": premises, "variables": variables}
 
@@ -729,7 +746,8 @@ class PropositionalLogic(Task):
         meta = item["metadata"]
         if any(v not in meta["variables"] for v in re.findall("[A-Z]", answer)):
             return 0.0
-        return self._grade([_parse_logic(p) for p in meta["premises"]], _parse_logic(answer))  # no formula: raises, 0
+        premises = [_parse_logic(p) for p in meta["premises"]]
+        return self._grade(premises, _parse_logic(answer))  # an answer that is no formula raises: 0
 
 
 def _row(n, start, block):
@@ -816,13 +834,16 @@ def _arc_touch(rng, n):
 # have, except that gravity rules here are named after the side the cells move to.
 ARC_RULES = {f"move_{k}pix_{'solid' if solid else 'colorful'}{'_wrapped' if wrap else ''}_{side}":
              (_arc_move, {"k": k, "solid": solid, "wrap": wrap}, side == "left")
-             for k in (1, 2, 3, 4) for solid in (True, False) for wrap in (False, True) for side in ("right", "left")}
+             for k in (1, 2, 3, 4) for solid in (True, False) for wrap in (False, True)
+             for side in ("right", "left")}
 ARC_RULES.update({f"{kind}_{side}": (_arc_scattered, {"kind": kind}, side == "right")
-                  for kind in ("gravity", "gravity_counting", "gravity_one_step") for side in ("left", "right")})
+                  for kind in ("gravity", "gravity_counting", "gravity_one_step")
+                  for side in ("left", "right")})
 ARC_RULES.update({"change_to_five": (_arc_scattered, {"kind": "change_to_five"}, False),
                   "two_points_and_fill": (_arc_fill, {}, False),
                   "reflect_block_with_border_pixel": (_arc_reflect, {}, False),
-                  "move_block_by_own_size": (_arc_own_size, {}, False), "block_touch_dot": (_arc_touch, {}, False)})
+                  "move_block_by_own_size": (_arc_own_size, {}, False),
+                  "block_touch_dot": (_arc_touch, {}, False)})
 
 
 class Arc1D(Task):
@@ -838,15 +859,18 @@ class Arc1D(Task):
         fn, kwargs, mirrored = ARC_RULES[rule]
         pairs = [fn(rng, n, **kwargs) for _ in range(num_train + 1)]  # (input row, output row)
         pairs = [[row[::-1] for row in pair] if mirrored else pair for pair in pairs]
-        lines = ["Find the common rule that maps each input grid to its output grid in the examples below.", ""]
+        lines = ["Find the common rule that maps each input grid to its output grid in the examples below.",
+                 ""]
         for i, (inp, out) in enumerate(pairs[:-1], 1):
             lines += [f"Example {i}:", f"Input:  {_grid([inp])}", f"Output: {_grid([out])}", ""]
-        lines += ["Below is a test input grid. Work out the rule, explain how you found it, then give the output grid "
-                  "for the test input; your final answer is just that grid.", "", "Input:", _grid([pairs[-1][0]])]
+        lines += ["Below is a test input grid. Work out the rule, explain how you found it, then give the "
+                  "output grid for the test input; your final answer is just that grid.",
+                  "", "Input:", _grid([pairs[-1][0]])]
         return "\n".join(lines), _grid([pairs[-1][1]]), {"task_name": rule, "size": n}
 
     def working(self, item):
-        return f"The rule is {item['metadata']['task_name'].replace('_', ' ')}; applied to the test input it gives:"
+        rule = item["metadata"]["task_name"].replace("_", " ")
+        return f"The rule is {rule}; applied to the test input it gives:"
 
 
 # -----------------------------------------------------------------------------
@@ -874,12 +898,13 @@ class AlphabetPosition(EasyTask):
     def make(self, rng):
         letter = rng.choice(string.ascii_lowercase)
         position = string.ascii_lowercase.index(letter) + 1
-        return f"What is the position of the letter {letter} in the alphabet?", str(position), {"letter": letter}
+        question = f"What is the position of the letter {letter} in the alphabet?"
+        return question, str(position), {"letter": letter}
 
 
 TASKS.update({task.name: task for task in [
-    BasicArithmetic(), Arc1D(), BF(), PropositionalLogic(), FractionSimplification(), DecimalArithmetic(),
-    CalendarArithmetic(), BinaryMatrix(), RepeatNumber(), AlphabetPosition()]})
+    BaseConversion(), BasicArithmetic(), Arc1D(), BF(), PropositionalLogic(), FractionSimplification(),
+    DecimalArithmetic(), CalendarArithmetic(), BinaryMatrix(), RepeatNumber(), AlphabetPosition()]})
 
 # -----------------------------------------------------------------------------
 # optional: the real ReasoningGym generators as tasks named "rg:NAME"
@@ -906,7 +931,8 @@ class ReasoningGymTask(Task):
 
     def __init__(self, rg_name):
         if reasoning_gym is None:
-            raise ValueError(f"Task 'rg:{rg_name}' needs the reasoning_gym package: pip install reasoning-gym==0.1.25.")
+            raise ValueError(f"Task 'rg:{rg_name}' needs the reasoning_gym package: "
+                             "pip install reasoning-gym==0.1.25.")
         self.rg_name, self.name = rg_name, "rg:" + rg_name
         self.config = PAPER_CONFIGS.get(rg_name, {})
         try:

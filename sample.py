@@ -4,9 +4,8 @@ Batched sampling with a preallocated KV cache: how a SAPO peer produces its G co
     generate(model, prompts, num_samples=G, max_new_tokens, temperature, top_k, top_p, eos_token_ids)
 
 1. Prefill. The P prompts (token-id lists of different lengths) are left-padded to one length L and
-   run through the model once, writing their keys and values into a cache preallocated for all
-   B = P * G rows and S = L + max_new_tokens slots. Left padding makes every row write the same slot
-   at every step:
+   run through the model once, writing their keys and values into a cache preallocated for B = P * G
+   rows and S = L + max_new_tokens slots. Left padding makes every row write the same slot each step:
 
        slot:        0    1    2    3  | 4    5  ...      (L = 4)
        prompt 0:   pad  pad   a    b  | s0   s1 ...      RoPE positions  -  -  0  1 | 2  3
@@ -14,9 +13,9 @@ Batched sampling with a preallocated KV cache: how a SAPO peer produces its G co
 
    Pads are never attended to, and each token's RoPE position counts from its own prompt's start, so
    the result equals running every prompt alone.
-2. Decode. One token per row per step: sample from the last logits (temperature, top-k, top-p), feed
-   it back, until every row has produced a stop token or max_new_tokens are out. A completion that
-   stopped ends with its stop token (kept: the policy must learn to stop).
+2. Decode. One token per row per step, sampled from the last logits (temperature, top-k, top-p) and
+   fed back, until every row has produced a stop token or max_new_tokens are out. A completion that
+   stopped keeps its stop token: the policy must learn to stop.
 
 The cache is one plain tensor, (n_layers, 2, B, n_kv_heads, S, head_dim): per layer, keys (0) and
 values (1). Row p * G + g holds sample g of prompt p. The prefill computes each prompt once, into the
@@ -27,11 +26,10 @@ first row of its group (the strided view cache[:, :, ::G]), then copies its L sl
        row 2  prompt 1, sample 0    <- prefill
        row 3  prompt 1, sample 1    <- copy of row 2, slots 0..L-1
 
-The decode step reads the filled slots 0..t; on CUDA the same step with fixed shapes replays as a
-CUDA graph (GraphedDecode, below the marker line; the eager step where it cannot be captured).
-
-The SAPO paper (arXiv 2509.08721) samples with Hugging Face transformers' generate(); this is a
-hand-written replacement with the same semantics (the tests compare greedy outputs token for token).
+The decode step reads the filled slots 0..t; on CUDA it replays as a CUDA graph where it can
+(GraphedDecode, below the marker line). The SAPO paper (arXiv 2509.08721) samples with transformers'
+generate(); this is a hand-written replacement with the same semantics (the tests compare greedy
+outputs token for token).
 """
 
 import random
@@ -98,9 +96,8 @@ def decode_step(model: Transformer, cache, tokens, t, pads, width):
 @torch.no_grad()
 def generate(model: Transformer, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=0,
              top_p=1.0, eos_token_ids=(), seed=None, cuda_graph=True, logprobs=False):
-    """Sample num_samples completions for each prompt (a list of token-id lists).
-
-    Returns len(prompts) * num_samples lists of new token ids, prompt-major: all samples of prompt 0,
+    """Sample num_samples completions for each prompt (a list of token-id lists). Returns
+    len(prompts) * num_samples lists of new token ids, prompt-major: all samples of prompt 0,
     then all of prompt 1, ... A completion that produced a token of eos_token_ids ends with it;
     otherwise it is max_new_tokens long. seed makes the draw reproducible. logprobs=True returns
     (completions, log-probs): for each sampled token its log-prob under the distribution it was drawn
@@ -110,24 +107,26 @@ def generate(model: Transformer, prompts, num_samples=1, max_new_tokens=256, tem
     if max_new_tokens < 1:
         empty = [[] for _ in range(len(prompts) * num_samples)]
         return (empty, [[] for _ in empty]) if logprobs else empty
-    cfg, w = model.cfg, model.lm_head.weight
+    cfg, dtype, device = model.cfg, model.lm_head.weight.dtype, model.lm_head.weight.device
     B, L = len(prompts) * num_samples, max(len(p) for p in prompts)
     if L + max_new_tokens > cfg.max_seq_len:
         raise ValueError(f"prompt ({L} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                          f"{cfg.max_seq_len} positions")
-    generator = None if seed is None else torch.Generator(device=w.device).manual_seed(seed)
-    stop = torch.tensor(list(eos_token_ids), dtype=torch.long, device=w.device)
-    cache = torch.zeros(cfg.n_layers, 2, B, cfg.n_kv_heads, L + max_new_tokens, cfg.head_dim,
-                        device=w.device, dtype=w.dtype)
+    generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+    stop = torch.tensor(list(eos_token_ids), dtype=torch.long, device=device)
+    S = L + max_new_tokens
+    cache = torch.zeros(cfg.n_layers, 2, B, cfg.n_kv_heads, S, cfg.head_dim, device=device, dtype=dtype)
     logits, pads = prefill(model, prompts, num_samples, cache)
 
-    def eager_step(tokens, t):  # read only the filled slots 0..t
-        return decode_step(model, cache, tokens, torch.tensor(t, device=w.device), pads, t + 1)
-    step = graphed_or_eager(model, cache, pads, eager_step) if cuda_graph and w.device.type == "cuda" else eager_step
-    out = torch.zeros(B, max_new_tokens, dtype=torch.long, device=w.device)
-    out_lp = torch.zeros(B, max_new_tokens, device=w.device)
-    done = torch.zeros(B, dtype=torch.bool, device=w.device)
-    check_every = 8 if w.device.type == "cuda" else 1  # asking "all done?" costs a GPU -> CPU sync
+    def eager_step(tokens, t):  # reads only the filled slots 0..t
+        return decode_step(model, cache, tokens, torch.tensor(t, device=device), pads, t + 1)
+    step = eager_step
+    if cuda_graph and device.type == "cuda":
+        step = graphed_or_eager(model, cache, pads, eager_step)
+    out = torch.zeros(B, max_new_tokens, dtype=torch.long, device=device)
+    out_lp = torch.zeros(B, max_new_tokens, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    check_every = 8 if device.type == "cuda" else 1  # asking "all done?" costs a GPU -> CPU sync
     for n in range(1, max_new_tokens + 1):  # at least once: max_new_tokens >= 1 here
         tokens, out_lp[:, n - 1] = sample_token(logits, temperature, top_k, top_p, generator, True)
         out[:, n - 1] = tokens
@@ -141,7 +140,9 @@ def generate(model: Transformer, prompts, num_samples=1, max_new_tokens=256, tem
     for row in out[:, :n].tolist():
         end = next((i + 1 for i, tok in enumerate(row) if tok in stops), len(row))
         completions.append(row[:end])
-    return (completions, [lp[:len(c)] for lp, c in zip(out_lp.tolist(), completions)]) if logprobs else completions
+    if not logprobs:
+        return completions
+    return completions, [lp[:len(c)] for lp, c in zip(out_lp.tolist(), completions)]
 
 
 # ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
@@ -155,7 +156,8 @@ def graphed_or_eager(model, cache, pads, eager_step):
         return GraphedDecode(model, cache, pads)
     except Exception as e:
         why = f"{type(e).__name__}: " + (str(e).splitlines() or [""])[0][:200]  # one line, whatever it says
-        print(f"sample.py: the decode step runs eagerly: capturing it as a CUDA graph failed ({why})", file=sys.stderr)
+        print(f"sample.py: the decode step runs eagerly: capturing it as a CUDA graph failed ({why})",
+              file=sys.stderr)
         return eager_step
 
 
@@ -195,26 +197,35 @@ class GraphedDecode:
 def main(argv=None):
     import argparse
     import reward  # the tasks and the prompt a peer trains with
-    p = argparse.ArgumentParser(description="Four completions of a question, rewarded if it is a --task item.")
-    p.add_argument("model", help="a model folder or Hub id, RUN/PEER/checkpoint-N, or RUN/PEER (its newest checkpoint)")
+    p = argparse.ArgumentParser(description="Four completions of a question, "
+                                            "rewarded if it is a --task item.")
+    p.add_argument("model", help="a model folder or Hub id, RUN/PEER/checkpoint-N, "
+                                 "or RUN/PEER (its newest checkpoint)")
     p.add_argument("question", nargs="?", help="the question (default: an item that --task makes)")
-    p.add_argument("--task", choices=sorted(reward.TASKS), help="a family: it makes the question, or is searched for it")
-    p.add_argument("--seed", type=int, default=0, help="the seed of the draw and of --task's items (default: 0)")
+    p.add_argument("--task", choices=sorted(reward.TASKS),
+                   help="a family: it makes the question, or is searched for it")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the seed of the draw and of --task's items (default: 0)")
     a = p.parse_args(argv)
     if not (a.question or a.task):
         p.error("give a question, or --task to make one")
-    items = [reward.get_task(a.task).generate(random.Random(k)) for k in range(a.seed, a.seed + 1000)] if a.task else []
+    items = []
+    if a.task:
+        items = [reward.get_task(a.task).generate(random.Random(k)) for k in range(a.seed, a.seed + 1000)]
     item = next((x for x in items if x["question"] == (a.question or items[0]["question"])), None)
     try:
         model, tok = load_model(a.model, "cuda" if torch.cuda.is_available() else "cpu")
     except (OSError, ValueError, RuntimeError) as e:
         raise SystemExit(f"sample.py: {e}") from None
     prompt = reward.prompt_ids(tok, item or {"task": None, "question": a.question}, item is not None)
-    outs = generate(model, [prompt], num_samples=4, max_new_tokens=min(256, model.cfg.max_seq_len - len(prompt)),
-                    seed=a.seed, eos_token_ids=model.stop_ids or [tok.eos_token_id])
-    print(f"question: {item['question'] if item else a.question}" + (f"\nanswer: {item['answer']}" if item else ""))
-    for k, text in enumerate(tok.decode(ids, skip_special_tokens=True) for ids in outs):
-        print(f"--- completion {k + 1}" + (f", reward {reward.score(item, text):g}" if item else "") + f":\n{text}")
+    outs = generate(model, [prompt], num_samples=4, seed=a.seed,
+                    max_new_tokens=min(256, model.cfg.max_seq_len - len(prompt)),
+                    eos_token_ids=model.stop_ids or [tok.eos_token_id])
+    print(f"question: {item['question']}\nanswer: {item['answer']}" if item else f"question: {a.question}")
+    for k, ids in enumerate(outs):
+        text = tok.decode(ids, skip_special_tokens=True)
+        scored = f", reward {reward.score(item, text):g}" if item else ""
+        print(f"--- completion {k + 1}{scored}:\n{text}")
 
 
 if __name__ == "__main__":

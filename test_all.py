@@ -5281,19 +5281,6 @@ def test_train_plot_shows_the_local_reward_first(tmp_path, monkeypatch):
     assert len(charts) == 3 and root.get("height") == "360" and len(root.findall("{http://www.w3.org/2000/svg}svg")) == 1
 
 
-def test_train_micro_batch_gives_way_to_micro_tokens_in_one_sentence(tiny, capsys):
-    """Micro-batches hold whole packed groups, bounded in tokens: the old --micro-batch (completions) is
-    refused with one sentence naming --micro-tokens, whatever its value, and --help says what a micro-batch is."""
-    for value in ("4", "16"):
-        with pytest.raises(SystemExit) as e:
-            train.parse_args(["--model", str(tiny), "--device", "cpu", "--micro-batch", value])
-        assert e.value.code == 2 and "--micro-tokens" in capsys.readouterr().err
-    assert train.parse_args(["--model", str(tiny), "--device", "cpu", "--micro-tokens", "512"]).micro_tokens == 512
-    with pytest.raises(SystemExit):
-        train.parse_args(["--help", "--device", "cpu"])
-    assert "whole groups" in " ".join(capsys.readouterr().out.split())
-
-
 def test_train_cpu_defaults_save_memory_and_the_launcher_refuses_what_does_not_fit(tiny, tmp_path, monkeypatch, capsys):
     args = train.parse_args(["--model", str(tiny), "--device", "cpu"])
     assert args.grad_checkpoint is True and args.micro_tokens == 1024

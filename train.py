@@ -7,7 +7,7 @@ SAPO end to end: one peer's round loop (Algorithm 1 of arXiv 2509.08721) and a l
     python train.py --swarm http://HOST:PORT --name alice   # join a swarm running elsewhere
     python train.py --plot runs/NAME           # local reward per round of every peer, as an SVG
 
-One round on one peer (Algorithm1.round, below, which says how a synchronous driver calls its halves):
+One round on one peer (Algorithm1.round, below, which says how a synchronous swarm calls its halves):
   1. draw I questions, one per task family drawn uniformly with replacement (reward.py);
   2. sample G completions of each with the peer's own model (sample.py), and score them;
   3. publish the I groups to the swarm server as decoded text (swarm.py): question, ground truth,
@@ -18,37 +18,29 @@ One round on one peer (Algorithm1.round, below, which says how a synchronous dri
      the *local* verifier, and drop groups that reward.verify_item rejects (a poisoned ground truth)
      or whose rewards are all equal (no advantage); pool the survivors and draw J uniformly;
   6. take one GRPO step on the I + J groups (grpo.py);
-  7. log the round to metrics.jsonl, post it to the dashboard, checkpoint every --save-every rounds
-     (and the last completed round at the end or on Ctrl-C: --resume goes on from it).
+  7. log the round to metrics.jsonl and the dashboard; checkpoint every --save-every rounds.
 Peers never wait for each other: a peer trains on whatever external groups have arrived.
 
-Defaults (parser, below the marker, each declared once): I = 4 local and J = 4 external groups are the
-paper's best configuration (+94% cumulative reward over peers in silo, with 8 Qwen2.5-0.5B peers); its
-baseline in silo trains on 8/0, so a peer with J = 0 or no swarm takes I + J as I. The rest are common
-GRPO settings, matching what the paper's code is described to do where we know it.
-
-Seeds: questions, sampling and external draws come from separate random streams of --seed (stream),
-so a swarm peer and a silo peer with the same seed get the same questions and sampling seeds: paired runs.
-
-External groups are taken as text, never as control (external_group, retokenise): a special token's
-text inside one is just characters, and a completion is trained and scored only as far as it is kept.
+The defaults I = 4 and J = 4 are the paper's best configuration (+94% cumulative reward over peers in
+silo, with 8 Qwen2.5-0.5B peers); its silo baseline trains on 8/0, so a peer with J = 0 or no swarm
+takes I + J as I. Questions, sampling and external draws come from separate random streams of --seed
+(stream), so a swarm peer and a silo peer with the same seed are paired runs. External groups are
+taken as text, never as control (retokenise): a special token's text in one is just characters.
 
 Deviations from the paper, and why:
-- Learning rate: the paper's text says Adam at 0.001, its code 1e-5 or 1e-6. We use AdamW at
-  --lr 1e-5 with gradient clipping at 1.0: measured against 1e-6 on SmolLM2-135M (docs/learning-rate.md).
-- Tasks: the paper's nine ReasoningGYM families are rewritten from scratch in reward.py. With the
-  default 135M model they give ~0 reward, so `--tasks auto` picks an easy mix for that model and
-  the paper's nine for any other model.
+- Learning rate: the paper's text says Adam at 0.001, its code 1e-5 or 1e-6. We use AdamW at --lr 1e-5
+  with gradient clipping at 1.0, measured against 1e-6 on SmolLM2-135M (docs/learning-rate.md).
+- Tasks: reward.py rewrites the paper's nine families from scratch. The default 135M model gets almost
+  no reward on them, so `--tasks auto` gives it an easy mix (and any other model the nine).
 - One-shot prompt: with --one-shot (on by default) the prompt holds one worked example of the same
   task family as an earlier chat turn; without it a 135M model almost never uses the answer tags.
-- Old log-probs: the paper's peers share no probabilities, so "old" is the local model at the start of
-  the round for external rollouts too: with --inner-steps 1 the ratio is 1 (REINFORCE with group-
-  normalised advantages). Beyond the paper, --shared-logprobs makes it the sender's (grpo.py, docs/offpolicy.md).
+- Old log-probs: as in the paper, a shared completion's are the receiver's own (grpo.py says what that
+  means); beyond the paper, --shared-logprobs makes them the sender's (docs/offpolicy.md).
 - Trust: external groups whose answer does not follow from their question are dropped
   (reward.verify_item); the paper trusts the sender's ground truth.
-- Weights are trained in float32 (autocast to bfloat16 where native: model.autocast_dtype) and copied into
-  a bfloat16 (older GPUs: float16) sampler each round: pure-bf16 weights would round away updates of 1e-6.
-- No CUDA GPU (a CPU, mps, ...): smaller defaults (small_defaults), so a CPU run shows progress within minutes.
+- Precision: float32 weights, trained under bfloat16 autocast where native, are copied each round into
+  a bfloat16 (older GPUs: float16) sampler; weights in bfloat16 would round away updates of 1e-6.
+- Any device but a CUDA GPU gets smaller defaults (small_defaults): a CPU run shows progress in minutes.
 """
 
 import argparse
@@ -84,18 +76,12 @@ import swarm
 # random streams, and rollouts: a group, and another peer's group made this peer's
 
 
-POOL_ROUNDS = 2  # a pooled external group not drawn leaves the pool this many of the receiver's rounds after it came
-
-
-def peer_seed(seed, k):
-    """The seed of peer k in a swarm launched with --seed seed: a hash of both, 63 bits. (seed + k would
-    make --seed 1's peer0 the same peer as --seed 0's peer1.)"""
-    return int.from_bytes(hashlib.sha256(f"{seed}/{k}".encode()).digest()[:8], "big") >> 1
+POOL_ROUNDS = 2  # the rounds an undrawn external group stays in the receiver's pool after it came
 
 
 def stream(seed, *names):
-    """A random.Random of its own for one use of a peer's seed, e.g. stream(seed, "questions", r): what it
-    draws depends on (seed, names) only, never on how much another stream drew."""
+    """A random.Random of its own for one use of a peer's seed, e.g. stream(seed, "questions", r): what
+    it draws depends on (seed, names) only, never on how much another stream drew."""
     return random.Random("/".join(map(str, (seed,) + names)))  # a str seed is hashed (SHA-512), not hash()
 
 
@@ -114,69 +100,80 @@ class Group:
 
 
 def retokenise(tokenizer, text, stopped, stop_id, max_new_tokens):
-    """Another peer's completion as this peer's token ids, and the text those ids say.
-
-    Special-token strings stay text (split_special_tokens): a completion holding "<|im_end|><|im_start|>
-    user ..." is a string of ordinary tokens here, never a real end of turn. A completion that stopped
-    gets the local stop token. One that does not fit in max_new_tokens is cut there and counts as not
-    stopped; the returned text is decoded from the kept ids, so its reward is the reward of what is
-    trained on (a correct answer cut off before its <answer> tag scores 0, not 1)."""
+    """Another peer's completion as this peer's token ids, and the text those ids say. Special-token
+    strings stay text (split_special_tokens): "<|im_end|><|im_start|>user ..." is ordinary tokens here,
+    never a real end of turn. A completion that stopped gets the local stop token; one longer than
+    max_new_tokens is cut there and counts as not stopped. The text is decoded from the kept ids, so its
+    reward is that of what is trained on (an answer cut off before its <answer> tag scores 0)."""
     ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     if len(ids) + stopped > max_new_tokens:
         ids, stopped = ids[:max_new_tokens], False
     return ids + [stop_id] * stopped, tokenizer.decode(ids, skip_special_tokens=True), stopped
 
 
+def is_text(g):
+    """Whether a received group is UTF-8 text: it holds no lone surrogate, which no tokenizer takes."""
+    return not re.search("[\ud800-\udfff]", json.dumps(g, ensure_ascii=False))
+
+
 def external_group(tokenizer, g, stop_id, max_new_tokens, one_shot, log, system="default", tasks=None):
-    """Step 5 for one group another peer published: None if it is not of one of `tasks` (the receiver's
-    --tasks; None: any family reward.py knows) or its answer does not follow from its question
-    (reward.verify_item), if its question holds a special token's text, or if its rewards, by the local
-    verifier on the re-tokenised text, are all equal (no advantage); otherwise the Group to train on."""
+    """Step 5 for one group that another peer published: the Group to train on, or None. None if it is
+    not of one of `tasks` (the receiver's --tasks; None: any family reward.py knows), if its answer does
+    not follow from its question (reward.verify_item), if its question holds a special token's text,
+    or if its rewards, by the local verifier on the re-tokenised text, are all equal (no advantage)."""
     if not is_text(g) or not reward.verify_item(g, tasks):
-        log(f"dropped a group from {g.get('peer')}: not UTF-8 text, not one of this peer's tasks, or its answer "
-            "does not follow from its question")
+        log(f"dropped a group from {g.get('peer')}: not UTF-8 text, not one of this peer's tasks, "
+            "or its answer does not follow from its question")
         return None
+    # The prompt is tokenised with its special tokens live, so none may come from outside.
     if any(t.special and t.content in g["question"] for t in tokenizer.added_tokens_decoder.values()):
         log(f"dropped a group from {g.get('peer')}: its question holds a special token of the chat template")
-        return None  # the prompt is tokenised with its special tokens live: none may come from outside
-    done = [retokenise(tokenizer, c, s, stop_id, max_new_tokens) for c, s in zip(g["completions"], g["stopped"])]
-    ids, texts, stopped = (list(x) for x in zip(*done))
+        return None
+    pairs = zip(g["completions"], g["stopped"])
+    kept = [retokenise(tokenizer, c, s, stop_id, max_new_tokens) for c, s in pairs]
+    ids, texts, stopped = (list(x) for x in zip(*kept))
     rewards = [reward.score(g, text) for text in texts]
     if len(set(rewards)) < 2:
         return None
-    same = g.get("tokenizer") == tokenizer_fingerprint(tokenizer)  # then swarm.py checked the sender's ids, log-probs
-    return Group(g, reward.prompt_ids(tokenizer, g, one_shot, system), ids, texts, stopped, rewards, external=True, logprobs=[
-        g["logprobs"][k][:len(c)] if same and g["token_ids"][k][:len(c)] == c else None for k, c in enumerate(ids)])
+    prompt = reward.prompt_ids(tokenizer, g, one_shot, system)
+    # a sender's log-probs count where it reads ids as this peer does (and swarm.py checked them)
+    same = g.get("tokenizer") == tokenizer_fingerprint(tokenizer)
+    logprobs = [g["logprobs"][k][:len(c)] if same and g["token_ids"][k][:len(c)] == c else None
+                for k, c in enumerate(ids)]
+    return Group(g, prompt, ids, texts, stopped, rewards, logprobs=logprobs, external=True)
 
 
 @functools.lru_cache(maxsize=8)
 def tokenizer_fingerprint(tokenizer):
     """A label for the vocabulary (every token's text and id): peers with the same label read ids alike."""
-    return "vocab-" + hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:32]
+    vocabulary = json.dumps(sorted(tokenizer.get_vocab().items()))
+    return "vocab-" + hashlib.sha256(vocabulary.encode()).hexdigest()[:32]
 
 # -----------------------------------------------------------------------------
 # one peer's round
 
 
 class Algorithm1:
-    """One peer's SAPO round, Algorithm 1 of the paper: round(r) is collect(r) (steps 1-3) then learn(r, ...)
-    (steps 4-7); a synchronous swarm calls collect on every peer, lets the groups reach the store, then
-    learn on every peer. Peer, below the marker line, loads what __init__ takes, connects the swarm client,
-    runs the loop over rounds and writes the checkpoints."""
+    """One peer's SAPO round, Algorithm 1 of the paper: round(r) is collect(r) (steps 1-3), then
+    learn(r, ...) (steps 4-7). A synchronous swarm calls collect on every peer, lets the groups reach
+    the store, then calls learn on every peer. Peer, below the marker line, loads what __init__ takes,
+    connects the swarm client, runs the loop over rounds and writes the checkpoints."""
 
-    def __init__(self, args, model, tok, opt, sampler, ref_model, folder, log=print):
-        self.args, self.log = args, log    # the run's settings (parse_args): I, J, G, ...; log: a line for the user
+    def __init__(self, args, model, tok, opt, sampler, ref_model, amp_dtype, folder, log=print):
+        self.args, self.log = args, log    # the run's settings (parse_args), and a line for the user
         self.model = model                 # the policy: float32 weights, which update() trains
+        self.amp_dtype = amp_dtype         # update()'s autocast dtype (model.autocast_dtype); None: float32
         self.tok = tok                     # its tokenizer: prompts, decoding, re-tokenising shared text
         self.opt = opt                     # AdamW over the model's parameters
         self.sampler = sampler             # what samples: the model, or a lower-precision copy of it
         self.ref_model = ref_model         # the frozen initial model of the KL penalty (beta > 0), else None
         self.client = None                 # the swarm client (publish, fetch, post_metrics); None: no swarm
         self.stop_ids = model.stop_ids or [tok.eos_token_id]  # the tokens that end a completion
-        self.stop_id = tok.eos_token_id if tok.eos_token_id in self.stop_ids else self.stop_ids[0]  # a shared one's
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.stop_id  # GRPO's padding (masked)
-        self.external_rng = stream(args.seed, "external")  # draws J of the pool (questions: a stream per round)
-        self.pool = []                     # usable external groups (Group) not drawn yet, for POOL_ROUNDS rounds
+        # the stop token a shared completion gets, and GRPO's padding (masked out of the loss)
+        self.stop_id = tok.eos_token_id if tok.eos_token_id in self.stop_ids else self.stop_ids[0]
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.stop_id
+        self.external_rng = stream(args.seed, "external")  # draws J of the pool
+        self.pool = []                     # usable external groups (Group) not yet drawn
         self.dir = folder                  # OUT/<name>/: metrics.jsonl, samples.jsonl, the checkpoints
 
     def round(self, r):
@@ -195,15 +192,18 @@ class Algorithm1:
         t0 = time.time()
         external, counts = self.choose_external(r)
         stats = self.update(collected["groups"] + external)
-        release_memory()
-        return self.log_round(r, collected, external, counts, stats, collected["seconds"] + time.time() - t0)
+        seconds = collected["seconds"] + time.time() - t0
+        return self.log_round(r, collected, external, counts, stats, seconds)
 
     def questions(self, r):
-        """Step 1: I items, each of a task family drawn uniformly, from round r's own random stream. I is
-        --local; in silo (J = 0) a peer takes I + J, as the paper's baseline 8/0 against its 4/4 (parse_args).
-        The first I items of round r are the same whatever I, J or the swarm: swarm and silo runs are paired."""
+        """Step 1: I items (--local), each of a task family drawn uniformly, from round r's own random
+        stream. The first I items of round r are the same whatever I, J or the swarm: runs are paired."""
         rng = stream(self.args.seed, "questions", r)
-        return [reward.get_task(rng.choice(self.args.task_list)).generate(rng) for _ in range(self.args.local)]
+        items = []
+        for _ in range(self.args.local):
+            task = reward.get_task(rng.choice(self.args.task_list))
+            items.append(task.generate(rng))
+        return items
 
     def sample_local(self, r):
         """Steps 1-2: G completions of each of round r's questions from the peer's own model, each decoded
@@ -211,16 +211,19 @@ class Algorithm1:
         t0, args, G = time.time(), self.args, self.args.generations
         items = self.questions(r)
         prompts = [reward.prompt_ids(self.tok, it, args.one_shot, args.system_prompt) for it in items]
-        outs, logprobs = sample.generate(self.sampler, prompts, num_samples=G, max_new_tokens=args.max_new_tokens,
-                                         temperature=args.temperature, eos_token_ids=self.stop_ids,
-                                         seed=stream(args.seed, "sampling", r).getrandbits(63), logprobs=True)
+        seed = stream(args.seed, "sampling", r).getrandbits(63)
+        outs, logprobs = sample.generate(self.sampler, prompts, num_samples=G, seed=seed, logprobs=True,
+                                         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                         eos_token_ids=self.stop_ids)
         sample_seconds, groups = time.time() - t0, []
         for i, (item, prompt) in enumerate(zip(items, prompts)):
             ids = outs[i * G:(i + 1) * G]
             stopped = [len(o) > 0 and o[-1] in self.stop_ids for o in ids]
-            texts = [self.tok.decode(o[:-1] if s else o, skip_special_tokens=True) for o, s in zip(ids, stopped)]
-            groups.append(Group(item, prompt, ids, texts, stopped, [reward.score(item, t) for t in texts],
-                                logprobs=logprobs[i * G:(i + 1) * G]))
+            texts = [self.tok.decode(o[:-1] if s else o, skip_special_tokens=True)  # without the stop token
+                     for o, s in zip(ids, stopped)]
+            rewards = [reward.score(item, t) for t in texts]
+            sampled = logprobs[i * G:(i + 1) * G]
+            groups.append(Group(item, prompt, ids, texts, stopped, rewards, logprobs=sampled))
         return groups, sample_seconds
 
     def publish(self, r, groups):
@@ -228,14 +231,16 @@ class Algorithm1:
         adds the sampled token ids and their log-probs (to 1e-4), for a receiver's off-policy correction."""
         if self.client is None:
             return
-        shared, model = [], os.path.basename(str(self.args.model).rstrip("/"))
+        model = os.path.basename(str(self.args.model).rstrip("/"))
+        shared = []
         for g in groups:
             extra = {}
             if self.args.shared_logprobs and g.logprobs:
-                extra = dict(token_ids=g.completions, tokenizer=tokenizer_fingerprint(self.tok),
-                             logprobs=[[round(max(x, -1e4), 4) for x in lp] for lp in g.logprobs])
-            shared.append(swarm.wire_group(g.item["task"], g.item["question"], g.item["answer"], g.texts, g.stopped,
-                                           g.item["metadata"], model, **extra))
+                logprobs = [[round(max(x, -1e4), 4) for x in lp] for lp in g.logprobs]
+                extra = dict(token_ids=g.completions, logprobs=logprobs,
+                             tokenizer=tokenizer_fingerprint(self.tok))
+            shared.append(swarm.wire_group(g.item["task"], g.item["question"], g.item["answer"],
+                                           g.texts, g.stopped, g.item["metadata"], model, **extra))
         self.client.publish(r, shared)
 
     def choose_external(self, r):
@@ -249,14 +254,15 @@ class Algorithm1:
                                  args.system_prompt, args.task_list) for g in fetched)
         fresh = [dataclasses.replace(x, arrived=r) for x in usable if x is not None]
         self.pool = [x for x in self.pool + fresh if r - x.arrived < POOL_ROUNDS]
-        # in production order, not arrival order: the same groups give the same draw however the network
-        # interleaved the peers' posts (a synchronous swarm is then reproducible run to run)
+        # In production order, not arrival order: the same groups give the same draw however the network
+        # interleaved the peers' posts, so a synchronous swarm is reproducible run to run.
         self.pool.sort(key=lambda x: (x.item["round"], x.item["peer"], x.item.get("seq", 0)))
         drawn = set(self.external_rng.sample(range(len(self.pool)), min(args.external, len(self.pool))))
         external = [x for k, x in enumerate(self.pool) if k in drawn]
         self.pool = [x for k, x in enumerate(self.pool) if k not in drawn]
         if len(external) < args.external:
-            self.log(f"{len(external)} of J={args.external} external groups ({len(fetched)} new, {len(fresh)} usable)")
+            self.log(f"{len(external)} of J={args.external} external groups "
+                     f"({len(fetched)} new, {len(fresh)} usable)")
         return external, dict(external_available=len(fetched), external_survived=len(fresh))
 
     def batch(self, groups):
@@ -267,23 +273,30 @@ class Algorithm1:
         return [(g.prompt, g.completions) for g in groups], rewards, advantages
 
     def behaviour(self, groups):
-        """Per completion: with --shared-logprobs, an external one's sender log-probs (external_group's), else None."""
-        return [lp if g.external else None for g in groups for lp in g.logprobs or [None] * len(g.completions)
-                ] if self.args.shared_logprobs else None
+        """Per completion, with --shared-logprobs: an external one's sender log-probs, else None."""
+        if not self.args.shared_logprobs:
+            return None
+        return [lp if g.external else None
+                for g in groups for lp in g.logprobs or [None] * len(g.completions)]
+
+    def grpo_settings(self, groups):
+        """grpo.step's settings for a batch of these groups: the run's flags, the padding and stop tokens,
+        the autocast dtype and the senders' log-probs (behaviour)."""
+        a = self.args
+        return dict(pad_id=self.pad_id, stop_ids=self.stop_ids, micro_tokens=a.micro_tokens,
+                    inner_steps=a.inner_steps, max_grad_norm=a.max_grad_norm, temperature=a.temperature,
+                    ref_model=self.ref_model, behaviour=self.behaviour(groups), autocast_dtype=self.amp_dtype,
+                    epsilon=a.epsilon, epsilon_high=a.epsilon_high, beta=a.beta, loss_type=a.loss_type,
+                    max_tokens=a.max_new_tokens)
 
     def update(self, groups):
         """Step 6: group-normalised advantages, then a GRPO step (grpo.step) unless they are all zero; the
         sampling copy gets the new weights. Returns the step's stats; `stepped` says whether it stepped."""
-        a = self.args
         batch, _, adv = self.batch(groups)
         if not bool((adv != 0).any()):
             return dict(stepped=False, zero_adv_frac=1.0, train_tok_per_s=0.0)
         t0 = time.time()
-        stats = grpo.step(self.model, self.opt, batch, adv.tolist(), pad_id=self.pad_id, stop_ids=self.stop_ids,
-                          micro_tokens=a.micro_tokens, inner_steps=a.inner_steps, max_grad_norm=a.max_grad_norm,
-                          temperature=a.temperature, ref_model=self.ref_model, behaviour=self.behaviour(groups),
-                          autocast_dtype=self.amp_dtype, epsilon=a.epsilon, epsilon_high=a.epsilon_high, beta=a.beta,
-                          loss_type=a.loss_type, max_tokens=a.max_new_tokens)
+        stats = grpo.step(self.model, self.opt, batch, adv.tolist(), **self.grpo_settings(groups))
         if self.sampler is not self.model:
             with torch.no_grad():
                 for ps, pm in zip(self.sampler.parameters(), self.model.parameters()):
@@ -292,12 +305,12 @@ class Algorithm1:
         return dict(stats, stepped=True, train_tok_per_s=tokens / max(time.time() - t0, 1e-9))
 
     def log_round(self, r, collected, external, counts, stats, seconds):
-        """Step 7: a line of metrics.jsonl, some completions in samples.jsonl, and the dashboard."""
+        """Step 7: the round's metrics, written as a line of metrics.jsonl."""
         local = collected["groups"]
         batch, outs = local + external, [c for g in local for c in g.completions]
         m = dict(round=r, stepped=stats.pop("stepped"),
-                 local_reward=mean([x for g in local for x in g.rewards]),  # the skill: this peer's own rollouts
-                 batch_reward=mean([x for g in batch for x in g.rewards]),  # the paper's figure: the training batch
+                 local_reward=mean([x for g in local for x in g.rewards]),  # the skill: its own rollouts
+                 batch_reward=mean([x for g in batch for x in g.rewards]),  # the paper's figure
                  **counts, external_used=len(external),
                  frac_zero_std_local=frac_zero_std(local), frac_zero_std_batch=frac_zero_std(batch),
                  completion_len=mean([len(c) for c in outs]),
@@ -306,14 +319,6 @@ class Algorithm1:
                  round_seconds=seconds, **{k: round(v, 6) for k, v in stats.items()})
         with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(m) + "\n")
-        if self.args.sample_every and r % self.args.sample_every == 0:
-            with open(os.path.join(self.dir, "samples.jsonl"), "a") as f:
-                for g in local[:2]:
-                    for text, score in list(zip(g.texts, g.rewards))[:2]:
-                        f.write(json.dumps(dict(round=r, task=g.item["task"], question=g.item["question"],
-                                                answer=g.item["answer"], completion=text, reward=score)) + "\n")
-        if self.client is not None:
-            self.client.post_metrics(r, {k: float(v) for k, v in m.items() if isinstance(v, (int, float))})
         return m
 
 
@@ -334,7 +339,7 @@ def parse_args(argv=None):
     """The run's settings: the flags, whose defaults are this machine's (parser), then the silo rule.
     A bad flag gets one line (one_line) and exit status 2, before any model is loaded."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    first = one_line(device_flag())  # the device first, resolved once: the other defaults and --help depend on it
+    first = one_line(device_flag())  # the device comes first: the other defaults and --help depend on it
     value = first.parse_known_args(argv)[0].device
     try:
         device = torch.device(value)
@@ -342,25 +347,26 @@ def parse_args(argv=None):
         first.error(f"argument --device: must be a device such as cuda, cuda:1, cpu or mps, not {value!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         first.error(f"--device {device} was asked for, but torch sees no CUDA GPU")
-    I, J = (2, 2) if small_defaults(device) else (4, 4)  # the paper's best, 4 and 4 groups a round; 2 and 2 if small
+    I, J = (2, 2) if small_defaults(device) else (4, 4)  # 4 and 4 groups a round: the paper's best
     p = one_line(parser(device, I, J))
     args = p.parse_args(argv)
     args.device = device
     args.token = getattr(args, "token", None) or os.environ.get("SWARM_TOKEN")
     if args.resume and not args.out:
         p.error("--resume needs --out: the run folder to continue")
-    args.models = [args.model] if os.path.isdir(args.model) else args.model.split(",")  # a folder is one model
+    args.models = [args.model] if os.path.isdir(args.model) else args.model.split(",")  # a folder is one
     if len(args.models) > 1 and not args.peers:
         p.error("--model takes a comma list only with --peers N, whose peers take the models in turn")
+    auto = "easy" if M.DEFAULT_MODEL in args.models else "paper"  # the easy mix for the 135M default
     try:
-        auto = "easy" if M.DEFAULT_MODEL in args.models else "paper"  # 'auto': the easy mix for the 135M default
-        args.task_list = reward.task_names(auto if args.tasks == "auto" else args.tasks)  # a ValueError names them
+        args.task_list = reward.task_names(auto if args.tasks == "auto" else args.tasks)
         swarm.check_token(args.token)
-    except ValueError as e:
+    except ValueError as e:  # its sentence names the known tasks, or what a token may hold
         p.error(str(e))
-    if args.external and not (args.swarm or args.peers):  # explicit J > 0 with nothing to take groups from
-        p.error("--external needs --swarm URL or --peers N; without a swarm leave it out (in silo I takes I + J)")
-    # the silo rule: a peer with J = 0, or with no swarm to join, takes I + J as I (the paper's 8/0 against 4/4)
+    if args.external and not (args.swarm or args.peers):  # J > 0, and nothing to take groups from
+        p.error("--external needs --swarm URL or --peers N; "
+                "without a swarm leave it out (in silo I takes I + J)")
+    # The silo rule: a peer with J = 0, or with no swarm to join, takes I + J as I (the paper's 8/0).
     if args.external is None:
         args.external = J if args.swarm or args.peers else 0
     if args.local is None:
@@ -370,7 +376,8 @@ def parse_args(argv=None):
     return args
 
 
-def one_line(p, prog="train.py"):  # an argparse parser whose errors are one line: the sentence, where to look
+def one_line(p, prog="train.py"):
+    """The argparse parser p, its errors made one line: the sentence, and where to look."""
     p.error = lambda message: p.exit(2, f"{prog}: {message.rstrip('.')}; see python {prog} --help\n")
     return p
 
@@ -387,29 +394,36 @@ def device_flag():  # --device alone, which parse_args reads first; parser takes
 
 
 def parser(device, I, J):
-    """Every flag, with its meaning and its default on `device`, I and J among them. With the small
-    defaults (a CPU: ~100x slower, several peers in its memory) smaller I, J, G, completions and
+    """Every flag, with its meaning and its default on `device`, I and J among them. The small defaults
+    (a CPU is ~100x slower, and holds several peers in its memory) are smaller I, J, G, completions and
     micro-batches, with recomputed activations."""
-    cpu = small_defaults(device)  # a CPU's defaults, which any device but a CUDA GPU gets
+    cpu = small_defaults(device)
+    if cpu:
+        defaults = ("smaller than a GPU's (4, 4, 8, 256, 8192, off) for --local, --external, --generations, "
+                    "--max-new-tokens, --micro-tokens and --grad-checkpoint.")
+    else:
+        defaults = "a CPU's are smaller, see the README."
     p = argparse.ArgumentParser(description="SAPO: swarm sampling policy optimization (arXiv 2509.08721)",
                                 formatter_class=Help, allow_abbrev=False, parents=[device_flag()],
                                 epilog=f"The defaults shown are this machine's ({device}): "
-                                       + ("smaller than a GPU's (4, 4, 8, 256, 8192, off) for --local, --external, "
-                                          "--generations, --max-new-tokens, --micro-tokens and --grad-checkpoint."
-                                          if cpu else "a CPU's are smaller, see the README.") + " " + BAR_HELP)
+                                       f"{defaults} {BAR_HELP}")
     a = p.add_argument
     # what to run
-    a("--peers", type=at_least(0), nargs="?", const=4, default=0, help="start a swarm of N peers on this machine (alone: 4)")
-    a("--swarm", type=matching(r"(https?|rediss?)://\S+", "a URL such as http://10.0.0.5:8000 or redis://USER@HOST:6379/0"),
-      help="URL of a swarm to join: its server (http://HOST:PORT) or a Redis store (redis://USER:PASSWORD@HOST:PORT/0, "
-           "rediss:// for TLS; the password may come from --token)")
+    a("--peers", type=at_least(0), nargs="?", const=4, default=0,
+      help="start a swarm of N peers on this machine (alone: 4)")
+    a("--swarm", type=matching(r"(https?|rediss?)://\S+",
+                               "a URL such as http://10.0.0.5:8000 or redis://USER@HOST:6379/0"),
+      help="URL of a swarm to join: its server (http://HOST:PORT) or a Redis store "
+           "(redis://USER:PASSWORD@HOST:PORT/0, rediss:// for TLS; the password may come from --token)")
     a("--name", type=matching(swarm.NAME.pattern, swarm.NAMES),
       help=f"this peer's name in the swarm: {swarm.NAMES} (default: the host name and a random suffix)")
     a("--token", default=argparse.SUPPRESS,  # never shown: --help would print the secret of $SWARM_TOKEN
-      help="bearer token of the swarm server, for reads and writes (default: $SWARM_TOKEN, which ps does not show)")
+      help="bearer token of the swarm server, for reads and writes "
+           "(default: $SWARM_TOKEN, which ps does not show)")
     a("--plot", metavar="RUN_DIR", help="write RUN_DIR/reward.svg from its metrics and exit")
     # model and tasks
-    a("--model", default=M.DEFAULT_MODEL, help="model folder or Hub id (Llama, Qwen2, Qwen3); --peers: a comma list, in turn")
+    a("--model", default=M.DEFAULT_MODEL,
+      help="model folder or Hub id (Llama, Qwen2, Qwen3); --peers: a comma list, in turn")
     a("--tasks", default="auto",
       help="comma list of reward.py tasks, or 'paper' (the nine), 'rg:paper' (the nine from reasoning_gym), "
            "'easy', 'auto' ('easy' for the default 135M model, 'paper' otherwise)")
@@ -417,34 +431,65 @@ def parser(device, I, J):
       help="the system prompt: ours, or 'rg', ReasoningGym's default one, which the paper used")
     a("--one-shot", action=argparse.BooleanOptionalAction, default=True,
       help="show one worked example of the task family as an earlier chat turn")
-    # SAPO (the paper's best: I = 4, J = 4; its baseline in silo: I = 8, J = 0)
+    learning_flags(a, I, J, cpu)
+    machinery_flags(a, device)
+    return p
+
+
+def learning_flags(a, I, J, cpu):
+    """parser's flags of SAPO (the paper's best: I = 4, J = 4; its baseline in silo: I = 8, J = 0) and GRPO."""
     a("--local", type=at_least(1),
-      help=f"I: local questions per round (default: {I}; {I + J} in silo, with J = 0, as in the paper's baseline)")
+      help=f"I: local questions per round (default: {I}; {I + J} in silo, with J = 0, "
+           "as in the paper's baseline)")
     a("--external", type=at_least(0),
       help=f"J: external groups trained on per round (default: {J} with --swarm or --peers, else 0: in silo)")
-    a("--generations", type=at_least(2), default=4 if cpu else 8, help="G: completions per question, compared by GRPO")
+    a("--generations", type=at_least(2), default=4 if cpu else 8,
+      help="G: completions per question, compared by GRPO")
     a("--rounds", type=at_least(1), default=2000, help="rounds to train")
-    a("--max-new-tokens", type=at_least(1), default=64 if cpu else 256, help="completion length limit in tokens")
+    a("--max-new-tokens", type=at_least(1), default=64 if cpu else 256,
+      help="completion length limit in tokens")
     a("--temperature", type=positive, default=1.0, help="sampling temperature")
     # GRPO
     a("--lr", type=positive, default=1e-5, help="AdamW learning rate (measured: docs/learning-rate.md)")
     a("--epsilon", type=fraction, default=0.2, help="lower clip: ratio >= 1 - epsilon")
-    a("--epsilon-high", type=at_least(0.0, float), default=0.28, help="upper clip: ratio <= 1 + epsilon_high (DAPO)")
-    a("--beta", type=at_least(0.0, float), default=0.0, help="weight of the k3 KL penalty to the initial model")
+    a("--epsilon-high", type=at_least(0.0, float), default=0.28,
+      help="upper clip: ratio <= 1 + epsilon_high (DAPO)")
+    a("--beta", type=at_least(0.0, float), default=0.0,
+      help="weight of the k3 KL penalty to the initial model")
     a("--loss-type", default="token_mean", choices=["token_mean", "seq_mean", "constant"],
-      help="how token losses are averaged: DAPO's token mean, GRPO's per-sequence mean, or Dr. GRPO's constant")
+      help="how token losses are averaged: DAPO's token mean, GRPO's per-sequence mean, "
+           "or Dr. GRPO's constant")
     a("--adv-scale", default="group", choices=["group", "batch", "none"], help="advantage normalisation")
-    a("--inner-steps", type=at_least(1), default=1, help="optimizer steps on each round's batch (1: one step per round)")
+    a("--inner-steps", type=at_least(1), default=1,
+      help="optimizer steps on each round's batch (1: one step per round)")
     a("--max-grad-norm", type=positive, default=1.0, help="gradient clipping norm")
     a("--micro-tokens", type=at_least(1), default=1024 if cpu else 8192,
-      help="tokens per forward and backward pass: whole groups, each packed into one row (a longer group goes alone)")
-    a("--micro-batch", type=matching("(?!)", "left out: now --micro-tokens, tokens of whole groups"), help=argparse.SUPPRESS)
+      help="tokens per forward and backward pass: whole groups, each packed into one row "
+           "(a longer group goes alone)")
     a("--grad-checkpoint", action=argparse.BooleanOptionalAction, default=cpu,
       help="recompute activations in the backward pass")
     a("--shared-logprobs", action=argparse.BooleanOptionalAction, default=False,
-      help="publish sampling log-probs, and train shared completions against their sender's (off: the paper's rule)")
-    machinery_flags(a, device)
-    return p
+      help="publish sampling log-probs, and train shared completions against their sender's "
+           "(off: the paper's rule)")
+
+
+def machinery_flags(a, device):
+    """parser's flags that set where and how a run goes, not what it learns."""
+    a("--seed", type=int, default=0,
+      help="this peer's seed (questions, sampling, external draws, init); "
+           "peer k of --peers gets peer_seed(seed, k)")
+    a("--dtype", choices=["bfloat16", "float16", "float32"],
+      default=str(M.default_dtype(device)).removeprefix("torch."),
+      help="sampling copy's dtype (bfloat16 on a CUDA GPU that has it natively, else float16; "
+           "float32 off CUDA)")
+    a("--out", type=writable_folder,
+      help="run folder (default: runs/<date-time>); each peer writes OUT/<name>/")
+    a("--save-every", type=at_least(0), default=50,
+      help="checkpoint every K rounds (0: only at the end or on a stop)")
+    a("--sample-every", type=at_least(0), default=10,
+      help="write some completions to samples.jsonl every K rounds")
+    a("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    a("--quiet", action="store_true", help="no progress bar (a line per round instead)")
 
 
 class Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -460,7 +505,8 @@ def at_least(low, kind=int, below=None, positive=False):
     def number(text):
         value = kind(text)  # a ValueError: argparse says "invalid int value"; NaN fails the test below
         if not (value >= low and (below is None or value < below) and (value > 0 or not positive)):
-            bounds = ("positive" if positive else f"at least {low}") + (f" and below {below}" if below else "")
+            bounds = "positive" if positive else f"at least {low}"
+            bounds += f" and below {below}" if below else ""
             raise argparse.ArgumentTypeError(f"must be {bounds}, not {text}")
         return value
     number.__name__ = kind.__name__
@@ -493,40 +539,33 @@ def writable_folder(path):
 
 
 def check_resume(p, args):
-    """--resume without --name: the one peer in --out; one sentence, before any model loads, if it holds none,
-    several, a swarm launched with --peers N (swarm/ beside peer0, ...), or peers done with their --rounds."""
+    """--resume without --name: the one peer in --out. One sentence, before any model loads, if --out
+    holds none, several, a swarm launched with --peers N (swarm/ beside peer0, ...), or peers that have
+    done their --rounds."""
     if not args.resume:
         return
     out, peers = args.out, sorted(glob.glob(os.path.join(glob.escape(args.out), "*", "settings.json")))
     if not args.name:
         peers = [os.path.basename(os.path.dirname(f)) for f in peers]
-        launched = os.path.isdir(os.path.join(out, "swarm")) * sum(bool(re.fullmatch(r"peer\d+", n)) for n in peers)
+        launched = sum(bool(re.fullmatch(r"peer\d+", n)) for n in peers)
+        launched *= os.path.isdir(os.path.join(out, "swarm"))  # peers of a launcher share its server's folder
         if launched and args.peers != launched:
             p.error(f"{out} holds a swarm of {launched} peers: resume it with "
                     f"python train.py --peers {launched} --resume --out {out}")
         if not peers:
-            p.error(f"there is nothing to resume in {out}: no peer has started there; leave out --resume to start")
+            p.error(f"there is nothing to resume in {out}: no peer has started there; "
+                    "leave out --resume to start")
         if len(peers) > 1 and not args.peers:
-            p.error(f"{out} holds {len(peers)} peers ({', '.join(peers)}): pass --name to say which one to resume")
+            p.error(f"{out} holds {len(peers)} peers ({', '.join(peers)}): "
+                    "pass --name to say which one to resume")
         if args.peers and not launched:
             p.error(f"{out} holds no swarm launched with --peers: resume it without --peers")
         args.name = None if args.peers else peers[0]
-    saved = [last_checkpoint(os.path.join(out, n)) for n in [f"peer{k}" for k in range(args.peers)] or [args.name]]
+    names = [f"peer{k}" for k in range(args.peers)] or [args.name]
+    saved = [last_checkpoint(os.path.join(out, n)) for n in names]
     if all(c and c["round"] + 1 >= args.rounds for c in saved):
-        p.error(f"{out} has done its --rounds {args.rounds}: --resume has nothing left to do; pass a larger --rounds")
-
-
-def machinery_flags(a, device):
-    """parser's flags that set where and how a run goes, not what it learns."""
-    a("--seed", type=int, default=0,
-      help="this peer's seed (questions, sampling, external draws, init); peer k of --peers gets peer_seed(seed, k)")
-    a("--dtype", choices=["bfloat16", "float16", "float32"], default=str(M.default_dtype(device))[len("torch."):],
-      help="sampling copy's dtype (bfloat16 on a CUDA GPU that has it natively, else float16; float32 off CUDA)")
-    a("--out", type=writable_folder, help="run folder (default: runs/<date-time>); each peer writes OUT/<name>/")
-    a("--save-every", type=at_least(0), default=50, help="checkpoint every K rounds (0: only at the end or on a stop)")
-    a("--sample-every", type=at_least(0), default=10, help="write some completions to samples.jsonl every K rounds")
-    a("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    a("--quiet", action="store_true", help="no progress bar (a line per round instead)")
+        p.error(f"{out} has done its --rounds {args.rounds}: --resume has nothing left to do; "
+                "pass a larger --rounds")
 
 
 # -----------------------------------------------------------------------------
@@ -534,9 +573,10 @@ def machinery_flags(a, device):
 
 
 class Peer(Algorithm1):
-    """One SAPO peer: what Algorithm1 takes, loaded, its swarm client, the loop over rounds, checkpoints. client: one
-    to use instead of --swarm's (a driver of several peers in one process passes its own; parse --swarm
-    too, or parse_args takes the peer for one in silo and refuses --external J > 0)."""
+    """One SAPO peer: what Algorithm1 takes, loaded; its swarm client; the loop over rounds; the
+    checkpoints. client is one to use instead of --swarm's: a driver of several peers in one process
+    passes its own (and parses --swarm too, or parse_args takes the peer for one in silo and refuses
+    --external J > 0)."""
 
     def __init__(self, args, log=print, client=None):
         self.name = peer_name(args, log)
@@ -546,23 +586,17 @@ class Peer(Algorithm1):
         if os.path.exists(os.path.join(folder, "metrics.jsonl")) and not args.resume:
             raise SystemExit(f"{folder} already holds a run: pass --resume to continue it, or another --out")
         torch.manual_seed(args.seed)
-        settings = os.path.join(folder, "settings.json")
-        try:
-            started = M.read_json(settings).get("model") if ckpt and args.beta > 0 else args.model
-            if started != args.model:
-                raise ValueError(f"{folder} started from --model {started} (the KL's reference): resume with it")
-            model, tok = M.load_model(ckpt["path"] if ckpt else args.model, self.device, torch.float32, log=log)
-            # beta > 0: the KL's reference is the initial model, --model, also after a resume (not the checkpoint)
-            ref_model = M.load_model(args.model, self.device, torch.float32, log=log)[0] if args.beta > 0 else None
-        except (OSError, ValueError, RuntimeError) as e:  # a model that cannot be found or read
-            raise SystemExit(f"train.py: {e}") from None
+        model, tok, ref_model = load_models(args, folder, ckpt, self.device, log)
         os.makedirs(folder, exist_ok=True)  # (a run that cannot start leaves nothing behind)
         model.grad_checkpoint = args.grad_checkpoint
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
-        # sampling runs from a --dtype copy (model.default_dtype's pick) refreshed after every step; float32: the model
-        sampler = model if args.dtype == "float32" else copy.deepcopy(model).to(getattr(torch, args.dtype)).eval()
-        super().__init__(args, model, tok, opt, sampler, ref_model, folder, log)
-        self.amp_dtype = M.autocast_dtype(self.device)  # the training autocast: bfloat16 where native, else None
+        # Sampling runs from a --dtype copy (model.default_dtype's pick), refreshed after every step, or in
+        # float32 from the model itself.
+        sampler = model
+        if args.dtype != "float32":
+            sampler = copy.deepcopy(model).to(getattr(torch, args.dtype)).eval()
+        amp_dtype = M.autocast_dtype(self.device)  # the training autocast: bfloat16 where native, else None
+        super().__init__(args, model, tok, opt, sampler, ref_model, amp_dtype, folder, log)
         self.start_round, seen = 0, []
         if ckpt:
             seen = self.load_state(ckpt)
@@ -571,34 +605,58 @@ class Peer(Algorithm1):
             open(os.path.join(self.dir, "metrics.jsonl"), "w").close()  # those rounds will run again
         self.client = client
         if client is None and args.swarm:  # with J = 0 a peer still shares its rollouts
-            try:  # a read of 4J groups a round, whatever the swarm's size
-                self.client = swarm.connect(args.swarm, self.name, token=args.token,
-                                            sample=max(1, min(4 * args.external, swarm.Limits.sample_groups)),
-                                            seed=stream(args.seed, "external", "reads").getrandbits(63),
-                                            round=self.start_round, seen=seen)  # the read state: as if never stopped
-            except ValueError as e:  # a URL it cannot use, or redis:// without the redis package
-                raise SystemExit(f"train.py: --swarm: {e}") from None
-        with open(settings, "w") as f:  # never the token, nor a password in the URL: no secret goes to disk
-            json.dump({k: re.sub(r"(://[^/@]*?):[^/@]*@", r"\1:***@", v) if k == "swarm" and v else v
-                       for k, v in vars(args).items() if k != "token"}, f, indent=2, default=str)  # str: the device
+            self.client = connect(args, self.name, self.start_round, seen)
+        with open(os.path.join(folder, "settings.json"), "w") as f:
+            # never the token, nor a password in the URL: no secret goes to disk
+            shown = {k: re.sub(r"(://[^/@]*?):[^/@]*@", r"\1:***@", v) if k == "swarm" and v else v
+                     for k, v in vars(args).items() if k != "token"}
+            json.dump(shown, f, indent=2, default=str)  # str: the device
+
+    def learn(self, r, collected):
+        """Algorithm1.learn, then the memory the step freed goes back to the operating system. glibc keeps
+        it otherwise, so an idle CPU peer would sit at its training peak, and several peers on one machine
+        would add up to more than it has."""
+        m = super().learn(r, collected)
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc: nothing to do
+            pass
+        return m
+
+    def log_round(self, r, collected, external, counts, stats, seconds):
+        """Algorithm1.log_round, then two completions of two local groups in samples.jsonl every
+        --sample-every rounds, and the metrics on the swarm's dashboard."""
+        m = super().log_round(r, collected, external, counts, stats, seconds)
+        if self.args.sample_every and r % self.args.sample_every == 0:
+            with open(os.path.join(self.dir, "samples.jsonl"), "a") as f:
+                for g in collected["groups"][:2]:
+                    for text, score in list(zip(g.texts, g.rewards))[:2]:
+                        row = dict(round=r, task=g.item["task"], question=g.item["question"],
+                                   answer=g.item["answer"], completion=text, reward=score)
+                        f.write(json.dumps(row) + "\n")
+        if self.client is not None:
+            self.client.post_metrics(r, {k: float(v) for k, v in m.items() if isinstance(v, (int, float))})
+        return m
 
     # -- the loop over rounds, checkpoints and resume -------------------------------------------------
 
     def run(self):
-        """Rounds start_round to --rounds - 1, then a checkpoint of the last. Ctrl-C or SIGTERM (the launcher's
-        stop) abandons a round still sampling (the model unchanged) and lets one changing the model finish;
-        either way the last completed round is saved, and --resume goes on at the next. Returns whether stopped."""
-        args, done, rows = self.args, self.start_round - 1, []  # done: the last completed round; rows: its metrics
+        """Rounds start_round to --rounds - 1, then a checkpoint of the last. Ctrl-C or SIGTERM (the
+        launcher's stop) abandons a round still sampling (the model unchanged) and lets one changing the
+        model finish; either way the last completed round is saved, and --resume goes on at the next.
+        Returns whether it stopped."""
+        args, rows = self.args, []  # rows: the metrics of the rounds done
+        done = self.start_round - 1  # the last completed round
         self.busy = self.stopping = False
         handlers = {sig: signal.signal(sig, self.interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
-        bar = tqdm(total=args.rounds, initial=self.start_round, desc=self.name, dynamic_ncols=True, bar_format=BAR,
-                   disable=args.quiet)
-        if self.client is not None and args.external:  # a first round, fresh or resumed, has external groups too
+        bar = tqdm(total=args.rounds, initial=self.start_round, desc=self.name, dynamic_ncols=True,
+                   bar_format=BAR, disable=args.quiet)
+        if self.client is not None and args.external:  # a first round, fresh or resumed, has external groups
             self.client.flush(FIRST_READ_SECONDS)  # (the read of round start_round, as an unstopped peer's)
         try:
             for r in range(self.start_round, args.rounds):
                 collected = self.collect(r)  # a stop up to here abandons round r
-                self.busy = True             # from here on the model changes: a stop waits for the round's end
+                self.busy = True             # the model changes from here: a stop waits for the round's end
                 m, done = self.learn(r, collected), r
                 if args.save_every and (r + 1) % args.save_every == 0:
                     self.save(r)
@@ -607,8 +665,9 @@ class Peer(Algorithm1):
                 rows.append(m)
                 bar.set_postfix(progress(rows, args.rounds))
                 if args.quiet:
-                    self.log(f"round {r}: local_reward {m['local_reward']:.3f} (batch_reward {m['batch_reward']:.3f}, "
-                             f"the paper's figure) external {m['external_used']} len {m['completion_len']:.0f} "
+                    self.log(f"round {r}: local_reward {m['local_reward']:.3f} "
+                             f"(batch_reward {m['batch_reward']:.3f}, the paper's figure) "
+                             f"external {m['external_used']} len {m['completion_len']:.0f} "
                              f"sample {m['sample_tok_per_s']:.0f} tok/s, {m['round_seconds']:.1f} s")
                 if self.stopping:
                     break
@@ -619,7 +678,8 @@ class Peer(Algorithm1):
         if done >= self.start_round and not (args.save_every and (done + 1) % args.save_every == 0):
             self.save(done)
         if self.stopping:
-            self.log(f"stopped after round {done}, the last completed one, which is saved" if done >= 0 else "stopped")
+            self.log(f"stopped after round {done}, the last completed one, which is saved" if done >= 0
+                     else "stopped")
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         if self.client is not None:  # what is queued may go, then one line says what could not
@@ -627,7 +687,8 @@ class Peer(Algorithm1):
         return self.stopping
 
     def interrupt(self, signum, frame):
-        """Ctrl-C or SIGTERM in run(): stop now if the model is unchanged since the last round, else after this one."""
+        """Ctrl-C or SIGTERM in run(): stop now if the model is unchanged since the last round, else
+        after this one."""
         self.stopping = True
         if not self.busy:
             raise KeyboardInterrupt
@@ -639,23 +700,26 @@ class Peer(Algorithm1):
         leaves the pointer naming a whole checkpoint, with the length metrics.jsonl had when it was taken."""
         state = {"round": round_, "optimizer": self.opt.state_dict(), "torch_rng": torch.get_rng_state(),
                  "external_rng": json.dumps(self.external_rng.getstate()),
-                 "pool": [dataclasses.asdict(x) for x in self.pool], "seen": list(getattr(self.client, "seen", []))}
+                 "pool": [dataclasses.asdict(x) for x in self.pool],
+                 "seen": list(getattr(self.client, "seen", []))}
         name, metrics = f"checkpoint-{round_}", os.path.join(self.dir, "metrics.jsonl")
         M.save_model(self.model, self.tok, os.path.join(self.dir, name),
                      write_extra=lambda folder: torch.save(state, os.path.join(folder, "trainer_state.pt")))
-        pointer = dict(round=round_, checkpoint=name, metrics_bytes=os.path.getsize(metrics) if os.path.exists(metrics) else 0)
+        metrics_bytes = os.path.getsize(metrics) if os.path.exists(metrics) else 0
         with open(os.path.join(self.dir, "checkpoint.json.tmp"), "w") as f:
-            json.dump(pointer, f)
+            json.dump(dict(round=round_, checkpoint=name, metrics_bytes=metrics_bytes), f)
         os.replace(os.path.join(self.dir, "checkpoint.json.tmp"), os.path.join(self.dir, "checkpoint.json"))
         for old in os.listdir(self.dir):  # older checkpoints, and what a save cut short left (a .tmp- folder)
             if re.fullmatch(r"checkpoint-.*|\.tmp-.*", old) and old != name:
                 shutil.rmtree(os.path.join(self.dir, old), ignore_errors=True)
 
     def load_state(self, ckpt):
-        """A checkpoint's (last_checkpoint's dict) optimizer, random state and pool -> the client's `seen`."""
+        """A checkpoint's (last_checkpoint's dict) optimizer, random state and pool; returns the client's
+        `seen`."""
         path = os.path.join(ckpt["path"], "trainer_state.pt")
         if not os.path.exists(path):  # (deleted to keep less: sample.py needs the weights only)
-            raise SystemExit(f"train.py: {path} is gone, so --resume cannot go on; --model {ckpt['path']} starts anew")
+            raise SystemExit(f"train.py: {path} is gone, so --resume cannot go on; "
+                             f"--model {ckpt['path']} starts anew")
         state = torch.load(path, map_location="cpu", weights_only=True)
         self.opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"].cpu())
@@ -667,6 +731,36 @@ class Peer(Algorithm1):
             os.truncate(path, ckpt["metrics_bytes"])
         self.log(f"resumed {self.name} from {ckpt['path']} at round {self.start_round}")
         return state.get("seen", [])
+
+
+def load_models(args, folder, ckpt, device, log):
+    """The policy and its tokenizer in float32, from the checkpoint ckpt or else --model, and with beta > 0
+    the KL's reference: the initial model, --model, also after a resume. One sentence if one cannot load."""
+    try:
+        if ckpt and args.beta > 0:
+            started = M.read_json(os.path.join(folder, "settings.json")).get("model")
+            if started != args.model:
+                raise ValueError(f"{folder} started from --model {started} (the KL's reference): "
+                                 "resume with it")
+        model, tok = M.load_model(ckpt["path"] if ckpt else args.model, device, torch.float32, log=log)
+        ref_model = None
+        if args.beta > 0:
+            ref_model = M.load_model(args.model, device, torch.float32, log=log)[0]
+    except (OSError, ValueError, RuntimeError) as e:  # a model that cannot be found or read
+        raise SystemExit(f"train.py: {e}") from None
+    return model, tok, ref_model
+
+
+def connect(args, name, round_, seen):
+    """The client of --swarm, reading 4J groups a round whatever the swarm's size, with the read state
+    (round_, seen) of a resumed peer: as if it had never stopped."""
+    sample = max(1, min(4 * args.external, swarm.Limits.sample_groups))
+    seed = stream(args.seed, "external", "reads").getrandbits(63)
+    try:
+        return swarm.connect(args.swarm, name, token=args.token, sample=sample, seed=seed,
+                             round=round_, seen=seen)
+    except ValueError as e:  # a URL it cannot use, or redis:// without the redis package
+        raise SystemExit(f"train.py: --swarm: {e}") from None
 
 
 def last_checkpoint(folder):
@@ -681,37 +775,33 @@ def peer_name(args, log):
     the server and the client leave out a peer's own groups by name."""
     if args.name:
         return args.name
-    name = f"{re.sub(r'[^A-Za-z0-9_.-]', '-', socket.gethostname())[:57].lstrip('_.-') or 'peer'}-{secrets.token_hex(3)}"
+    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:57].lstrip("_.-") or "peer"
+    name = f"{host}-{secrets.token_hex(3)}"
     if args.swarm:  # (in silo it names the peer's folder only)
         log(f"this peer's name in the swarm: {name} (--name sets it)")
     return name
 
 
+def peer_seed(seed, k):
+    """The seed of peer k in a swarm launched with --seed seed: a hash of both, 63 bits. (seed + k would
+    make --seed 1's peer0 the same peer as --seed 0's peer1.)"""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{k}".encode()).digest()[:8], "big") >> 1
+
+
 def progress(rows, rounds):
-    """A progress bar's numbers from a peer's metrics rows: the last one's local and batch reward and external groups;
-    the pace from their mean round_seconds (the peer's own: the launcher's clock counts start-up); the time left."""
+    """A progress bar's numbers from a peer's metrics rows: the last one's local and batch reward and
+    external groups; the pace from their mean round_seconds (the peer's own, as the launcher's clock
+    counts start-up); the time left."""
     m, seconds = rows[-1], max(mean([row["round_seconds"] or 0.0 for row in rows]), 1e-9)
     left = (rounds - m["round"] - 1) * seconds
-    return dict(reward=f"{m['local_reward']:.2f}", batch=f"{m['batch_reward']:.2f}", ext=int(m["external_used"]),
-                pace=f"{60 / seconds:.2g} rounds/min", left=f"{left // 3600:.0f}h{left % 3600 // 60:02.0f}m")
+    return dict(reward=f"{m['local_reward']:.2f}", batch=f"{m['batch_reward']:.2f}",
+                ext=int(m["external_used"]), pace=f"{60 / seconds:.2g} rounds/min",
+                left=f"{left // 3600:.0f}h{left % 3600 // 60:02.0f}m")
 
 
-BAR = "{desc}: {n_fmt}/{total_fmt} rounds{postfix} |{bar}|"  # no tqdm rate or clock: the pace is the peer's own
+BAR = "{desc}: {n_fmt}/{total_fmt} rounds{postfix} |{bar}|"  # no tqdm rate or clock: the pace is a peer's
 BAR_HELP = ("A peer's progress bar: reward, its local reward; batch, its batch reward (the paper's figure); "
             "ext, the external groups of its last round; pace, its mean rounds a minute.")
-
-
-def is_text(g):  # whether a received group is UTF-8 text: no lone surrogate (\ud800), which no tokenizer takes
-    return not re.search("[\ud800-\udfff]", json.dumps(g, ensure_ascii=False))
-
-
-def release_memory():
-    """Give freed memory back to the operating system. glibc keeps it otherwise, so an idle CPU peer
-    would sit at its training peak, and several peers on one machine add up to more than it has."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
 
 # -----------------------------------------------------------------------------
 # the launcher: a server and N peers on one machine
@@ -730,7 +820,7 @@ def launch(args, argv):
     if not args.resume and glob.glob(os.path.join(args.out, "*", "metrics.jsonl")):
         raise SystemExit(f"{args.out} already holds a run: pass --resume to continue it, or another --out")
     try:  # each model once, here: a first download or GGUF dequantisation must not run in every peer at once
-        models = [args.models[k % len(args.models)] for k in range(args.peers)]  # peer k's: the models in turn
+        models = [args.models[k % len(args.models)] for k in range(args.peers)]  # peer k takes them in turn
         sizes = {m: count_params(M.resolve(m)) for m in models}
         check_memory(args.device, [sizes[m] for m in models])
         os.makedirs(args.out, exist_ok=True)
@@ -744,9 +834,11 @@ def launch(args, argv):
     signal.signal(signal.SIGHUP, signal.default_int_handler)  # the terminal closed: stop the children too
     try:
         print(f"dashboard: {url}/ (open it in a browser to see each peer's reward and latest completions)")
-        procs = {name: start_peer(args, argv, k, url, children, tokens[name]) for k, name in enumerate(tokens)}
-        bars = {n: tqdm(total=args.rounds, desc=f"{n} ({label(models[k])})" if len(sizes) > 1 else n, position=k,
-                        dynamic_ncols=True, bar_format=BAR) for k, n in enumerate(procs)}  # mixed: each bar names its model
+        procs = {n: start_peer(args, argv, k, url, children, tokens[n]) for k, n in enumerate(tokens)}
+        # a bar a peer; in a mixed swarm each bar names its peer's model
+        desc = {n: f"{n} ({label(models[k])})" if len(sizes) > 1 else n for k, n in enumerate(procs)}
+        bars = {n: tqdm(total=args.rounds, desc=desc[n], position=k, dynamic_ncols=True, bar_format=BAR)
+                for k, n in enumerate(procs)}
         seen, got = 0, {}  # the peers' metrics rows as the server got them
         while len(failed) < len(procs) and any(p.poll() is None for p in procs.values()):
             time.sleep(1.0)
@@ -764,7 +856,8 @@ def launch(args, argv):
             b.close()
         print(f"{len(procs) - len(failed)} of {len(procs)} peers finished")
     except KeyboardInterrupt:
-        print(f"\nstopping every peer (each saves its last completed round, up to {STOP_SECONDS} s) and the server...")
+        print(f"\nstopping every peer (each saves its last completed round, up to {STOP_SECONDS} s) "
+              "and the server...")
         stopped = True
     finally:
         stop_all(children)
@@ -777,16 +870,22 @@ def launch(args, argv):
 def next_steps(args, argv, stopped):
     """Where a run that ended or stopped is, and the commands to chart it, to see a launched swarm's dashboard
     again, and to go on with it (a finished run: with twice its --rounds)."""
-    flags = [f for f in without(argv, "--token") if f != "--resume"] + ["--out", args.out] * ("--out" not in argv)
-    flags = flags if stopped else without(flags, "--rounds") + ["--rounds", str(2 * args.rounds)]
-    dashboard = f"its dashboard again: python swarm.py --dir {shlex.quote(os.path.join(args.out, 'swarm'))}\n"
-    return (f"the run is in {args.out}; chart it: python train.py --plot {shlex.quote(args.out)}\n"
-            + dashboard * bool(args.peers) + f"go on with it: {shlex.join(['python', 'train.py', *flags, '--resume'])}")
+    flags = [f for f in without(argv, "--token") if f != "--resume"]
+    if "--out" not in argv:
+        flags += ["--out", args.out]
+    if not stopped:
+        flags = without(flags, "--rounds") + ["--rounds", str(2 * args.rounds)]
+    said = f"the run is in {args.out}; chart it: python train.py --plot {shlex.quote(args.out)}\n"
+    if args.peers:
+        said += f"its dashboard again: python swarm.py --dir {shlex.quote(os.path.join(args.out, 'swarm'))}\n"
+    return said + f"go on with it: {shlex.join(['python', 'train.py', *flags, '--resume'])}"
 
 
 def without(argv, flag):
     """A command line without a flag and its value (a child's --token goes in its environment: ps shows argv)."""
-    return [f for k, f in enumerate(argv) if not (f == flag or f.startswith(flag + "=") or (k and argv[k - 1] == flag))]
+    def dropped(k, f):
+        return f == flag or f.startswith(flag + "=") or (k > 0 and argv[k - 1] == flag)
+    return [f for k, f in enumerate(argv) if not dropped(k, f)]
 
 
 def start_peer(args, argv, k, url, children, token=None):
@@ -797,14 +896,15 @@ def start_peer(args, argv, k, url, children, token=None):
     name, mixed = f"peer{k}", args.tasks == "auto" and len(args.models) > 1
     tasks = ["--tasks", ",".join(args.task_list)] * mixed  # the mix 'auto' gave the launcher, for every model
     flags = [*without(argv, "--token"), "--peers", "0", "--swarm", url, "--name", name, "--quiet", *tasks,
-             "--seed", str(peer_seed(args.seed, k)), "--model", args.models[k % len(args.models)], "--out", args.out]
+             "--seed", str(peer_seed(args.seed, k)), "--model", args.models[k % len(args.models)],
+             "--out", args.out]
     os.makedirs(os.path.join(args.out, name), exist_ok=True)
     env = dict(os.environ, **({"SWARM_TOKEN": token or args.token} if token or args.token else {}))
     if args.device.type == "cpu":  # share the cores instead of every peer fighting for all of them
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.peers)))
+    log = open(os.path.join(args.out, name, "log.txt"), "a")
     proc = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), *flags],
-                            stdout=open(os.path.join(args.out, name, "log.txt"), "a"), stderr=subprocess.STDOUT,
-                            start_new_session=True, env=env)
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     children.append(proc)
     return proc
 
@@ -870,7 +970,8 @@ def check_memory(device, params):
     where = "GPU memory" if device.type == "cuda" else "memory"
     raise SystemExit(f"train.py: {len(need)} peers need about {sum(need) / 1e9:.1f} GB of {where} "
                      f"(up to {max(need) / 1e9:.1f} GB each) but {free / 1e9:.1f} GB is free: "
-                     + (f"try --peers {fits}." if fits else "not even one peer fits; free some memory first."))
+                     + (f"try --peers {fits}." if fits else
+                        "not even one peer fits; free some memory first."))
 
 
 def plot(run_dir):
@@ -884,11 +985,12 @@ def plot(run_dir):
     for path in sorted(glob.glob(os.path.join(glob.escape(run_dir), "*", "metrics.jsonl"))):
         with open(path) as f:
             runs[os.path.basename(os.path.dirname(path))] = [json.loads(line) for line in f if line.strip()]
-    runs = {n: rows for n, rows in runs.items() if rows and "local_reward" in rows[0]}  # not the server's (swarm/)
+    runs = {n: rows for n, rows in runs.items() if rows and "local_reward" in rows[0]}  # not swarm/'s
     if not runs:
         raise SystemExit(f"no <peer>/metrics.jsonl under {run_dir}: give the folder of a run")
     settings = {n: os.path.join(run_dir, n, "settings.json") for n in runs}
-    ran = {n: label(M.read_json(f).get("model", "?")) if os.path.exists(f) else "?" for n, f in settings.items()}
+    ran = {n: label(M.read_json(f).get("model", "?")) if os.path.exists(f) else "?"
+           for n, f in settings.items()}
     if len(set(ran.values())) > 1:  # a mixed swarm: each line says its peer's model
         runs = {f"{n} {ran[n]}": rows for n, rows in runs.items()}
     kinds = [("local_reward", "local reward (the skill)"),
@@ -912,9 +1014,11 @@ def main(argv=None):
     args = parse_args(argv)
     if args.plot:
         return plot(args.plot)
-    print(f"run folder: {args.out}" + (f"; dashboard: {args.swarm.rstrip('/')}/" if args.swarm else "")
-          + f"; I = {args.local}, J = {args.external}{' (in silo)' * (not args.external)}, G = {args.generations}, "
-          f"{args.max_new_tokens} new tokens, {args.rounds} rounds on {args.device} (--help shows the defaults)")
+    dashboard = f"; dashboard: {args.swarm.rstrip('/')}/" if args.swarm else ""
+    silo = " (in silo)" if not args.external else ""
+    print(f"run folder: {args.out}{dashboard}; I = {args.local}, J = {args.external}{silo}, "
+          f"G = {args.generations}, {args.max_new_tokens} new tokens, {args.rounds} rounds on {args.device} "
+          "(--help shows the defaults)")
     if args.peers:
         return launch(args, argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # the launcher's stop: as Ctrl-C

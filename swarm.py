@@ -1,41 +1,26 @@
 """
-The swarm: the store that holds the rollouts peers publish (an HTTP server of its own, or Redis), and
-the client a peer uses to publish its own rollouts and receive everyone else's.
+The swarm: the store that holds the rollouts peers share, and the client a peer shares them through.
 
-SAPO ("Sharing is Caring", arXiv 2509.08721, Sec. 3 and Algorithm 1) trains a swarm of peers, each
-with its own small language model. Every round a peer generates G completions for each of its I local
-questions, shares those decoded rollouts (text: question, answer, completions; never rewards or
-weights; beyond the paper, optionally the sampled token ids and log-probs) with the swarm, and trains on
-its I local groups plus J groups drawn from what the other peers shared. Peers never wait for each other.
-
-In reading order (a reader who stops at the marker line has read all of SAPO's sharing; what follows makes
-it durable, bounded and safe against hostile input):
-- Store, the rules of the shared pool: publish() numbers groups in arrival order (`seq`) and stores a retry
-  once; sample(K) draws K recent groups, every writer alike; read(after) gives every group after a seq.
-- Client, a peer's side: two queues (publish() into the outbox, fetch() out of the inbox) and one thread
-  that talks, so training never waits for the network; with the store down a peer trains in silo (the
-  paper's baseline) and catches up when it returns.
-- connect(url) picks the transport: an HTTP server (HttpTransport) or Redis (RedisTransport, for a swarm one
-  Python server cannot carry, one Redis ACL user per peer in the token's place).
-- Below the marker: RolloutStore (the Store on disk), SwarmServer (`python swarm.py --dir swarm_data --port
-  8000`, standard library only, built so that slow or hostile clients cannot take it down), the transports,
-  the dashboard (GET /) and the command line.
+SAPO ("Sharing is Caring", arXiv 2509.08721, Sec. 3 and Algorithm 1) trains a swarm of peers, each with its
+own small language model. Every round a peer generates G completions for each of its I local questions,
+shares those decoded rollouts (text; never rewards or weights) and trains on its I local groups plus J groups
+drawn from what the others shared. No peer waits for another. Above the marker line, in memory: Store, the
+rules of the shared pool, and Client, a peer's side, whose queues and thread keep training from waiting for
+the network. Below it: RolloutStore (the Store on disk), the HTTP server (`python swarm.py --dir DIR`),
+connect(url) and its transports, the dashboard and the command line.
 
 Deviations from the paper, and why:
-- The paper's swarm ran on Gensyn's RL Swarm, where peers exchange rollouts over a peer-to-peer DHT.
-  Here one HTTP server holds them: one file on the standard library instead of a networking stack, and
-  enough for the paper's experiments (a handful of peers on one machine or one LAN). The price is a
-  single point of failure, softened by the outbox and by peers training on regardless.
-- A peer does not receive everything shared: once a round (its fetch()) it reads K = 4J groups that
-  the server draws from each writer's newest batches, each writer with equal chance, so a read
-  is the same size in a swarm of 10 or 10,000. Dropping zero-advantage groups and drawing J of the rest
-  is the receiver's job (train.py), as in the paper. The read is prefetched, so a rollout reaches
-  other peers a round late at worst; SAPO tolerates this: peers never wait.
-- Storage is bounded (--keep-bytes): the writer holding most loses its oldest batches; the paper does
-  not say. A shared token, or one credential per peer (a name per writer), guards the server; beyond
-  that it only checks shapes and sizes. Receivers do the judging: they reward external completions with
-  their own verifier and drop groups whose answer does not follow from their question
-  (reward.verify_item, in train.py), so nobody can inject fake rewards or fake ground truth.
+- The paper's peers exchange rollouts over a peer-to-peer network (Gensyn's RL Swarm); here one server (or
+  Redis) holds them, enough for a handful of peers on one machine or one LAN, and a single point of failure:
+  with the store down a peer trains alone (the paper's baseline) and catches up later.
+- A peer does not receive everything shared: once a round it reads K = 4J groups drawn from the writers'
+  newest batches, each writer alike, so a read costs the same in a swarm of 10 or 10,000; the receiver
+  (train.py) drops zero-advantage groups and draws J of the rest, as in the paper. Reads are prefetched, so
+  a rollout may reach the others a round late.
+- Storage is bounded (--keep-bytes), which the paper leaves open; a group may carry its token ids and
+  log-probs. A token guards the server, which checks only shapes and sizes: receivers score shared
+  completions with their own verifier and drop groups whose answer does not follow from their question
+  (reward.verify_item), so that no peer can inject a fake reward.
 """
 
 import argparse
@@ -66,154 +51,258 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import requests
 
-try:
-    import fcntl     # POSIX: the server locks its folder so two servers never share one
-    import resource  # POSIX: the descriptor limit sets how many connections the server may hold
-    import termios   # POSIX: TIOCOUTQ, what a socket has not delivered yet (_unsent)
-except ImportError:
-    fcntl = resource = termios = None
+
+def _dumps(x):  # compact UTF-8 JSON: what is stored, served and sent
+    return json.dumps(x, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def _now():  # the clock, kept within what a stored time may hold (0 to 1e11), so no clock spoils a file
+    return min(max(time.time(), 0.0), 1e11)
 
 
 # -----------------------------------------------------------------------------
 # The store's rules: groups numbered in arrival order, read after a cursor, or drawn as a sample.
 
+Batch = collections.namedtuple("Batch", "seq batch_id time texts cost")  # a kept batch (see Store.batches)
+
+
 class Store:
-    """The heart of the server: an in-memory index of every kept group, and the rules it is read by
-    (RolloutStore, below the marker line, adds the folder of batch files, retention and the draw's bookkeeping).
+    """The shared pool in memory, and its rules. RolloutStore, below the marker, keeps it on disk through
+    the two persistence hooks at the end. A writer is a peer name (with per-peer credentials, its owner's).
 
-        publish()  POST /rollouts: number the groups after the newest seq, write them as one batch file
-                   named after its last seq (batch-000000000042.json), durable before it answers, then index
-        read()     GET /rollouts?after=SEQ: the indexed groups with seq > SEQ (the dashboard, the load test)
-        sample()   GET /rollouts?sample=K: K groups drawn from the recent window, every writer alike
+        publish()  POST /rollouts: number the groups after the newest seq and keep them as one batch
+        read()     GET /rollouts?after=SEQ: the kept groups with seq > SEQ (the dashboard, the load test)
+        sample()   GET /rollouts?sample=K: K groups drawn from the recent window, every writer alike"""
 
-    A writer is a peer name; with per-peer credentials, the name its credential belongs to."""
-
-    def __init__(self):
+    def __init__(self, budget=256 << 20, window_batches=2, window_seconds=600, page_bytes=1 << 20,
+                 keep_replies=20_000, keep_peers=1024, scan_groups=16 << 10):
+        self.budget = budget  # what the kept batches may cost before retention prunes
+        self.window_batches = window_batches  # a sampled read draws from each writer's newest batches,
+        self.window_seconds = window_seconds  # of the writers whose newest batch came within this many s
+        self.page_bytes = page_bytes      # a read's reply stops growing past this size (one group at least)
+        self.keep_replies = keep_replies  # replies of pruned batches kept, so a late retry is stored once
+        self.keep_peers = keep_peers      # rows of the peers table; the peer seen least recently goes first
+        self.scan_groups = scan_groups    # groups one read may step over (the reader's own, which it skips)
         self.write_lock = threading.Lock()  # orders the writers: one batch is stored at a time
-        self.lock = threading.Lock()        # guards the state below, in memory only: readers never wait for a disk
-        self.index = []     # (seq, writer, group as UTF-8 JSON, its batch's last seq) per kept group, in seq order
-        self.batches = {}   # writer -> its kept batches, oldest first: Batch(last seq, batch_id, arrival time,
-                            # its groups as JSON texts, cost: its bytes on disk and RolloutStore's overhead)
-        self.replies = {}   # (writer, batch_id) -> the reply, of every kept batch and of the newest pruned ones
-        self.drawable = []  # the writers a sampled read draws from: each one's newest batch is in the window
-        self.last_seq = 0   # seq of the newest group ever stored: never reused
+        self.lock = threading.Lock()        # guards the state below: readers never wait for a disk
+        self.last_seq = 0    # seq of the newest group ever stored: never used again
+        self.index = []      # (seq, writer, group as UTF-8 JSON, its batch's last seq) per kept group
+        self.batches = {}    # writer -> its kept batches (Batch: last seq, id, arrival, texts, cost)
+        self.kept_bytes = 0  # what the kept batches cost, all writers together
+        self.replies = {}    # (writer, batch_id) -> the reply, of each kept and each recently pruned batch
+        self.gone = collections.deque()  # (writer, batch_id) of the pruned batches whose replies are kept
+        self.drawable = []   # the writers a sampled read draws from: each one's newest batch is recent
+        self.fresh = collections.OrderedDict()  # writer -> its place in drawable, oldest newest batch first
+        self.peers = collections.OrderedDict()  # peer -> {"last_seen", "last_round", "groups"}, by recency
 
     def publish(self, peer, round_, batch_id, groups):
-        """Store one batch (or recognise a retry of one) -> {"accepted": groups, "seq": its last seq}."""
+        """Store one batch, or recognise a retry of one -> {"accepted": its groups, "seq": its last seq}."""
         with self.write_lock:
             if (peer, batch_id) in self.replies or not groups:  # a retry gets the first reply: stored once
                 return self.replies.get((peer, batch_id), {"accepted": 0, "seq": self.last_seq})
             now, first = _now(), self.last_seq + 1
-            record = {"peer": peer, "round": round_, "batch_id": batch_id, "time": now, "groups": [
-                {**g, "peer": peer, "round": round_, "seq": first + k, "time": now} for k, g in enumerate(groups)]}
-            size = self._write_atomic(_batch_file(first + len(groups) - 1), _dumps(record))  # durable: now it may be seen
+            groups = [{**g, "peer": peer, "round": round_, "seq": first + k, "time": now}
+                      for k, g in enumerate(groups)]
+            record = {"peer": peer, "round": round_, "batch_id": batch_id, "time": now, "groups": groups}
+            size = self._save(record)  # durable before anyone may see it
             with self.lock:
                 self._add(record, size)
             self._retain()
             return self.replies[(peer, batch_id)]
 
     def read(self, after, exclude, limit):
-        """Groups with seq > after not from `exclude` -> (their JSON texts, next cursor, last seq)."""
+        """Groups with seq > after, none of them `exclude`'s -> (their JSON texts, next cursor, last seq)."""
         with self.lock:
-            return (*_page(self.index, after, limit, exclude), self.last_seq)
+            texts, cursor = _page(self.index, after, limit, exclude, self.page_bytes, self.scan_groups)
+            return texts, cursor, self.last_seq
 
     def sample(self, k, exclude, seed):
         """K groups drawn from the window, none of them `exclude`'s -> (their JSON texts, last seq). The
-        window is decided here, never by what a sender claims: each writer's newest Limits.window_batches (2)
-        batches by arrival, if its newest arrived within Limits.window_seconds (600) (self.drawable). K times:
-        a writer uniformly among those with window groups left, then one of those uniformly. So each writer
-        has the same chance whatever its speed or I, and a reply holds at most K groups (it stops past
-        Limits.page_bytes, 1 MB) whatever the swarm's size. The same state and seed give the same draw. Cost:
-        K draws, whatever the number of writers (a writer drawn dry is swapped out of the first n places)."""
-        rng, texts, size, left, moved = random.Random(seed), [], 0, {}, {}
+        window (decided here, never by what a sender claims) is each writer's newest window_batches (2)
+        batches by arrival, if its newest arrived within window_seconds (600). Each draw picks a writer
+        uniformly among those with window groups left, then one of its groups: every writer has the same
+        chance whatever its speed or I, and a reply holds at most K groups (it stops past page_bytes, 1 MB).
+        The same state and seed give the same draw. A lazy Fisher-Yates shuffle of the writers (one drawn dry
+        swaps places with the last of the first n) makes it K draws, whatever the swarm's size."""
+        rng, texts, size = random.Random(seed), [], 0
+        left = {}   # writer -> its window groups not drawn yet, made when the writer is first drawn
+        moved = {}  # the shuffle's swaps: a place -> the place in drawable whose writer now stands there
         with self.lock:
-            self._expire(time.time() - Limits.window_seconds)
-            n = len(self.drawable)
-            while n and len(texts) < k and size < Limits.page_bytes:
+            self._expire(time.time() - self.window_seconds)
+            n = len(self.drawable)  # the writers in the first n places still have groups to draw
+            while n and len(texts) < k and size < self.page_bytes:
                 i = rng.randrange(n)
                 writer = self.drawable[moved.get(i, i)]
-                if writer not in left:
+                if writer not in left:  # its window: the texts of its newest window_batches batches
                     kept = self.batches[writer]
                     left[writer] = [] if writer == exclude else [
-                        t for j in range(1, min(len(kept), Limits.window_batches) + 1) for t in kept[-j].texts]
+                        t for j in range(1, min(len(kept), self.window_batches) + 1) for t in kept[-j].texts]
                 if left[writer]:
                     texts.append(left[writer].pop(rng.randrange(len(left[writer]))))
                     size += len(texts[-1])
-                if not left[writer]:
+                if not left[writer]:  # drawn dry: the writer in place n - 1 takes place i
                     n -= 1
                     moved[i] = moved.get(n, n)
             return texts, self.last_seq
 
-    def _add(self, record, size):
+    def _add(self, record, size):  # (self.lock held) a stored batch joins the index, the draw and the tables
         peer, groups, last = record["peer"], record["groups"], record["groups"][-1]["seq"]
         texts = [_dumps(g) for g in groups]
         self.index.extend((g["seq"], peer, text, last) for g, text in zip(groups, texts))
-        self._keep(peer, Batch(last, record["batch_id"], record["time"], texts, size + Limits.batch_overhead))
+        self._keep(peer, Batch(last, record["batch_id"], record["time"], texts, size))
         self.last_seq = last
         self.replies[(peer, record["batch_id"])] = {"accepted": len(groups), "seq": last}
         self._seen(peer, record["round"], record["time"], len(groups))
 
+    def _keep(self, writer, batch):  # (self.lock held) a batch joins its writer's, and the writer goes last
+        self.batches.setdefault(writer, collections.deque()).append(batch)
+        self.kept_bytes += batch.cost
+        if writer in self.fresh:
+            self.fresh.move_to_end(writer)
+        else:
+            self.fresh[writer] = len(self.drawable)
+            self.drawable.append(writer)
 
-def _page(entries, after, limit=None, exclude=None):
-    """entries: (number, peer, UTF-8 JSON, ...) in number order -> (the JSON texts after `after` that are
-    not `exclude`'s, the number to continue after, past the excluded ones too): at most `limit` (None:
-    any) and Limits.page_bytes, unless one text alone is larger."""
-    start = bisect.bisect_right(entries, after, key=lambda entry: entry[0])
-    texts, size, next_number = [], 0, after
-    for number, peer, text, *_ in entries[start:start + Limits.scan_groups]:
-        if len(texts) == limit or (texts and size + len(text) > Limits.page_bytes):
-            break
-        next_number = number
-        if peer != exclude:
-            texts.append(text)
-            size += len(text) + 1
-    return texts, next_number
+    def _expire(self, since):  # (self.lock held) writers with no batch since `since` leave the draw
+        while self.fresh and self.batches[oldest := next(iter(self.fresh))][-1].time < since:
+            self._undraw(oldest)
+
+    def _undraw(self, writer):  # the last drawable writer takes its place, so that no list is shifted
+        i, last = self.fresh.pop(writer), self.drawable.pop()
+        if last != writer:
+            self.drawable[i] = last
+            self.fresh[last] = i
+
+    def _seen(self, peer, round_, when, published=0):  # the peers table, the one seen most recently last
+        p = self.peers.pop(peer, None) or {"last_seen": 0.0, "last_round": 0, "groups": 0}
+        p.update(last_seen=max(p["last_seen"], when), last_round=max(p["last_round"], round_),
+                 groups=p["groups"] + published)
+        self.peers[peer] = p
+        while len(self.peers) > self.keep_peers:
+            self.peers.popitem(last=False)
+
+    def _retain(self):
+        """Retention by cost: past the budget, the writers holding most lose their oldest, down to 90% of it."""
+        pruned = []
+        if self.kept_bytes > self.budget:
+            with self.lock:
+                pruned = self._prune(0.9 * self.budget)
+        self._forget(pruned)
+
+    def _prune(self, target):
+        """(self.lock held) Cut by water-filling: writers above a level lose their oldest batches, the level
+        at which all holdings, so cut, add up to target -> the pruned batches. The newest batch stays."""
+        held = {writer: sum(batch.cost for batch in kept) for writer, kept in self.batches.items()}
+        costs, rest = sorted(held.values(), reverse=True), self.kept_bytes
+        for k, cost in enumerate(costs):
+            rest -= cost
+            level = (target - rest) / (k + 1)
+            if k + 1 == len(costs) or level >= costs[k + 1]:
+                break
+        pruned = []
+        for writer in [w for w, cost in held.items() if cost > level]:
+            kept = self.batches[writer]
+            while kept and held[writer] > level and kept[0].seq != self.last_seq:
+                batch = kept.popleft()
+                pruned.append(batch)
+                held[writer] -= batch.cost
+                self.kept_bytes -= batch.cost
+                self.gone.append((writer, batch.batch_id))
+            if not kept:
+                del self.batches[writer]
+                if writer in self.fresh:
+                    self._undraw(writer)
+        dropped = {batch.seq for batch in pruned}
+        self.index = [entry for entry in self.index if entry[3] not in dropped]
+        while len(self.gone) > self.keep_replies:  # past keep_replies, the oldest reply records go
+            del self.replies[self.gone.popleft()]
+        return pruned
+
+    def _save(self, record):  # a persistence hook: a batch, durable before anyone may see it -> its cost
+        return len(_dumps(record))
+
+    def _forget(self, pruned):  # a persistence hook, after retention: in memory, what it pruned is gone
+        pass
 
 
 # -----------------------------------------------------------------------------
 # The peer's side: its training loop touches two queues; one thread talks to the store.
 
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # peer names: safe in URLs, logs and HTML
+NAMES = ("1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit, in any case "
+         "(Alice is alice)")
+
+
+def _sane(x):  # a number any chart can draw: finite and not absurd (a 400-digit integer is not); no bools
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and abs(x) <= 1e15
+
+
+def _log(message, peer=None):  # a line of the server's log, or of peer's client's, lone surrogates escaped
+    who = f"client {peer}" if peer else "server"  # (a reply may carry one, and no stream may refuse the line)
+    print(f"swarm {who}: {message}".encode("utf-8", "backslashreplace").decode(), file=sys.stderr, flush=True)
+
+
+class Refused(Exception):
+    """The store refused an outbox entry as malformed: the same bytes would be refused again."""
+
+
 class Client:
     """One peer's view of the swarm. The training loop's calls only touch two queues, bounded in bytes
-    (beyond the bound the oldest entry goes: SAPO wants fresh rollouts); a daemon thread does all the
-    talking, one exchange at a time (_send, _read), through a transport: HttpTransport or RedisTransport.
+    (past a bound the oldest entry goes: SAPO wants fresh rollouts); a daemon thread does all the talking
+    through a transport, whose four calls are publish, post_metrics, sample and close (LocalTransport's).
 
         publish(round, groups) -> outbox --(oldest first, until acknowledged)--> store
         fetch() <- inbox <--(a sampled read of K groups, once per fetch() or flush())-- store
 
-    A retried batch is stored once (it carries a batch_id). A read is K recent groups, every producer alike,
-    however large the swarm; none is handed out twice; and it depends on its round, not on the reads before it."""
+    A retried batch is stored once (it carries a batch_id); no group is handed out twice."""
 
-    def __init__(self, peer, transport, sample, seed=0, round=0, seen=()):
-        self.peer = peer                  # this peer's name: the store leaves its groups out of its reads
-        self.transport = transport        # the store's side of publish, post_metrics and sample
-        self.sample = sample              # K: the groups one read asks for
-        self.seed = seed                  # the read state, which a restarted peer keeps: the k-th read for round r
-        self.round, self.count = round, 0  # draws with (seed, r, k); the round the next read is for, reads asked;
-        self.seen = collections.deque(map(tuple, seen), maxlen=Limits.seen_seqs)  # (seq, time) handed out
+    def __init__(self, peer, transport, sample, seed=0, round=0, seen=(), seen_cap=4096, inbox_cap=64 << 20,
+                 outbox_cap=64 << 20, body_cap=8 << 20):
+        self.peer = peer              # this peer's name: the store leaves its groups out of its reads
+        self.transport = transport    # the store's end of the exchanges
+        self.sample = sample          # K, the groups one read asks for
+        self.inbox_cap = inbox_cap    # bytes of received groups the inbox holds; past it the oldest go
+        self.outbox_cap = outbox_cap  # bytes of unsent batches and metrics the outbox holds; the same
+        self.body_cap = body_cap      # the largest request a store takes: a larger entry is dropped at once
+        self.poll_seconds = 1.0       # the longest the thread idles before it looks at its queues again
+        self.seed = seed    # the k-th read asked for in round r draws with (seed, r, k): kept over a restart
+        self.round = round  # the round the next read is for (kept over a restart too)
+        self.count = 0      # the reads asked for in that round so far
+        self.seen = collections.deque(map(tuple, seen), maxlen=seen_cap)  # (seq, time) of groups handed out
         self.cond = threading.Condition()  # guards all that follows; notified when the thread gets somewhere
-        self.outbox, self.outbox_bytes = collections.deque(), 0  # (what, send, arguments, bytes), oldest first
-        self.inbox, self.inbox_bytes = collections.deque(), 0    # (group, bytes) received, oldest first
-        self.asked = collections.deque(maxlen=2)  # (round, k) of the reads asked for and not done yet
-        self.reads_begun = self.reads_done = 0  # reads numbered as they begin; the number of the last done
-        self.wake = self.closing = False   # there is something to do; close() was called
+        self.outbox = collections.deque()  # entries to send, oldest first: (what, send, its arguments, bytes)
+        self.outbox_bytes = 0              # their bytes
+        self.inbox = collections.deque()   # groups received and not fetched yet, oldest first: (group, bytes)
+        self.inbox_bytes = 0               # their bytes
+        self.asked = collections.deque(maxlen=2)  # (round, k) of the reads asked for and not done; 2 at most
+        self.reads_begun = self.reads_done = 0  # reads are numbered as they begin: the last begun, last done
+        self.wake = self.closing = False  # whether the thread has something to do; whether it is to stop
         self.down, self.dropped = None, 0  # while the store does not answer: why; entries the outbox let go
-        self.thread = threading.Thread(target=_talk, args=(self,), name=f"swarm-client-{peer}", daemon=True)
-        self.thread.start()  # (_talk: the thread's loop, with its back-off and log lines, below the marker)
+        self.thread = threading.Thread(target=self._run, name=f"swarm-client-{peer}", daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def check(peer, sample, most):  # connect()'s check of its arguments, before it makes a transport
+        if not isinstance(peer, str) or not NAME.fullmatch(peer):
+            raise ValueError(f"peer must be a name of {NAMES}.")
+        if type(sample) is not int or not 1 <= sample <= most:
+            raise ValueError(f"sample must be a whole number from 1 to {most}.")
 
     def publish(self, round, groups):
         """Queue this round's groups for the swarm; returns at once."""
-        if groups:
-            _enqueue(self, f"round {round}'s batch", self.transport.publish, lambda: (
+        if groups:  # its round, its groups as JSON texts, and the id that makes a retry harmless
+            self._enqueue(f"round {round}'s batch", self.transport.publish, lambda: (
                 int(round), [_dumps(g) for g in groups], f"{self.peer}-{int(round)}-{os.urandom(6).hex()}"))
 
     def post_metrics(self, round, metrics):
         """Queue per-round numbers for the dashboard (best effort); what is not a sane number goes as null."""
-        _enqueue(self, f"round {round}'s metrics", self.transport.post_metrics, lambda: (int(round), [_dumps(
-            {str(k)[:64]: float(v) if _sane(v) else None for k, v in list(metrics.items())[:64]})]))
+        def make():  # -> its round and the row as one JSON text
+            row = {str(k)[:64]: float(v) if _sane(v) else None for k, v in list(metrics.items())[:64]}
+            return int(round), [_dumps(row)]
+        self._enqueue(f"round {round}'s metrics", self.transport.post_metrics, make)
 
     def fetch(self):
-        """Other peers' groups from the reads done since the last call, none handed out before; asks for the next."""
+        """Other peers' groups from the reads done since the last call, none handed out before; asks again."""
         with self.cond:
             seen = set(self.seen)
             fresh = {(g["seq"], g["time"]): g for g, _ in self.inbox if (g["seq"], g["time"]) not in seen}
@@ -224,27 +313,76 @@ class Client:
             return list(fresh.values())
 
     def flush(self, timeout=10.0):
-        """Wait until the outbox is empty and a read begun after this call is done -> True, or False if
-        that took over timeout seconds."""
+        """Wait until the outbox is empty and a read begun now is done -> True, or False after `timeout` s."""
         with self.cond:
             begun = self.reads_begun
             self._ask()
             return self.cond.wait_for(lambda: not self.outbox and self.reads_done > begun, timeout)
 
     def close(self, wait=0.0):
-        """Stop the thread once the outbox is empty or after `wait` seconds; one line says what was not delivered."""
+        """Stop the thread once the outbox is empty or after `wait` seconds; a line says what was not sent."""
         with self.cond:
             self.cond.wait_for(lambda: not self.outbox, wait)
             self.closing = True
             self.cond.notify_all()
         self.transport.close()
         self.thread.join(5)
-        _say_undelivered(self, wait)
+        self._say_undelivered(wait)
 
-    def _ask(self):  # (self.cond held) wake the thread for one more read of this round, at most 2 waiting
+    def _ask(self):  # (self.cond held) wake the thread for one more read of this round
         self.asked.append((self.round, self.count))
         self.count, self.wake = self.count + 1, True
         self.cond.notify_all()
+
+    def _enqueue(self, what, send, make):
+        """make() -> send's arguments (round, JSON texts, ...), queued last in the outbox; or a log line."""
+        try:
+            args = make()
+        except (TypeError, ValueError, OverflowError, AttributeError) as e:
+            return _log(f"{what} cannot be sent ({e})", self.peer)
+        size = sum(len(text) + 1 for text in args[1]) + 256  # (and room for what a request wraps them in)
+        if size > self.body_cap:  # a store would refuse it (413): never held, even while it is down
+            return _log(f"{what} is {size} bytes, over a request's {self.body_cap}, so it is dropped",
+                        self.peer)
+        with self.cond:
+            self.outbox.append((what, send, args, size))
+            self.outbox_bytes += size
+            while self.outbox_bytes > self.outbox_cap and len(self.outbox) > 1:
+                self.outbox_bytes -= self.outbox.popleft()[3]
+                self.dropped += 1
+            self.wake = True
+            self.cond.notify_all()
+
+    def _run(self):
+        """The thread: the oldest outbox entry first, else the read asked for, else idle until a publish,
+        fetch or flush. Trouble is said once, however long it lasts, and waited out (0.25 s to 5 s)."""
+        backoff = 0.0
+        while not self.closing:
+            with self.cond:
+                entry = self.outbox[0] if self.outbox else None
+            try:
+                if entry is not None:
+                    self._send(entry)
+                elif self._read():
+                    self._idle(self.poll_seconds)
+                if self.down:
+                    lost = f"; {self.dropped} older entries did not fit the outbox" if self.dropped else ""
+                    waited = ", sending what waited" * (entry is not None)
+                    _log(f"the server answers again{waited}{lost}", self.peer)
+                    self.down, self.dropped = None, 0
+                backoff = 0.0
+            except Exception as e:  # (a bug must not end the thread either)
+                if not self.down and not self.closing:
+                    cause = e if isinstance(e, (OSError, BadRequest)) else f"unexpected error {e!r:.200}"
+                    _log(f"{cause}; training goes on, and what is unsent waits in the outbox (up to "
+                         f"{self.outbox_cap >> 20} MB) until the server answers", self.peer)
+                self.down, backoff = str(e) or type(e).__name__, min(5.0, max(0.25, 2 * backoff))
+                self._idle(backoff)
+
+    def _idle(self, seconds):  # until a publish, fetch or flush wakes the thread, unless it waits out trouble
+        with self.cond:
+            self.cond.wait_for(lambda: self.closing or (self.wake and not self.down), seconds)
+            self.wake = False
 
     def _send(self, entry):
         """Deliver the oldest outbox entry. It leaves the outbox once the store acknowledged it, or refused
@@ -269,11 +407,12 @@ class Client:
             self.reads_begun += 1
             read, asked = self.reads_begun, self.asked[0]
         seed = random.Random("/".join(map(str, (self.seed, *asked)))).getrandbits(63)
-        fresh = [(g, n) for g, n in self.transport.sample(self.sample, seed) if g["peer"].lower() != self.peer.lower()]
+        drawn = self.transport.sample(self.sample, seed)
+        fresh = [(g, n) for g, n in drawn if g["peer"].lower() != self.peer.lower()]
         with self.cond:
             self.inbox.extend(fresh)
             self.inbox_bytes += sum(size for _, size in fresh)
-            while self.inbox_bytes > Limits.inbox_bytes:  # beyond the bound the oldest go
+            while self.inbox_bytes > self.inbox_cap:  # past the bound the oldest go
                 self.inbox_bytes -= self.inbox.popleft()[1]
             if self.asked and self.asked[0] == asked:  # (unless two newer reads were asked for meanwhile)
                 self.asked.popleft()
@@ -281,16 +420,22 @@ class Client:
             self.cond.notify_all()
             return not self.asked
 
-
-def connect(url, peer, sample, token=None, **state):
-    """A started Client of the store a URL names: a Redis server for redis:// or rediss://, else a swarm.py
-    server. sample: K; token: the store's credential (None: $SWARM_TOKEN); state: the read state (seed, round, seen)."""
-    _check_client(peer, sample)
-    kind = RedisTransport if str(url).lower().startswith(("redis://", "rediss://")) else HttpTransport
-    return Client(peer, kind(str(url), peer, os.environ.get("SWARM_TOKEN") if token is None else token), sample, **state)
+    def _say_undelivered(self, wait):  # close()'s line on what never reached the store, and why
+        batches = sum(send == self.transport.publish for _, send, _, _ in self.outbox)
+        if self.outbox or self.dropped:
+            lost = f", nor {self.dropped} older entries a full outbox let go" * bool(self.dropped)
+            _log(f"{batches} batches and {len(self.outbox) - batches} metrics rows were not delivered"
+                 f"{lost}: {self.down or f'the server had not taken them after {wait:g} s'}", self.peer)
 
 
 # ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
+
+try:
+    import fcntl     # POSIX: the server locks its folder so two servers never share one
+    import resource  # POSIX: the descriptor limit sets how many connections the server may hold
+    import termios   # POSIX: TIOCOUTQ, what a socket has not delivered yet (_unsent)
+except ImportError:
+    fcntl = resource = termios = None
 
 
 class Limits:
@@ -318,7 +463,6 @@ class Limits:
     outbox_bytes = 64 << 20     # client: unsent batches and metrics; the oldest go first beyond it
     inbox_bytes = 64 << 20      # client: received groups not yet fetched; the oldest go first beyond it
     reply_bytes = body_bytes + (64 << 10)  # client: the largest reply read (one group of at most a body, and more)
-    poll_seconds = 1.0          # client: the longest its thread idles before it looks at its queues again
     sample_groups = 256         # groups one sampled read may ask for (?sample=K)
     window_batches = 2          # a sampled read draws from each producer's newest this many batches,
     window_seconds = 600        # of the producers whose newest batch arrived within this many seconds
@@ -348,17 +492,9 @@ def _want(ok, message, status=400, headers=None):
         raise BadRequest(message, status, headers)
 
 
-def _sane(x):  # a number any chart can draw: finite and not absurd (a 400-digit integer is not); no bools
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and abs(x) <= 1e15
-
-
 def _too_deep(x, levels):
     children = x.values() if isinstance(x, dict) else x if isinstance(x, list) else ()
     return levels < 0 or any(_too_deep(child, levels - 1) for child in children)
-
-
-def _dumps(x):  # compact UTF-8 JSON: what is stored, served and sent
-    return json.dumps(x, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 def rule(test, says, convert=lambda value, where: value):
@@ -401,8 +537,6 @@ def fields(table, optional={}, also=()):
     return checked
 
 
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # peer names: safe in URLs, logs and HTML
-NAMES = "1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit, in any case (Alice is alice)"
 PEER = rule(lambda v: isinstance(v, str) and NAME.fullmatch(v), NAMES, lambda v, where: v.lower())  # stored
 BATCH_ID = rule(lambda v: isinstance(v, str) and re.fullmatch(r"[A-Za-z0-9_.:-]{1,128}", v), "an id of 1 to 128 characters "
                 "from A-Z, a-z, 0-9 and '_.:-'")
@@ -482,27 +616,22 @@ def _values(text):  # what parsing a JSON text costs: its commas, objects and li
     return bare.count(",") + bare.count("{") + bare.count("[")
 
 
-def _log(message, peer=None):  # a line of the server's log, or of peer's client's, lone surrogates escaped
-    who = f"client {peer}" if peer else "server"  # (a reply may carry one, and no stream may refuse the line)
-    print(f"swarm {who}: {message}".encode("utf-8", "backslashreplace").decode(), file=sys.stderr, flush=True)
-
-
 # -----------------------------------------------------------------------------
 # Storage: one file per accepted batch (written atomically, fsynced), and an in-memory index of all kept.
 
 class RolloutStore(Store):
-    """Store on disk: the locked folder of batch files, retention by cost, the draw's bookkeeping, metrics rows."""
+    """The Store on disk, under Limits' bounds: a locked folder of batch files, pruned.json (what retention
+    deleted) and metrics.jsonl (the dashboard's rows), all read back when a server starts on it."""
     copies = ("pruned.json", "pruned-copy.json")  # two copies: a damaged one alone loses nothing
 
     def __init__(self, folder, keep_bytes=Limits.keep_bytes):
-        super().__init__()
-        self.folder, self.keep_bytes = os.path.abspath(folder), keep_bytes
-        self.budget = keep_bytes - keep_bytes // 8 - 8192  # the batches' share; pruned.json's two copies the rest
-        self.kept_bytes = 0                       # what the kept batches cost, all writers together
-        self.fresh = collections.OrderedDict()    # writer -> its place in drawable, by its newest batch's arrival
+        # The batches get keep_bytes less an eighth and 8 KB; pruned.json's two copies take the rest, at most
+        # 512 bytes a reply, so they keep one reply for each 4 KB of keep_bytes.
+        super().__init__(keep_bytes - keep_bytes // 8 - 8192, Limits.window_batches, Limits.window_seconds,
+                         Limits.page_bytes, min(Limits.replies, max(16, keep_bytes // 4096)), Limits.peers,
+                         Limits.scan_groups)
+        self.folder = os.path.abspath(folder)     # the folder this server alone writes
         self.pruned = 0                           # seq of the newest group retention deleted
-        self.gone = collections.deque()           # (writer, batch_id) of pruned batches whose replies are kept
-        self.peers = collections.OrderedDict()    # peer -> {"last_seen", "last_round", "groups"}, by recency
         self.metrics, self.metrics_bytes = [], 0  # (n, peer, row as a JSON line, row) per kept metrics row
         self.closed = self.metrics_cut = False    # metrics_cut: a failed write may have left half a line
         self.folder_fd, self.doomed = None, []  # doomed: files retention deletes once pruned.json says so
@@ -525,42 +654,16 @@ class RolloutStore(Store):
                              "folder." if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else f"cannot use --dir "
                              f"{self.folder} ({e.strerror or e}); give a folder it can create and write.") from None
 
-    def _seen(self, peer, round_, when, published=0):
-        p = self.peers.pop(peer, None) or {"last_seen": 0.0, "last_round": 0, "groups": 0}
-        p.update(last_seen=max(p["last_seen"], when), last_round=max(p["last_round"], round_),
-                 groups=p["groups"] + published)
-        self.peers[peer] = p  # (re)inserted last: the peer seen least recently is first to go
-        while len(self.peers) > Limits.peers:
-            self.peers.popitem(last=False)
+    def _save(self, record):  # the batch's file, named after its last seq -> its blocks, and its memory
+        size = self._write_atomic(_batch_file(record["groups"][-1]["seq"]), _dumps(record))
+        return size + Limits.batch_overhead
 
-    def _keep(self, writer, batch):  # (self.lock held) a batch joins its writer's; the writer goes last in the draw
-        self.batches.setdefault(writer, collections.deque()).append(batch)
-        self.kept_bytes += batch.cost
-        if writer in self.fresh:
-            self.fresh.move_to_end(writer)
-        else:
-            self.fresh[writer] = len(self.drawable)
-            self.drawable.append(writer)
-
-    def _expire(self, since):  # (self.lock held) writers whose newest batch arrived before `since` leave the draw
-        while self.fresh and self.batches[oldest := next(iter(self.fresh))][-1].time < since:
-            self._undraw(oldest)
-
-    def _undraw(self, writer):  # the last drawable writer takes its place, so no list is shifted
-        i, last = self.fresh.pop(writer), self.drawable.pop()
-        if last != writer:
-            self.drawable[i] = last
-            self.fresh[last] = i
-
-    def _retain(self):
-        """Past the budget, the writers holding most lose their oldest batches, down to the level at which all
-        holdings, so cut, fill 90% of it: a flooder's own go first; the newest batch stays. Their replies go
-        into pruned.json (both copies; the newest Limits.replies), so the numbering goes on after a restart
-        and a late retry is stored once; then a thread deletes the files, holding no lock. A pruned.json the
-        disk cannot take is logged: the batch just stored stays stored; the files wait for the next try."""
-        if self.kept_bytes > self.budget:
-            with self.lock:
-                self._prune(0.9 * self.budget)
+    def _forget(self, pruned):
+        """The replies of pruned batches go into pruned.json (both copies), so that the numbering goes on
+        after a restart and a late retry is stored once; then a thread deletes their files, holding no
+        lock. A pruned.json the disk cannot take is logged: the files wait for the next try."""
+        self.pruned = max([self.pruned] + [batch.seq for batch in pruned])
+        self.doomed += [_batch_file(batch.seq) for batch in pruned]
         if not self.doomed:
             return
         replies = [{"peer": p, "batch_id": b, **self.replies[(p, b)]} for p, b in self.gone]
@@ -568,36 +671,9 @@ class RolloutStore(Store):
             for name in self.copies:
                 self._write_atomic(name, _dumps({"seq": self.pruned, "replies": replies}))
         except (OSError, BadRequest) as e:
-            return _log(f"cannot write pruned.json for now ({getattr(e, 'message', e)}); pruned files wait for it")
+            return _log(f"cannot write pruned.json for now ({getattr(e, 'message', e)}); pruned files wait")
         self.deleter.map(self._remove, self.doomed)  # (submitted at once)
         self.doomed = []
-
-    def _prune(self, target):  # (self.lock held) _retain's cut, to a level at which all holdings add up to target
-        held = {writer: sum(batch.cost for batch in kept) for writer, kept in self.batches.items()}
-        costs, rest = sorted(held.values(), reverse=True), self.kept_bytes
-        for k, cost in enumerate(costs):  # the k + 1 largest cut to the level, the others under it
-            rest -= cost
-            level = (target - rest) / (k + 1)
-            if k + 1 == len(costs) or level >= costs[k + 1]:
-                break
-        dropped = set()
-        for writer in [w for w, cost in held.items() if cost > level]:
-            kept = self.batches[writer]
-            while kept and held[writer] > level and kept[0].seq != self.last_seq:
-                batch = kept.popleft()
-                held[writer] -= batch.cost
-                self.kept_bytes -= batch.cost
-                self.pruned = max(self.pruned, batch.seq)
-                self.doomed.append(_batch_file(batch.seq))
-                self.gone.append((writer, batch.batch_id))
-                dropped.add(batch.seq)
-            if not kept:
-                del self.batches[writer]
-                if writer in self.fresh:
-                    self._undraw(writer)
-        self.index = [entry for entry in self.index if entry[3] not in dropped]
-        while len(self.gone) > min(Limits.replies, max(16, self.keep_bytes // 4096)):  # (a reply takes at most
-            del self.replies[self.gone.popleft()]  # 512 bytes in the two copies: an eighth of --keep-bytes in all)
 
     def _load(self):
         """Read the folder back: pruned.json, every batch file in seq order, metrics.jsonl. Whatever a file
@@ -618,7 +694,7 @@ class RolloutStore(Store):
             batch = self._read(name, BATCH) if found else None
             seqs = [g["seq"] for g in batch[0]["groups"]] if batch else []
             if seqs and seqs[0] > self.last_seq and seqs == list(range(seqs[0], last + 1)):
-                self._add(*batch)
+                self._add(batch[0], batch[1] + Limits.batch_overhead)  # (its cost, as _save counts it)
             elif batch:
                 _log(f"skipping batch file {name}: its groups are not numbered up to the seq in its name")
             self.last_seq = max(self.last_seq, last)  # its name alone uses up the numbers, even if unreadable
@@ -687,7 +763,8 @@ class RolloutStore(Store):
 
     def read_metrics(self, after):
         with self.lock:
-            return (*_page(self.metrics, after), self.metrics[-1][0] if self.metrics else 0)
+            texts, next_n = _page(self.metrics, after, None, None, self.page_bytes, self.scan_groups)
+            return texts, next_n, self.metrics[-1][0] if self.metrics else 0
 
     def snapshot(self, metrics=False):  # (/health, which cursor readers ask often, walks no metrics rows)
         with self.lock:
@@ -751,15 +828,24 @@ class RolloutStore(Store):
                 os.close(self.folder_fd)  # releases the folder lock
 
 
-Batch = collections.namedtuple("Batch", "seq batch_id time texts cost")  # one kept batch (Store.batches)
-
-
 def _batch_file(seq):  # a batch's file, named after its last seq: 12 digits or more, read back by value
     return f"batch-{seq:012d}.json"
 
 
-def _now():  # the server's clock as a TIME field holds it, so that no clock makes a stored file unreadable
-    return min(max(time.time(), 0.0), 1e11)
+def _page(entries, after, limit, exclude, page_bytes, scan_groups):
+    """entries: (number, peer, UTF-8 JSON, ...) in number order -> (the JSON texts after `after` that are
+    not `exclude`'s, the number to continue after, past the excluded ones too): at most `limit` (None: any)
+    and page_bytes, unless one text alone is larger; at most scan_groups entries stepped over."""
+    start = bisect.bisect_right(entries, after, key=lambda entry: entry[0])
+    texts, size, next_number = [], 0, after
+    for number, peer, text, *_ in entries[start:start + scan_groups]:
+        if len(texts) == limit or (texts and size + len(text) > page_bytes):
+            break
+        next_number = number
+        if peer != exclude:
+            texts.append(text)
+            size += len(text) + 1
+    return texts, next_number
 
 
 # -----------------------------------------------------------------------------
@@ -1111,83 +1197,44 @@ def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.ke
 
 
 # -----------------------------------------------------------------------------
-# Client: the thread's loop, and its transports (_Transport).
+# The client's transports: a Store in this process, a swarm.py server, or Redis.
 
-class Refused(Exception):
-    """The store refused an outbox entry as malformed: the same bytes would be refused again."""
-
-
-def _check_client(peer, sample):
-    if not isinstance(peer, str) or not NAME.fullmatch(peer):
-        raise ValueError(f"peer must be a name of {NAMES}.")
-    if type(sample) is not int or not 1 <= sample <= Limits.sample_groups:
-        raise ValueError(f"sample must be a whole number from 1 to {Limits.sample_groups}.")
-
-
-def _enqueue(client, what, send, make):
-    """make() -> (round, JSON texts, ...), send's arguments, at the end of the outbox; or a log line."""
-    try:
-        args = make()
-    except (TypeError, ValueError, OverflowError, AttributeError) as e:
-        return _log(f"{what} cannot be sent ({e})", client.peer)
-    size = sum(len(text) + 1 for text in args[1]) + 256  # (and room for what a request wraps them in)
-    if size > Limits.body_bytes:  # a server would refuse it (413): never held, even while it is down
-        return _log(f"{what} is {size} bytes, over a request's {Limits.body_bytes}, so it is dropped", client.peer)
-    with client.cond:
-        client.outbox.append((what, send, args, size))
-        client.outbox_bytes += size
-        while client.outbox_bytes > Limits.outbox_bytes and len(client.outbox) > 1:
-            client.outbox_bytes -= client.outbox.popleft()[3]
-            client.dropped += 1
-        client.wake = True
-        client.cond.notify_all()
+def connect(url, peer, sample, token=None, **state):
+    """A started Client of the store a URL names: a Redis server for redis:// or rediss://, else a swarm.py
+    server. sample: K; token: the store's credential (None: $SWARM_TOKEN); state: the read state (seed,
+    round, seen). The client's bounds are Limits'."""
+    Client.check(peer, sample, Limits.sample_groups)
+    kind = RedisTransport if str(url).lower().startswith(("redis://", "rediss://")) else HttpTransport
+    transport = kind(str(url), peer, os.environ.get("SWARM_TOKEN") if token is None else token)
+    return Client(peer, transport, sample, **state, seen_cap=Limits.seen_seqs, inbox_cap=Limits.inbox_bytes,
+                  outbox_cap=Limits.outbox_bytes, body_cap=Limits.body_bytes)
 
 
-def _talk(client):
-    """The client's thread: the oldest outbox entry first, else the read asked for, else idle until a
-    publish, fetch or flush. Trouble is said once, however long it lasts, and waited out (0.25 s to 5 s)."""
-    backoff = 0.0
-    while not client.closing:
-        with client.cond:
-            entry = client.outbox[0] if client.outbox else None
-        try:
-            if entry is not None:
-                client._send(entry)
-            elif client._read():
-                _idle(client, Limits.poll_seconds)
-            if client.down:
-                lost = f"; {client.dropped} older entries did not fit the outbox" if client.dropped else ""
-                _log(f"the server answers again{', sending what waited' * (entry is not None)}{lost}", client.peer)
-                client.down, client.dropped = None, 0
-            backoff = 0.0
-        except Exception as e:  # (a bug must not end the thread either)
-            if not client.down and not client.closing:
-                cause = e if isinstance(e, (OSError, BadRequest)) else f"unexpected error {e!r:.200}"
-                _log(f"{cause}; training goes on, and what is unsent waits in the outbox (up to "
-                     f"{Limits.outbox_bytes >> 20} MB) until the server answers", client.peer)
-            client.down, backoff = str(e) or type(e).__name__, min(5.0, max(0.25, 2 * backoff))
-            _idle(client, backoff)
+class LocalTransport:
+    """A Store in this process as a Client's transport. Every transport has these four calls; a call in
+    trouble raises OSError (try later) or Refused (the store will never take this)."""
 
+    def __init__(self, store, peer):
+        self.store = store        # the Store the exchanges go to
+        self.peer = peer.lower()  # the name the store keeps this peer's batches under (names ignore case)
 
-def _say_undelivered(client, wait):  # close()'s line on what never reached the store, and why (if anything)
-    batches = sum(send == client.transport.publish for _, send, _, _ in client.outbox)
-    if client.outbox or client.dropped:
-        lost = f", nor {client.dropped} older entries a full outbox let go" * bool(client.dropped)
-        _log(f"{batches} batches and {len(client.outbox) - batches} metrics rows were not delivered"
-             f"{lost}: {client.down or f'the server had not taken them after {wait:g} s'}", client.peer)
+    def publish(self, round_, texts, batch_id):
+        return self.store.publish(self.peer, round_, batch_id, [json.loads(text) for text in texts])
 
+    def post_metrics(self, round_, texts):  # a Store keeps no metrics: they are the server's dashboard's
+        pass
 
-def _idle(client, seconds):  # until a publish, fetch or flush wakes it, except while it waits out trouble
-    with client.cond:
-        client.cond.wait_for(lambda: client.closing or (client.wake and not client.down), seconds)
-        client.wake = False
+    def sample(self, k, seed):
+        return [(json.loads(text), len(text)) for text in self.store.sample(k, self.peer, seed)[0]]
+
+    def close(self):
+        pass
 
 
 class _Transport:
-    """What both transports share: the peer's name (lower-cased: `name`), and the checks of what a store says.
-    A transport's calls: publish(round, JSON texts, batch_id) -> the acknowledgement, post_metrics(round, [JSON
-    text]), sample(k, seed) -> [(checked group, bytes)], close() (ends an exchange at once). They raise
-    OSError or BadRequest for "no usable answer now, try later", Refused for "malformed, drop it"."""
+    """What the HTTP and Redis transports share: the peer's name (lower-cased: `name`) and the checks of what
+    a store says. Their calls are LocalTransport's, and they also raise BadRequest for "no usable answer now,
+    try later"; sample() hands back only the groups it could check, with their bytes."""
     def __init__(self, peer):
         self.peer, self.name, self.said, self.closed = peer, peer.lower(), None, False
 

@@ -2627,7 +2627,7 @@ def test_swarm_utf8_on_disk_and_pages_bounded_in_bytes(_sw_server, monkeypatch):
     assert _sw_post(url, "alice", 0, [_sw_group(0, completions=[text], stopped=[True])]).status_code == 200
     data = open(os.path.join(folder, _sw_files(folder)[0]), "rb").read()
     assert text.encode() in data and len(data) < len(text.encode()) + 1000  # UTF-8, not \uXXXX escapes
-    monkeypatch.setattr(swarm.Limits, "page_bytes", 20_000)
+    monkeypatch.setattr(server.store, "page_bytes", 20_000)  # (the store took Limits.page_bytes when it started)
     for r in range(1, 6):
         _sw_post(url, "alice", r, [_sw_group(10 * r + j, completions=["x" * 4000], stopped=[True]) for j in range(4)])
     seen, after, pages = [], 0, 0
@@ -2655,9 +2655,9 @@ def test_swarm_utf8_on_disk_and_pages_bounded_in_bytes(_sw_server, monkeypatch):
 
 def test_swarm_everything_a_request_can_make_the_server_hold_is_bounded(_sw_server, monkeypatch):
     server, url, folder = _sw_server
-    monkeypatch.setattr(swarm.Limits, "peers", 20)
+    monkeypatch.setattr(server.store, "keep_peers", 20)  # (Limits.peers, which the store took when it started)
     monkeypatch.setattr(swarm.Limits, "metrics_bytes", 5_000)
-    monkeypatch.setattr(swarm.Limits, "replies", 10)
+    monkeypatch.setattr(server.store, "keep_replies", 10)  # (Limits.replies, taken likewise)
     for k in range(50):  # empty posts store nothing and name nobody
         assert _sw_post(url, f"nobody{k}", 0, []).json() == {"accepted": 0, "seq": 0}
     assert requests.get(url + "/health", timeout=5).json()["peers"] == 0

@@ -439,16 +439,16 @@ except ImportError:
 
 
 class Limits:
-    """Every bound in one place (sizes in bytes): on what a sender may make the server hold, and a server a client."""
-    body_bytes = 8 << 20        # one request body (413 beyond it); those over 1/8 of it are parsed one at a time
-    json_values = 1 << 20       # values in a body (413 beyond) or a reply, counted before parsing (2**20: ~45 ms)
+    """Every bound in one place (sizes in bytes): what a sender may make a server hold, and a server a client."""
+    body_bytes = 8 << 20        # one request body (413 beyond); those over 1/8 of it are parsed one at a time
+    json_values = 1 << 20       # values in a body (413 beyond) or a reply, counted before parsing (~45 ms)
     group_tokens = 1 << 17      # token ids in one group, so that any reply of groups stays within json_values
     completion_tokens = 8192    # token ids (and log-probs) of one completion in a group
     page_bytes = 1 << 20        # one reply page of /rollouts or /metrics (a page holds at least one item)
     page_groups = 1024          # groups in one /rollouts page (?limit=, default 256)
     scan_groups = 16 * 1024     # groups one read may step over (the reader's own, which it excludes)
-    keep_bytes = 256 << 20      # default --keep-bytes: what kept batches cost (7/8 of it) and pruned.json (1/8)
-    batch_overhead = 2048       # a kept batch's cost beyond its disk blocks: memory (a tiny one: ~2.3 KB, measured)
+    keep_bytes = 256 << 20      # default --keep-bytes: kept batches' cost (7/8 of it) and pruned.json (1/8)
+    batch_overhead = 2048       # a kept batch's cost beyond its disk blocks: its memory (~2.3 KB, measured)
     metrics_bytes = 8 << 20     # metrics rows kept, in memory and in metrics.jsonl
     replies = 20_000            # idempotency records of pruned batches (those of kept batches are all kept)
     peers = 1024                # peers in the table; the one seen least recently goes first
@@ -458,11 +458,11 @@ class Limits:
     request_seconds = 10.0      # whole-request deadline: the server's to read one, the client's per call
     line_bytes = 8192           # the request line (414 beyond it) and each header line (431)
     header_lines = 64           # header lines in one request (431 beyond it)
-    workers = 4                 # threads answering GETs, and as many for POSTs (reads never wait for an fsync)
+    workers = 4                 # threads answering GETs, as many for POSTs (reads never wait for an fsync)
     backlog = 128               # connections the kernel queues before the server accepts them
     outbox_bytes = 64 << 20     # client: unsent batches and metrics; the oldest go first beyond it
     inbox_bytes = 64 << 20      # client: received groups not yet fetched; the oldest go first beyond it
-    reply_bytes = body_bytes + (64 << 10)  # client: the largest reply read (one group of at most a body, and more)
+    reply_bytes = body_bytes + (64 << 10)  # client: the largest reply it reads (a body's groups, and more)
     sample_groups = 256         # groups one sampled read may ask for (?sample=K)
     window_batches = 2          # a sampled read draws from each producer's newest this many batches,
     window_seconds = 600        # of the producers whose newest batch arrived within this many seconds
@@ -506,7 +506,8 @@ def rule(test, says, convert=lambda value, where: value):
 
 
 def text(most, least=0):
-    return rule(lambda v: isinstance(v, str) and least <= len(v) <= most, f"a string of {least} to {most} characters")
+    says = f"a string of {least} to {most} characters"
+    return rule(lambda v: isinstance(v, str) and least <= len(v) <= most, says)
 
 
 def number(most, whole=True):  # JSON true is no number here; a float may be written as an int
@@ -515,18 +516,19 @@ def number(most, whole=True):  # JSON true is no number here; a float may be wri
 
 
 def items(most, each=None, least=0):  # a list of least to most values, each passing the rule each (None: any)
-    return rule(lambda v: isinstance(v, list) and least <= len(v) <= most, f"a list of {least} to {most} items",
-                lambda v, where: [each(x, f"{where}[{i}]") for i, x in enumerate(v)] if each else v)
+    return rule(lambda v: isinstance(v, list) and least <= len(v) <= most, f"a list of {least} to {most}"
+                " items", lambda v, where: [each(x, f"{where}[{i}]") for i, x in enumerate(v)] if each else v)
 
 
 def fields(table, optional={}, also=()):
     """The rule for a JSON object with the fields of `table` (field -> rule) -> a copy with only those.
     optional: field -> the value a missing field takes; also: (test of the copy, what it says) pairs."""
     def checked(value, where=""):
-        _want(isinstance(value, dict), f"{where or 'The body'} must be a JSON object.")
+        it = where or "The body"
+        _want(isinstance(value, dict), f"{it} must be a JSON object.")
         clean = {}
         for field, each in table.items():
-            _want(field in value or field in optional, f"{where or 'The body'} is missing the field '{field}'.")
+            _want(field in value or field in optional, f"{it} is missing the field '{field}'.")
             if field in value:
                 clean[field] = each(value[field], f"{where}.{field}" if where else field)
             elif optional[field] is not None:  # None: left out
@@ -538,26 +540,29 @@ def fields(table, optional={}, also=()):
 
 
 PEER = rule(lambda v: isinstance(v, str) and NAME.fullmatch(v), NAMES, lambda v, where: v.lower())  # stored
-BATCH_ID = rule(lambda v: isinstance(v, str) and re.fullmatch(r"[A-Za-z0-9_.:-]{1,128}", v), "an id of 1 to 128 characters "
-                "from A-Z, a-z, 0-9 and '_.:-'")
+BATCH_ID = rule(lambda v: isinstance(v, str) and re.fullmatch(r"[A-Za-z0-9_.:-]{1,128}", v),
+                "an id of 1 to 128 characters from A-Z, a-z, 0-9 and '_.:-'")
 SEQ, ROUND, TIME = number(10**15), number(10**12), number(1e11, whole=False)
 GROUP = {  # field -> rule: a rollout group on the wire
     "task": text(256, 1), "question": text(16_000), "answer": text(4_000),
     "metadata": rule(lambda v: isinstance(v, dict) and not _too_deep(v, 8) and len(_dumps(v)) <= 16_000,
                      "a JSON object nested at most 8 deep and at most 16000 bytes as JSON"),
-    "completions": items(64, text(32_000), 1), "stopped": items(64, rule(lambda v: isinstance(v, bool), "true or false")),
-    "model": text(256),  # the last three, beyond the paper: optional, all or none (train.py --shared-logprobs)
+    "completions": items(64, text(32_000), 1),
+    "stopped": items(64, rule(lambda v: isinstance(v, bool), "true or false")),
+    "model": text(256),  # the last three, beyond the paper: optional, all or none (--shared-logprobs)
     "token_ids": items(64, items(Limits.completion_tokens, rule(lambda v: type(v) is int and 0 <= v < 2**31,
                                                                  "a token id from 0 to 2**31 - 1"))),
-    "logprobs": items(64, items(Limits.completion_tokens, rule(lambda v: _sane(v) and v <= 0, "a number <= 0"))),
+    "logprobs": items(64, items(Limits.completion_tokens, rule(lambda v: _sane(v) and v <= 0,
+                                                                "a number <= 0"))),
     "tokenizer": text(64, 1)}
-OPTIONAL = {"metadata": {}, "model": "", "token_ids": None, "logprobs": None, "tokenizer": None}  # None: left out
-ALSO = [(lambda g: len(g["stopped"]) == len(g["completions"]), "stopped must hold one boolean per completion"),
+OPTIONAL = {"metadata": {}, "model": "", "token_ids": None, "logprobs": None, "tokenizer": None}
+ALSO = [(lambda g: len(g["stopped"]) == len(g["completions"]),
+         "stopped must hold one boolean per completion"),
         (lambda g: len({f in g for f in ("token_ids", "logprobs", "tokenizer")}) == 1,
          "token_ids, logprobs and tokenizer must come together, or none of them"),
-        (lambda g: "token_ids" not in g or [len(c) for c in g["logprobs"]] == [len(c) for c in g["token_ids"]] and
-         len(g["token_ids"]) == len(g["completions"]), "token_ids and logprobs must hold a list per completion, "
-         "one log-prob per token id"),
+        (lambda g: "token_ids" not in g or [len(c) for c in g["logprobs"]] == [len(c) for c in g["token_ids"]]
+         and len(g["token_ids"]) == len(g["completions"]),
+         "token_ids and logprobs must hold a list per completion, one log-prob per token id"),
         (lambda g: sum(map(len, g.get("token_ids", []))) <= Limits.group_tokens,
          f"token_ids must hold at most {Limits.group_tokens} ids in all")]
 
@@ -573,17 +578,19 @@ def wire_group(task, question, answer, completions, stopped, metadata=None, mode
     return group
 
 
-STORED = fields({**GROUP, "peer": PEER, "round": ROUND, "seq": SEQ, "time": TIME}, OPTIONAL, ALSO)  # as served
-PUBLISH = fields({"peer": PEER, "round": ROUND, "batch_id": BATCH_ID, "groups": items(256, fields(GROUP, OPTIONAL, ALSO))})
-BATCH = fields({"peer": PEER, "round": ROUND, "batch_id": BATCH_ID, "time": TIME, "groups": items(256, STORED)})
+STORED = fields({**GROUP, "peer": PEER, "round": ROUND, "seq": SEQ, "time": TIME}, OPTIONAL, ALSO)  # served
+WIRE = fields(GROUP, OPTIONAL, ALSO)  # as published
+PUBLISH = fields({"peer": PEER, "round": ROUND, "batch_id": BATCH_ID, "groups": items(256, WIRE)})
+BATCH = fields({"peer": PEER, "round": ROUND, "batch_id": BATCH_ID, "time": TIME,
+                "groups": items(256, STORED)})
 PRUNED = fields({"seq": SEQ, "replies": items(math.inf, fields(  # pruned.json
     {"peer": PEER, "batch_id": BATCH_ID, "accepted": number(256), "seq": SEQ}))})
-NUMBERS = rule(lambda v: isinstance(v, dict) and len(v) <= 64 and all(0 < len(k) <= 64 and (x is None or _sane(x))
-                                                                      for k, x in v.items()),
+NUMBERS = rule(lambda v: isinstance(v, dict) and len(v) <= 64
+               and all(0 < len(k) <= 64 and (x is None or _sane(x)) for k, x in v.items()),
                "an object of at most 64 names (1 to 64 characters) to numbers within ±1e15 or null",
                lambda v, where: {k: None if x is None else float(x) for k, x in v.items()})
 METRICS = fields({"peer": PEER, "round": ROUND, "metrics": NUMBERS})
-ROW = fields({"n": SEQ, "peer": PEER, "round": ROUND, "time": TIME, "metrics": NUMBERS})  # a metrics.jsonl line
+ROW = fields({"n": SEQ, "peer": PEER, "round": ROUND, "time": TIME, "metrics": NUMBERS})  # metrics.jsonl
 SAMPLE = fields({"groups": items(math.inf), "last": SEQ})  # a GET /rollouts?sample=K reply
 
 
@@ -600,14 +607,14 @@ def parse_json(raw, surrogates=False):
     surrogates=True keeps lone surrogates: a client drops the one group that holds one, not its page."""
     try:
         text = raw.decode() if isinstance(raw, (bytes, bytearray)) else raw  # strict: no encoded surrogates
-        if text.count(",") + text.count("{") + text.count("[") > Limits.json_values:  # then count outside strings
-            _want(_values(text) <= Limits.json_values, f"The JSON holds more than {Limits.json_values} values; "
-                  "send fewer at once.", 413)
+        most = Limits.json_values
+        if text.count(",") + text.count("{") + text.count("[") > most:  # then count them outside strings
+            _want(_values(text) <= most, f"The JSON holds more than {most} values; send fewer at once.", 413)
         value = json.loads(text, parse_float=_finite, parse_constant=_finite)
         if not surrogates and re.search(r"\\u[dD][89a-fA-F]", text):
             _dumps(value)  # raises UnicodeEncodeError on a lone surrogate
         return value
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, not UTF-8, a lone surrogate, 5000 digits, too deep
+    except (ValueError, RecursionError) as e:  # not JSON or UTF-8, a lone surrogate, 5000 digits, too deep
         raise BadRequest(f"The body is not valid JSON: {str(e)[:120]}.") from None
 
 
@@ -635,8 +642,8 @@ class RolloutStore(Store):
         self.metrics, self.metrics_bytes = [], 0  # (n, peer, row as a JSON line, row) per kept metrics row
         self.closed = self.metrics_cut = False    # metrics_cut: a failed write may have left half a line
         self.folder_fd, self.doomed = None, []  # doomed: files retention deletes once pruned.json says so
-        self.deleter = ThreadPoolExecutor(1, thread_name_prefix="swarm-delete")  # deletes them, holding no lock
-        try:  # the folder itself is flocked (no lock file a stray `rm` could remove); files open relative to it
+        self.deleter = ThreadPoolExecutor(1, thread_name_prefix="swarm-delete")  # deletes them, lock-free
+        try:  # the folder itself is flocked (no lock file that `rm` could remove); files open relative to it
             os.makedirs(self.folder, exist_ok=True)
             self.folder_fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
             self._remove(".tmp-probe")
@@ -650,9 +657,11 @@ class RolloutStore(Store):
                 os.close(self.folder_fd)
             if not isinstance(e, OSError):
                 raise
-            raise ValueError(f"another swarm server is already using --dir {self.folder}; stop it or choose another "
-                             "folder." if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else f"cannot use --dir "
-                             f"{self.folder} ({e.strerror or e}); give a folder it can create and write.") from None
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise ValueError(f"another swarm server is already using --dir {self.folder}; stop it or "
+                                 "choose another folder.") from None
+            raise ValueError(f"cannot use --dir {self.folder} ({e.strerror or e}); give a folder it can "
+                             "create and write.") from None
 
     def _save(self, record):  # the batch's file, named after its last seq -> its blocks, and its memory
         size = self._write_atomic(_batch_file(record["groups"][-1]["seq"]), _dumps(record))
@@ -671,7 +680,8 @@ class RolloutStore(Store):
             for name in self.copies:
                 self._write_atomic(name, _dumps({"seq": self.pruned, "replies": replies}))
         except (OSError, BadRequest) as e:
-            return _log(f"cannot write pruned.json for now ({getattr(e, 'message', e)}); pruned files wait")
+            why = getattr(e, "message", e)
+            return _log(f"cannot write pruned.json for now ({why}); pruned files wait for it")
         self.deleter.map(self._remove, self.doomed)  # (submitted at once)
         self.doomed = []
 
@@ -707,7 +717,7 @@ class RolloutStore(Store):
                 self._keep_metrics(row)
             except BadRequest:
                 bad += 1  # e.g. the last line, cut short by kill -9
-        if bad or data == b"" or data and not data.endswith(b"\n"):  # so that no row is appended to half a line
+        if bad or data == b"" or data and not data.endswith(b"\n"):  # so no row is appended to half a line
             _log(f"skipped {bad} unreadable lines in metrics.jsonl") if bad else None
             self._write_atomic("metrics.jsonl", b"".join(m[2] for m in self.metrics))
         if self.last_seq:
@@ -734,7 +744,8 @@ class RolloutStore(Store):
         with self.write_lock:
             row = {"n": self.metrics[-1][0] + 1 if self.metrics else 1, "peer": peer, "round": round_,
                    "time": _now(), "metrics": metrics}
-            line, self.metrics_cut = b"\n" * self.metrics_cut + _dumps(row) + b"\n", True  # never onto a cut line
+            line = b"\n" * self.metrics_cut + _dumps(row) + b"\n"  # never onto a line cut short
+            self.metrics_cut = True
             try:
                 with self._open("metrics.jsonl", "ab") as f:  # best effort: no fsync
                     f.write(line)
@@ -780,11 +791,12 @@ class RolloutStore(Store):
         except FileNotFoundError:
             moved = True
         if moved:
-            _log(f"{self.folder} was moved or replaced while this server ran; it stores nothing until restarted")
-            raise BadRequest("The server's folder was moved or replaced, so nothing was stored; send it again "
-                             "once the server is restarted.", 503, {"Retry-After": "10"})
-        f = open(name, mode, opener=lambda path, flags: os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644,
-                                                                dir_fd=self.folder_fd))  # (open adds O_CLOEXEC)
+            _log(f"{self.folder} was moved or replaced while this server ran; it stores nothing until "
+                 "restarted")
+            raise BadRequest("The server's folder was moved or replaced, so nothing was stored; send it "
+                             "again once the server is restarted.", 503, {"Retry-After": "10"})
+        flags = os.O_NOFOLLOW | os.O_NONBLOCK  # (and open adds O_CLOEXEC)
+        f = open(name, mode, opener=lambda at, how: os.open(at, how | flags, 0o644, dir_fd=self.folder_fd))
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             f.close()
             raise OSError(errno.EINVAL, "not a regular file")
@@ -800,7 +812,7 @@ class RolloutStore(Store):
                 f.flush()
                 os.fsync(f.fileno())
                 size = max(len(data), os.fstat(f.fileno()).st_blocks * 512)
-            with contextlib.suppress(OSError):  # an empty folder in the way goes (a full one: the rename fails)
+            with contextlib.suppress(OSError):  # an empty folder in its way goes (a full one fails the rename)
                 os.rmdir(name, dir_fd=self.folder_fd)
             os.replace(".tmp-" + name, name, src_dir_fd=self.folder_fd, dst_dir_fd=self.folder_fd)
             os.fsync(self.folder_fd)
@@ -851,8 +863,9 @@ def _page(entries, after, limit, exclude, page_bytes, scan_groups):
 # -----------------------------------------------------------------------------
 # HTTP server: an asyncio loop reads requests; worker threads answer them; errors are one JSON sentence.
 
-ROUTES = {"/": "GET", "/health": "GET", "/peers": "GET", "/rollouts": "GET, POST", "/metrics": "GET, POST"}  # _route
+ROUTES = {"/": "GET", "/health": "GET", "/peers": "GET", "/rollouts": "GET, POST", "/metrics": "GET, POST"}
 JSON = "application/json"
+BUSY = "The server is busy; send it again in a moment."  # (503, with Retry-After: 1)
 Request = collections.namedtuple("Request", "method target body peer")  # peer: _read_request
 
 
@@ -868,8 +881,8 @@ async def _drop_input(reader, most=1 << 20):  # what a refused client still send
         most -= len(chunk)
 
 
-def _loop_error(loop, context):  # (Python 3.11 raises InvalidStateError when a connection meets an accept
-    if not isinstance(context.get("exception"), asyncio.InvalidStateError):  # cancelled at shutdown: harmless)
+def _loop_error(loop, context):  # (Python 3.11 raises InvalidStateError when a connection meets an
+    if not isinstance(context.get("exception"), asyncio.InvalidStateError):  # accept cancelled at shutdown)
         _log(f"{context['message']} {context.get('exception')!r:.200}")
 
 
@@ -893,13 +906,14 @@ class SwarmServer:
     request's way: _accept, _connection (_read_request, _in_turn, _send, _hang_up). credentials: credentials()'s."""
 
     def __init__(self, store, host, port, credentials=None, public_reads=False, verbose=False, score=None):
-        self.store, self.credentials, self.public_reads, self.verbose = store, credentials, public_reads, verbose
+        self.store, self.credentials = store, credentials
+        self.public_reads, self.verbose = public_reads, verbose
         self.score = score  # (group, completion) -> its reward, which the dashboard shows; None: none shown
         self.listener = socket.create_server((host, port), backlog=Limits.backlog,
                                              family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.listener.setblocking(False)
         self.server_address = self.listener.getsockname()
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if resource else -1  # -1: none; 64 stay for files
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if resource else -1  # -1: none; 64 for files
         self.max_connections = max(4, min(Limits.connections, soft - 64)) if soft > 0 else Limits.connections
         self.open, self.waiting = set(), {}  # every connection; those that may be closed for a new one ->
                                              # 0 if idle or sending a head, 1 if sending a body (in order)
@@ -907,7 +921,7 @@ class SwarmServer:
         self.pools = {method: ThreadPoolExecutor(Limits.workers, thread_name_prefix=f"swarm-{method}")
                       for method in ("GET", "POST")}
         self.large = threading.Lock()        # held while a large body is answered: see Limits.body_bytes
-        self.turns = weakref.WeakValueDictionary()  # writer -> the lock its POSTs take turns on, while any waits
+        self.turns = weakref.WeakValueDictionary()  # writer -> the lock its waiting POSTs take turns on
         self.posting = asyncio.Semaphore(Limits.workers)  # POSTs being answered; its waiters: one per writer
         self.loop = asyncio.new_event_loop()
         self.loop.set_exception_handler(_loop_error)
@@ -958,21 +972,23 @@ class SwarmServer:
         self.waiting[writer], body = 0, bytearray()
         try:
             try:
-                request = await asyncio.wait_for(self._read_request(reader, writer, body), Limits.request_seconds)
+                deadline = Limits.request_seconds
+                request = await asyncio.wait_for(self._read_request(reader, writer, body), deadline)
             except asyncio.TimeoutError:
-                raise BadRequest(f"The request did not arrive whole within {Limits.request_seconds:g} s.", 408) from None
+                raise BadRequest(f"The request did not arrive whole within {deadline:g} s.", 408) from None
             reply = await self._in_turn(request)
             await self._send(writer, *reply, head_only=request.method == "HEAD")
             if self.verbose:
-                _log(f"{writer.get_extra_info('peername')} {request.method} {request.target[:200]} {reply[0]}")
+                who = writer.get_extra_info("peername")
+                _log(f"{who} {request.method} {request.target[:200]} {reply[0]}")
         except BadRequest as e:  # the rest of the request is unread: answer, then close
             self.waiting[writer] = 0  # first to go while it lingers, holding no body
             self.in_flight -= len(body)
             body.clear()
             with contextlib.suppress(OSError, asyncio.TimeoutError):
                 await self._send(writer, *e.reply)
-                writer.write_eof()  # and read what the client still sends for a moment, so that closing
-                await asyncio.wait_for(_drop_input(reader), 2.0)  # does not reset it before it reads the reply
+                writer.write_eof()  # and read what the client still sends for a moment, so that
+                await asyncio.wait_for(_drop_input(reader), 2.0)  # closing does not reset it before it reads
         except (OSError, EOFError, asyncio.TimeoutError):
             pass  # a client that hangs up, idles or stops reading its reply is not news
         finally:
@@ -991,7 +1007,8 @@ class SwarmServer:
         Without one, writers cannot be told apart (an address may be a proxy's): first come, first served."""
         if request.method != "POST":
             return await self.loop.run_in_executor(self.pools["GET"], self._answer, request)
-        turn = self.turns.setdefault(request.peer, asyncio.Lock()) if request.peer else contextlib.nullcontext()
+        peer = request.peer
+        turn = self.turns.setdefault(peer, asyncio.Lock()) if peer else contextlib.nullcontext()
         async with turn, self.posting:
             return await self.loop.run_in_executor(self.pools["POST"], self._answer, request)
 
@@ -1018,23 +1035,25 @@ class SwarmServer:
         headers, lines = {}, 0
         while (line := await _readline(reader, 431, "A header line")) not in ("\r\n", "\n"):
             lines += 1
-            _want(lines <= Limits.header_lines, f"The request has more than {Limits.header_lines} header lines.", 431)
+            most = Limits.header_lines
+            _want(lines <= most, f"The request has more than {most} header lines.", 431)
             header = re.fullmatch(r"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*(.*?)[ \t]*\r?\n", line)
             _want(header, "Each header line must be 'Name: value'.")
             name = header[1].lower()  # a name given twice has both values, as RFC 9110 combines them
             headers[name] = f"{headers[name]}, {header[2]}" if name in headers else header[2]
         peer = None  # the name the credential writes as; None: any (the shared token, or no credentials)
         if self.credentials and (method != "GET" or not self.public_reads):  # public reads: GETs need none
-            scheme, _, given = headers.get("authorization", "").partition(" ")  # (by digest: a lookup's
-            given = hashlib.sha256(given.strip().encode("latin-1")).digest()     # timing tells nothing of a token)
+            scheme, _, given = headers.get("authorization", "").partition(" ")  # (looked up by digest, so
+            given = hashlib.sha256(given.strip().encode("latin-1")).digest()  # its timing tells nothing)
             peer = self.credentials.get(given, "") if scheme.lower() == "bearer" else ""
-            _want(peer != "", "This server needs the header 'Authorization: Bearer <token>'; pass the swarm token.",
-                  401, {"WWW-Authenticate": "Bearer"})
+            _want(peer != "", "This server needs the header 'Authorization: Bearer <token>'; pass the swarm "
+                  "token.", 401, {"WWW-Authenticate": "Bearer"})
         length = headers.get("content-length", "0")
         _want("transfer-encoding" not in headers and (method != "POST" or "content-length" in headers),
               "A POST needs a Content-Length header (no chunked bodies).", 411)
         _want(re.fullmatch(r"[0-9]{1,12}", length), "Content-Length must be a whole number.")
-        _want(int(length) <= Limits.body_bytes, f"The body is {length} bytes; the limit is {Limits.body_bytes}.", 413)
+        most = Limits.body_bytes
+        _want(int(length) <= most, f"The body is {length} bytes; the limit is {most}.", 413)
         self.waiting[writer] = 1  # sending its body: evicted after those that sent no head yet
         if int(length) and headers.get("expect", "").lower() == "100-continue":
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -1043,7 +1062,7 @@ class SwarmServer:
             if not chunk:
                 raise EOFError("the client hung up")
             if self.in_flight + len(chunk) > Limits.in_flight_bytes:
-                raise BadRequest("The server is busy; send it again in a moment.", 503, {"Retry-After": "1"})
+                raise BadRequest(BUSY, 503, {"Retry-After": "1"})
             self.in_flight += len(chunk)  # given back by _connection once the reply has gone
             body += chunk
         self.waiting.pop(writer, None)
@@ -1051,10 +1070,11 @@ class SwarmServer:
 
     async def _send(self, writer, status, content_type, body, headers=None, head_only=False):
         if len(body) > 65536 and self.in_flight + len(body) > Limits.in_flight_bytes:  # bound what waits
-            status, content_type, body, headers = BadRequest("The server is busy; ask again in a moment.", 503,
-                                                             {"Retry-After": "1"}).reply
+            busy = BadRequest("The server is busy; ask again in a moment.", 503, {"Retry-After": "1"})
+            status, content_type, body, headers = busy.reply
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         head = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: {content_type}\r\n" \
-               f"Content-Length: {len(body)}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+               f"Content-Length: {len(body)}\r\n{extra}"
         data = (head + "Connection: close\r\n\r\n").encode() + (b"" if head_only else body)
         self.in_flight += len(data)
         try:
@@ -1063,14 +1083,14 @@ class SwarmServer:
         finally:
             self.in_flight -= len(data)
 
-    def _answer(self, request):  # (in a worker thread) a whole request -> (status, content type, body, headers)
+    def _answer(self, request):  # (in a worker thread) a request -> (status, content type, body, headers)
         try:
             path, _, query = request.target.partition("?")
             _want(path.startswith("/"), "The request target must be a path such as /rollouts.")
             allowed = ROUTES.get(path)
             _want(allowed, f"There is no {path[:80]} here; the paths are {', '.join(ROUTES)}.", 404)
-            _want(request.method in allowed.split(", "), f"{path} accepts only {allowed}, not {request.method[:20]}.",
-                  405, {"Allow": allowed})
+            _want(request.method in allowed.split(", "),
+                  f"{path} accepts only {allowed}, not {request.method[:20]}.", 405, {"Allow": allowed})
             _want(query.count("&") < 16, "The query string has too many fields.")
             q = parse_qs(query, keep_blank_values=True)
             with self.large if len(request.body) > Limits.body_bytes // 8 else contextlib.nullcontext():
@@ -1080,19 +1100,21 @@ class SwarmServer:
             return e.reply
         except Exception as e:
             if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):  # the sender keeps its data: later
-                return BadRequest("The server's disk is full, so nothing was stored; send it again later.", 507).reply
+                full = "The server's disk is full, so nothing was stored; send it again later."
+                return BadRequest(full, 507).reply
             if getattr(e, "errno", None) in (errno.EMFILE, errno.ENFILE):
-                return BadRequest("The server is busy; send it again in a moment.", 503, {"Retry-After": "1"}).reply
+                return BadRequest(BUSY, 503, {"Retry-After": "1"}).reply
             _log(f"unexpected error in {request.method[:20]} {request.target[:200]}: {e!r:.300}")
-            return BadRequest("The server hit an unexpected error; it was logged and the server keeps serving.",
-                              500).reply
+            return BadRequest("The server hit an unexpected error; it was logged and the server keeps "
+                              "serving.", 500).reply
 
     def _route(self, method, path, q, body, peer):
         """A request for one of ROUTES (a write: by `peer`'s credential) -> the reply's bytes. Groups are kept as
         JSON text: a page of them is joined, not encoded again."""
         if method == "POST":
             b = (PUBLISH if path == "/rollouts" else METRICS)(parse_json(body))
-            _want(peer in (None, b["peer"]), f"This credential is peer {peer}'s; it cannot write as {b['peer']}.", 403)
+            _want(peer in (None, b["peer"]),
+                  f"This credential is peer {peer}'s; it cannot write as {b['peer']}.", 403)
             if path == "/metrics":
                 self.store.add_metrics(b["peer"], b["round"], b["metrics"])
                 return b'{"ok":true}'
@@ -1104,8 +1126,8 @@ class SwarmServer:
             exclude = q.get("exclude", [""])[-1].lower()
             _want(not exclude or NAME.fullmatch(exclude), f"exclude must be a peer name: {NAMES}.")
             if "sample" in q:  # a sampled read: K groups of the recent window
-                texts, last_seq = self.store.sample(_int_param(q, "sample", 1, 1, Limits.sample_groups), exclude,
-                                                    _int_param(q, "seed", 0, 0, 2**63 - 1))
+                k = _int_param(q, "sample", 1, 1, Limits.sample_groups)
+                texts, last_seq = self.store.sample(k, exclude, _int_param(q, "seed", 0, 0, 2**63 - 1))
                 return b'{"groups":[' + b",".join(texts) + b'],"last":%d}' % last_seq
             texts, next_seq, last_seq = self.store.read(_int_param(q, "after", 0, 0, 10**15), exclude,
                                                         _int_param(q, "limit", 256, 1, Limits.page_groups))
@@ -1116,7 +1138,7 @@ class SwarmServer:
                            "last_seq": snap["last_seq"]})
         if path == "/peers":
             return _dumps({"peers": snap["peers"]})
-        newest = self.store.read(max(0, snap["last_seq"] - 64), None, 64)[0]  # the dashboard: what peers said last
+        newest = self.store.read(max(0, snap["last_seq"] - 64), None, 64)[0]  # the dashboard: the newest
         return render_page(snap, [json.loads(t) for t in newest], self.score).encode()
 
     def shutdown(self):
@@ -1167,7 +1189,8 @@ def read_peers(path):
     """A --peers-file -> {name: token}: one 'name token' a line (blank and '#' lines skipped), else ValueError."""
     try:
         with open(path, encoding="latin-1") as f:
-            rows = [line.split() for line in f.read(Limits.body_bytes).splitlines() if line.strip()[:1] not in "#"]
+            lines = f.read(Limits.body_bytes).splitlines()
+        rows = [line.split() for line in lines if line.strip()[:1] not in "#"]
     except OSError as e:
         raise ValueError(f"cannot read --peers-file {path} ({e.strerror or e}).") from None
     if not rows or any(len(row) != 2 for row in rows) or len(dict(rows)) < len(rows):
@@ -1249,7 +1272,8 @@ class _Transport:
                 bad.append(getattr(e, "message", str(e)))
         if bad and bad[0] != self.said:
             self.said = bad[0]
-            _log(f"dropped {len(bad)} malformed groups from the server (the first: {bad[0][:200]})", self.peer)
+            _log(f"dropped {len(bad)} malformed groups from the server (the first: {bad[0][:200]})",
+                 self.peer)
         return good
 
     def _acknowledged(self, reply, groups, where):  # a reply to a publish -> it, if it says all were stored
@@ -1271,8 +1295,8 @@ class HttpTransport(_Transport):
         self.url, self.session = u.geturl().rstrip("/"), requests.Session()
         self.session.trust_env, self.session.proxies = False, requests.utils.get_environ_proxies(self.url)
         self.session.verify = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
-        self.session.headers.update({"Content-Type": JSON, "Connection": "close", "Accept-Encoding": "identity",
-                                     **({"Authorization": f"Bearer {token}"} if token else {})})
+        headers = {"Content-Type": JSON, "Connection": "close", "Accept-Encoding": "identity"}
+        self.session.headers.update({**headers, **({"Authorization": f"Bearer {token}"} if token else {})})
         for scheme in ("http://", "https://"):
             self.session.mount(scheme, _Adapter(self))
 
@@ -1282,7 +1306,8 @@ class HttpTransport(_Transport):
         return self._acknowledged(reply, len(texts), "a reply to /rollouts")
 
     def post_metrics(self, round_, texts):
-        reply = self._call("/metrics", b'{"peer":%s,"round":%d,"metrics":%s}' % (_dumps(self.peer), round_, texts[0]))
+        row = b'{"peer":%s,"round":%d,"metrics":%s}' % (_dumps(self.peer), round_, texts[0])
+        reply = self._call("/metrics", row)
         _want(isinstance(reply, dict) and reply.get("ok") is True, "a reply to /metrics acknowledges nothing")
 
     def sample(self, k, seed):
@@ -1306,8 +1331,9 @@ class HttpTransport(_Transport):
         timer = threading.Timer(Limits.request_seconds, _shut, [self.sockets])
         timer.start()
         try:
-            with self.session.request("GET" if body is None else "POST", self.url + path, data=body, stream=True,
-                                      allow_redirects=False, timeout=Limits.request_seconds) as r:
+            method = "GET" if body is None else "POST"
+            with self.session.request(method, self.url + path, data=body, stream=True, allow_redirects=False,
+                                      timeout=Limits.request_seconds) as r:
                 for chunk in r.iter_content(1 << 16):
                     reply += chunk
                     if len(reply) > Limits.reply_bytes:
@@ -1318,11 +1344,13 @@ class HttpTransport(_Transport):
             timer.cancel()
             for sock in self.sockets:  # the duplicates _Adapter made
                 sock.close()
-        if (late := time.monotonic() > deadline) or self.closed or isinstance(reply, Exception):  # (cut by the timer?)
-            raise ConnectionError(f"server unreachable ({'no whole reply in time' if late else _reason(reply)})")
+        late = time.monotonic() > deadline  # (cut short by the timer?)
+        if late or self.closed or isinstance(reply, Exception):
+            why = "no whole reply in time" if late else _reason(reply)
+            raise ConnectionError(f"server unreachable ({why})")
         if (status := r.status_code) != 200 and not 400 <= status < 500 or status in (408, 429):
-            moved = f", a redirect to {r.headers.get('Location', '')[:100]!r}, which this client does not follow" \
-                if 300 <= status < 400 else ""
+            where = r.headers.get("Location", "")[:100]
+            moved = f", a redirect to {where!r}, which this client does not follow" * (300 <= status < 400)
             raise ConnectionError(f"server unreachable (HTTP {status}{moved})")
         try:
             _want(len(reply) <= Limits.reply_bytes, f"a reply of more than {Limits.reply_bytes} bytes")
@@ -1365,7 +1393,8 @@ def _shut(sockets):  # end an exchange at once, from another thread
             sock.shutdown(socket.SHUT_RDWR)
 
 
-_REFUSED = dict.fromkeys((401, 403), "this peer's token is not the server's: pass it with --token or $SWARM_TOKEN")
+_REFUSED = dict.fromkeys((401, 403), "this peer's token is not the server's: pass it with --token or "
+                         "$SWARM_TOKEN")
 _REFUSED[404] = "is that the swarm server's URL, or does a proxy send it elsewhere?"  # (the likely causes)
 
 
@@ -1562,17 +1591,22 @@ def render_svg(series, title="reward per round", ylabel="reward", xlabel="round"
     point a faint dot, and the line the running mean over `mean_over` points (0: the points themselves).
     bands: {name: [(round, low, high), ...]}, shaded in that line's colour; hline: a dashed level."""
     left, top, plot_w, plot_h = 60, 34, width - 230, height - 80  # margins for the axes and the legend
-    lines = {name: sorted((x, y) for x, y in pts if _sane(x) and _sane(y)) for name, pts in sorted(series.items())}
+    lines = {name: sorted((x, y) for x, y in pts if _sane(x) and _sane(y))
+             for name, pts in sorted(series.items())}
     lines = {name: pts for name, pts in lines.items() if pts}
-    bands = {name: [b for b in band if all(map(_sane, b))] for name, band in (bands or {}).items() if name in lines}
+    bands = {name: [b for b in band if all(map(_sane, b))]
+             for name, band in (bands or {}).items() if name in lines}
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} '
-           f'{height}" font-family="sans-serif" font-size="12"><rect width="{width}" height="{height}" fill="white"/>',
-           f'<text x="{left + plot_w / 2}" y="20" text-anchor="middle" font-size="14">{html.escape(title)}</text>']
+           f'{height}" font-family="sans-serif" font-size="12"><rect width="{width}" height="{height}" '
+           'fill="white"/>',
+           f'<text x="{left + plot_w / 2}" y="20" text-anchor="middle" font-size="14">{html.escape(title)}'
+           '</text>']
     if not lines:
         return "\n".join(out + [f'<text x="{left + plot_w / 2}" y="{top + plot_h / 2}" text-anchor="middle" '
                                 'fill="#888">no data yet</text></svg>'])
     xs, ys = [x for pts in lines.values() for x, _ in pts], [y for pts in lines.values() for _, y in pts]
-    ys += [y for band in bands.values() for _, low, high in band for y in (low, high)] + [hline] * _sane(hline)
+    ys += [y for band in bands.values() for _, low, high in band for y in (low, high)]
+    ys += [hline] * _sane(hline)
     x0, x1 = min(xs), max(max(xs), min(xs) + 1)
     pad = (max(ys) - min(ys)) * 0.05 or 0.5
     y0, y1 = min(ys) - pad, max(ys) + pad
@@ -1584,35 +1618,47 @@ def render_svg(series, title="reward per round", ylabel="reward", xlabel="round"
         return top + (y1 - y) / (y1 - y0) * plot_h
 
     out.append(f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#444"/>')
-    for xv in _ticks(x0, x1, least=1 if all(x == int(x) for x in xs) else 0):  # rounds along the bottom (whole ones)
+    whole = all(x == int(x) for x in xs)
+    for xv in _ticks(x0, x1, least=1 if whole else 0):  # rounds along the bottom (whole ones, if all are)
         out.append(f'<text x="{px(xv):.1f}" y="{top + plot_h + 18}" text-anchor="middle">{xv:g}</text>')
     for yv in _ticks(y0, y1):  # values up the side, with grid lines
-        out.append(f'<line x1="{left}" y1="{py(yv):.1f}" x2="{left + plot_w}" y2="{py(yv):.1f}" stroke="#ddd"/>'
-                   f'<text x="{left - 6}" y="{py(yv) + 4:.1f}" text-anchor="end">{yv:g}</text>')
-    out.append(f'<text x="{left + plot_w / 2}" y="{height - 8}" text-anchor="middle">{html.escape(xlabel)}</text>'
-               f'<text x="16" y="{top + plot_h / 2}" text-anchor="middle" '
+        y = py(yv)
+        out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}" stroke="#ddd"/>'
+                   f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{yv:g}</text>')
+    out.append(f'<text x="{left + plot_w / 2}" y="{height - 8}" text-anchor="middle">{html.escape(xlabel)}'
+               f'</text><text x="16" y="{top + plot_h / 2}" text-anchor="middle" '
                f'transform="rotate(-90 16 {top + plot_h / 2})">{html.escape(ylabel)}</text>')
     if _sane(hline):
         out.append(f'<line x1="{left}" y1="{py(hline):.1f}" x2="{left + plot_w}" y2="{py(hline):.1f}" '
                    'stroke="#888" stroke-dasharray="5,4"/>')
     for k, (name, pts) in enumerate(lines.items()):
-        colour, ly = COLOURS[k % len(COLOURS)], top + 10 + 18 * k
-        edge = [(x, high) for x, _, high in bands.get(name, [])] + [(x, low) for x, low, _ in bands.get(name, [])[::-1]]
-        if edge:
-            out.append(f'<polygon fill="{colour}" fill-opacity="0.15" stroke="none" points="'
-                       + " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in edge) + '"/>')
-        if mean_over and len(pts) > 1:  # each point a dot, and the running mean through them
-            out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2" fill="{colour}" fill-opacity="0.5"/>'
-                    for x, y in pts[::max(1, len(pts) // 500)]]
-            pts = [(x, sum(y for _, y in pts[max(0, i + 1 - mean_over):i + 1]) / min(i + 1, mean_over))
-                   for i, (x, _) in enumerate(pts)]
-        pts = pts[::max(1, len(pts) // 2000)]  # a chart needs no more than ~2000 points a line
-        coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
-        out.append(f'<circle cx="{px(pts[0][0]):.1f}" cy="{py(pts[0][1]):.1f}" r="3" fill="{colour}"/>' if len(pts) == 1
-                   else f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{coords}"/>')
-        out.append(f'<line x1="{left + plot_w + 12}" y1="{ly}" x2="{left + plot_w + 32}" y2="{ly}" stroke="{colour}" '
-                   f'stroke-width="3"/><text x="{left + plot_w + 38}" y="{ly + 4}">{html.escape(name[:24])}</text>')
+        legend = (left + plot_w, top + 10 + 18 * k)
+        out += _svg_line(name, pts, bands.get(name, []), COLOURS[k % len(COLOURS)], px, py, mean_over, legend)
     return "\n".join(out + ["</svg>"])
+
+
+def _svg_line(name, pts, band, colour, px, py, mean_over, legend):
+    """One line of render_svg's chart -> its SVG elements: the band, the dots and the running mean through
+    them (or the points themselves), and its entry in the legend, whose row starts at legend (x, y)."""
+    lx, ly = legend
+    out, edge = [], [(x, high) for x, _, high in band] + [(x, low) for x, low, _ in band[::-1]]
+    if edge:
+        out.append(f'<polygon fill="{colour}" fill-opacity="0.15" stroke="none" points="'
+                   + " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in edge) + '"/>')
+    if mean_over and len(pts) > 1:  # each point a dot, and the running mean through them
+        out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2" fill="{colour}" fill-opacity="0.5"/>'
+                for x, y in pts[::max(1, len(pts) // 500)]]
+        pts = [(x, sum(y for _, y in pts[max(0, i + 1 - mean_over):i + 1]) / min(i + 1, mean_over))
+               for i, (x, _) in enumerate(pts)]
+    pts = pts[::max(1, len(pts) // 2000)]  # a chart needs no more than ~2000 points a line
+    if len(pts) == 1:
+        out.append(f'<circle cx="{px(pts[0][0]):.1f}" cy="{py(pts[0][1]):.1f}" r="3" fill="{colour}"/>')
+    else:
+        coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
+        out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{coords}"/>')
+    out.append(f'<line x1="{lx + 12}" y1="{ly}" x2="{lx + 32}" y2="{ly}" stroke="{colour}" stroke-width="3"/>'
+               f'<text x="{lx + 38}" y="{ly + 4}">{html.escape(name[:24])}</text>')
+    return out
 
 
 def render_page(snap, groups=(), score=None):
@@ -1623,18 +1669,20 @@ def render_page(snap, groups=(), score=None):
     for row in snap["metrics"]:  # later rows for the same round (after a resume) replace earlier ones
         if row["peer"] in drawn and row["metrics"].get("local_reward") is not None:
             series.setdefault(row["peer"], {})[row["round"]] = row["metrics"]["local_reward"]
-        last.setdefault(row["peer"], {}).update(row["metrics"], done=row["round"] + 1)  # rounds done, as bars count
+        last.setdefault(row["peer"], {}).update(row["metrics"], done=row["round"] + 1)  # (rounds done)
     chart = render_svg({p: sorted(s.items()) for p, s in series.items()},
                        title="local_reward per round (dots), mean of the last 5 rounds (lines)")
     newest = {g["peer"]: g for g in groups if g["peer"] in drawn}  # the last group of each peer wins
-    said = "".join(f"<h3>{html.escape(p)}, round {g['round']}: {html.escape(g['question'][:300])}</h3>"
-                   + "".join(f"<pre>{f'reward {score(g, c):g}: ' if score else ''}{html.escape(c[:500])}</pre>"
-                             for c in g["completions"][:2])
-                   for p, g in sorted(newest.items()))
+    said = ""
+    for p, g in sorted(newest.items()):  # its question, and its first two completions
+        said += f"<h3>{html.escape(p)}, round {g['round']}: {html.escape(g['question'][:300])}</h3>"
+        for c in g["completions"][:2]:
+            said += f"<pre>{f'reward {score(g, c):g}: ' if score else ''}{html.escape(c[:500])}</pre>"
     rows, models = [], {g["peer"]: g.get("model", "") for g in groups}
     for peer, info in sorted(snap["peers"].items()):
         m = last.get(peer, {})
-        cells = "".join(f"<td>{'' if m.get(k) is None else f'{m[k]:.3f}'}</td>" for k in ("local_reward", "batch_reward"))
+        cells = "".join(f"<td>{'' if m.get(k) is None else f'{m[k]:.3f}'}</td>"
+                        for k in ("local_reward", "batch_reward"))
         seen = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(info["last_seen"]))
         rows.append(f"<tr><td>{html.escape(peer)}</td><td>{html.escape(models.get(peer, ''))}</td>"
                     f"<td>{m.get('done', '')}</td><td>{info['groups']}</td>{cells}<td>{seen}</td></tr>")
@@ -1664,28 +1712,35 @@ def _size(text):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="nanoSAPO swarm rollout server (see the docstring of swarm.py).",
-                                     epilog=f"Peer names are {NAMES}.")
-    parser.error = lambda message: parser.exit(2, f"swarm.py: {message}; see python swarm.py --help.\n")  # one line
-    parser.add_argument("--dir", default="swarm_data", help="batch folder, made if missing (default: %(default)s)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on, 0.0.0.0: any (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on, 0: any (default: %(default)s)")
-    parser.add_argument("--token", default=os.environ.get("SWARM_TOKEN"), help="require 'Authorization: Bearer "
-                        "TOKEN' on every request (default: $SWARM_TOKEN, which, unlike this flag, does not show in ps)")
-    parser.add_argument("--token-file", type=argparse.FileType(encoding="latin-1"), help="the token, from a file")
-    parser.add_argument("--peers-file", help="per-peer credentials, one 'NAME TOKEN' a line, read again on SIGHUP: "
-                        "a peer's token writes only as that peer; with it, --token writes as any")
-    parser.add_argument("--public-reads", action="store_true",
-                        help="with credentials: let anyone GET (dashboard, rollouts, metrics); writes still need one")
-    parser.add_argument("--keep-bytes", type=_size, default=f"{Limits.keep_bytes >> 20}M", help="what kept batches "
-                        "may cost, on disk and in memory; the writer holding most loses its oldest (default: %(default)s)")
+    parser = argparse.ArgumentParser(description="nanoSAPO swarm rollout server (see the docstring of "
+                                     "swarm.py).", epilog=f"Peer names are {NAMES}.")
+    parser.error = lambda message: parser.exit(2, f"swarm.py: {message}; see python swarm.py --help.\n")
+    parser.add_argument("--dir", default="swarm_data",
+                        help="batch folder, made if missing (default: %(default)s)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on, 0.0.0.0: any (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000,
+                        help="port to listen on, 0: any (default: %(default)s)")
+    parser.add_argument("--token", default=os.environ.get("SWARM_TOKEN"), help="require 'Authorization: "
+                        "Bearer TOKEN' on every request (default: $SWARM_TOKEN, which, unlike this flag, "
+                        "does not show in ps)")
+    parser.add_argument("--token-file", type=argparse.FileType(encoding="latin-1"),
+                        help="the token, from a file")
+    parser.add_argument("--peers-file", help="per-peer credentials, one 'NAME TOKEN' a line, read again on "
+                        "SIGHUP: a peer's token writes only as that peer; with it, --token writes as any")
+    parser.add_argument("--public-reads", action="store_true", help="with credentials: let anyone GET "
+                        "(dashboard, rollouts, metrics); writes still need one")
+    parser.add_argument("--keep-bytes", type=_size, default=f"{Limits.keep_bytes >> 20}M", help="what kept "
+                        "batches may cost, on disk and in memory; the writer holding most loses its oldest "
+                        "(default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="log every request on stderr")
     args = parser.parse_args(argv)
     if args.token_file:  # (a token that is not printable ASCII fails in start_server)
         args.token = args.token_file.read().strip()
     try:
-        server, url = start_server(args.dir, args.host, args.port, args.token, args.keep_bytes, args.public_reads,
-                                   args.verbose, read_peers(args.peers_file) if args.peers_file else None)
+        peers = read_peers(args.peers_file) if args.peers_file else None
+        server, url = start_server(args.dir, args.host, args.port, args.token, args.keep_bytes,
+                                   args.public_reads, args.verbose, peers)
     except (ValueError, OSError) as e:  # e.g. a folder or port it cannot use: one sentence, exit status 2
         parser.exit(2, f"swarm.py: {e}\n")
     print(f"swarm server: {url}", flush=True)  # a launcher reads this line

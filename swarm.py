@@ -77,8 +77,8 @@ class Store:
     def __init__(self, budget=256 << 20, window_batches=2, window_seconds=600, page_bytes=1 << 20,
                  keep_replies=20_000, keep_peers=1024, scan_groups=16 << 10):
         self.budget = budget  # what the kept batches may cost before retention prunes
-        self.window_batches = window_batches  # a sampled read draws from each writer's newest batches,
-        self.window_seconds = window_seconds  # of the writers whose newest batch came within this many s
+        self.window_batches = window_batches  # how many of each writer's newest batches a sample draws on,
+        self.window_seconds = window_seconds  # if its newest batch is at most this many seconds old
         self.page_bytes = page_bytes      # a read's reply stops growing past this size (one group at least)
         self.keep_replies = keep_replies  # replies of pruned batches kept, so a late retry is stored once
         self.keep_peers = keep_peers      # rows of the peers table; the peer seen least recently goes first
@@ -92,7 +92,7 @@ class Store:
         self.replies = {}    # (writer, batch_id) -> the reply, of each kept and each recently pruned batch
         self.gone = collections.deque()  # (writer, batch_id) of the pruned batches whose replies are kept
         self.drawable = []   # the writers a sampled read draws from: each one's newest batch is recent
-        self.fresh = collections.OrderedDict()  # writer -> its place in drawable, oldest newest batch first
+        self.fresh = collections.OrderedDict()  # writer -> its place in drawable, by newest batch's arrival
         self.peers = collections.OrderedDict()  # peer -> {"last_seen", "last_round", "groups"}, by recency
 
     def publish(self, peer, round_, batch_id, groups):
@@ -182,7 +182,7 @@ class Store:
             self.peers.popitem(last=False)
 
     def _retain(self):
-        """Retention by cost: past the budget, the writers holding most lose their oldest, down to 90% of it."""
+        """Retention by cost: past the budget, the writers holding most lose their oldest, to 90% of it."""
         pruned = []
         if self.kept_bytes > self.budget:
             with self.lock:
@@ -191,7 +191,7 @@ class Store:
 
     def _prune(self, target):
         """(self.lock held) Cut by water-filling: writers above a level lose their oldest batches, the level
-        at which all holdings, so cut, add up to target -> the pruned batches. The newest batch stays."""
+        at which all holdings, so cut, add up to target -> the pruned batches. The batch stored last stays."""
         held = {writer: sum(batch.cost for batch in kept) for writer, kept in self.batches.items()}
         costs, rest = sorted(held.values(), reverse=True), self.kept_bytes
         for k, cost in enumerate(costs):

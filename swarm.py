@@ -262,7 +262,7 @@ class Client:
         self.transport = transport    # the store's end of the exchanges
         self.sample = sample          # K, the groups one read asks for
         self.inbox_cap = inbox_cap    # bytes of received groups the inbox holds; past it the oldest go
-        self.outbox_cap = outbox_cap  # bytes of unsent batches and metrics the outbox holds; the same
+        self.outbox_cap = outbox_cap  # bytes of unsent entries the outbox holds; past it the oldest go
         self.body_cap = body_cap      # the largest request a store takes: a larger entry is dropped at once
         self.poll_seconds = 1.0       # the longest the thread idles before it looks at its queues again
         self.seed = seed    # the k-th read asked for in round r draws with (seed, r, k): kept over a restart
@@ -277,7 +277,7 @@ class Client:
         self.asked = collections.deque(maxlen=2)  # (round, k) of the reads asked for and not done; 2 at most
         self.reads_begun = self.reads_done = 0  # reads are numbered as they begin: the last begun, last done
         self.wake = self.closing = False  # whether the thread has something to do; whether it is to stop
-        self.down, self.dropped = None, 0  # while the store does not answer: why; entries the outbox let go
+        self.down, self.dropped = None, 0  # why the store does not answer (None if it does); entries dropped
         self.thread = threading.Thread(target=self._run, name=f"swarm-client-{peer}", daemon=True)
         self.thread.start()
 
@@ -302,7 +302,7 @@ class Client:
         self._enqueue(f"round {round}'s metrics", self.transport.post_metrics, make)
 
     def fetch(self):
-        """Other peers' groups from the reads done since the last call, none handed out before; asks again."""
+        """Other peers' groups read since the last call, none handed out before; then asks for more."""
         with self.cond:
             seen = set(self.seen)
             fresh = {(g["seq"], g["time"]): g for g, _ in self.inbox if (g["seq"], g["time"]) not in seen}
@@ -624,7 +624,7 @@ def _values(text):  # what parsing a JSON text costs: its commas, objects and li
 
 
 # -----------------------------------------------------------------------------
-# Storage: one file per accepted batch (written atomically, fsynced), and an in-memory index of all kept.
+# Storage on disk: one file per accepted batch (written atomically, fsynced), pruned.json and metrics.jsonl.
 
 class RolloutStore(Store):
     """The Store on disk, under Limits' bounds: a locked folder of batch files, pruned.json (what retention

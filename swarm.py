@@ -972,10 +972,10 @@ class SwarmServer:
         self.waiting[writer], body = 0, bytearray()
         try:
             try:
-                deadline = Limits.request_seconds
-                request = await asyncio.wait_for(self._read_request(reader, writer, body), deadline)
+                seconds = Limits.request_seconds
+                request = await asyncio.wait_for(self._read_request(reader, writer, body), seconds)
             except asyncio.TimeoutError:
-                raise BadRequest(f"The request did not arrive whole within {deadline:g} s.", 408) from None
+                raise BadRequest(f"The request did not arrive whole within {seconds:g} s.", 408) from None
             reply = await self._in_turn(request)
             await self._send(writer, *reply, head_only=request.method == "HEAD")
             if self.verbose:

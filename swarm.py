@@ -1,41 +1,26 @@
 """
-The swarm: the store that holds the rollouts peers publish (an HTTP server of its own, or Redis), and
-the client a peer uses to publish its own rollouts and receive everyone else's.
+The swarm: the store that holds the rollouts peers share, and the client a peer shares them through.
 
-SAPO ("Sharing is Caring", arXiv 2509.08721, Sec. 3 and Algorithm 1) trains a swarm of peers, each
-with its own small language model. Every round a peer generates G completions for each of its I local
-questions, shares those decoded rollouts (text: question, answer, completions; never rewards or
-weights; beyond the paper, optionally the sampled token ids and log-probs) with the swarm, and trains on
-its I local groups plus J groups drawn from what the other peers shared. Peers never wait for each other.
-
-In reading order (a reader who stops at the marker line has read all of SAPO's sharing; what follows makes
-it durable, bounded and safe against hostile input):
-- Store, the rules of the shared pool: publish() numbers groups in arrival order (`seq`) and stores a retry
-  once; sample(K) draws K recent groups, every writer alike; read(after) gives every group after a seq.
-- Client, a peer's side: two queues (publish() into the outbox, fetch() out of the inbox) and one thread
-  that talks, so training never waits for the network; with the store down a peer trains in silo (the
-  paper's baseline) and catches up when it returns.
-- connect(url) picks the transport: an HTTP server (HttpTransport) or Redis (RedisTransport, for a swarm one
-  Python server cannot carry, one Redis ACL user per peer in the token's place).
-- Below the marker: RolloutStore (the Store on disk), SwarmServer (`python swarm.py --dir swarm_data --port
-  8000`, standard library only, built so that slow or hostile clients cannot take it down), the transports,
-  the dashboard (GET /) and the command line.
+SAPO ("Sharing is Caring", arXiv 2509.08721, Sec. 3 and Algorithm 1) trains a swarm of peers, each with its
+own small language model. Every round a peer generates G completions for each of its I local questions,
+shares those decoded rollouts (text; never rewards or weights) and trains on its I local groups plus J groups
+drawn from what the others shared. No peer waits for another. Above the marker line, in memory: Store, the
+rules of the shared pool, and Client, a peer's side, whose queues and thread keep training from waiting for
+the network. Below it: RolloutStore (the Store on disk), the HTTP server (`python swarm.py --dir DIR`),
+connect(url) and its transports, the dashboard and the command line.
 
 Deviations from the paper, and why:
-- The paper's swarm ran on Gensyn's RL Swarm, where peers exchange rollouts over a peer-to-peer DHT.
-  Here one HTTP server holds them: one file on the standard library instead of a networking stack, and
-  enough for the paper's experiments (a handful of peers on one machine or one LAN). The price is a
-  single point of failure, softened by the outbox and by peers training on regardless.
-- A peer does not receive everything shared: once a round (its fetch()) it reads K = 4J groups that
-  the server draws from each writer's newest batches, each writer with equal chance, so a read
-  is the same size in a swarm of 10 or 10,000. Dropping zero-advantage groups and drawing J of the rest
-  is the receiver's job (train.py), as in the paper. The read is prefetched, so a rollout reaches
-  other peers a round late at worst; SAPO tolerates this: peers never wait.
-- Storage is bounded (--keep-bytes): the writer holding most loses its oldest batches; the paper does
-  not say. A shared token, or one credential per peer (a name per writer), guards the server; beyond
-  that it only checks shapes and sizes. Receivers do the judging: they reward external completions with
-  their own verifier and drop groups whose answer does not follow from their question
-  (reward.verify_item, in train.py), so nobody can inject fake rewards or fake ground truth.
+- The paper's peers exchange rollouts over a peer-to-peer network (Gensyn's RL Swarm); here one server (or
+  Redis) holds them, enough for a handful of peers on one machine or one LAN, and a single point of failure:
+  with the store down a peer trains alone (the paper's baseline) and catches up later.
+- A peer does not receive everything shared: once a round it reads K = 4J groups drawn from the writers'
+  newest batches, each writer alike, so a read costs the same in a swarm of 10 or 10,000; the receiver
+  (train.py) drops zero-advantage groups and draws J of the rest, as in the paper. Reads are prefetched, so
+  a rollout may reach the others a round late.
+- Storage is bounded (--keep-bytes), which the paper leaves open; a group may carry its token ids and
+  log-probs. A token guards the server, which checks only shapes and sizes: receivers score shared
+  completions with their own verifier and drop groups whose answer does not follow from their question
+  (reward.verify_item), so that no peer can inject a fake reward.
 """
 
 import argparse
@@ -66,154 +51,258 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import requests
 
-try:
-    import fcntl     # POSIX: the server locks its folder so two servers never share one
-    import resource  # POSIX: the descriptor limit sets how many connections the server may hold
-    import termios   # POSIX: TIOCOUTQ, what a socket has not delivered yet (_unsent)
-except ImportError:
-    fcntl = resource = termios = None
+
+def _dumps(x):  # compact UTF-8 JSON: what is stored, served and sent
+    return json.dumps(x, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def _now():  # the clock, kept within what a stored time may hold (0 to 1e11), so no clock spoils a file
+    return min(max(time.time(), 0.0), 1e11)
 
 
 # -----------------------------------------------------------------------------
 # The store's rules: groups numbered in arrival order, read after a cursor, or drawn as a sample.
 
+Batch = collections.namedtuple("Batch", "seq batch_id time texts cost")  # a kept batch (see Store.batches)
+
+
 class Store:
-    """The heart of the server: an in-memory index of every kept group, and the rules it is read by
-    (RolloutStore, below the marker line, adds the folder of batch files, retention and the draw's bookkeeping).
+    """The shared pool in memory, and its rules. RolloutStore, below the marker, keeps it on disk through
+    the two persistence hooks at the end. A writer is a peer name (with per-peer credentials, its owner's).
 
-        publish()  POST /rollouts: number the groups after the newest seq, write them as one batch file
-                   named after its last seq (batch-000000000042.json), durable before it answers, then index
-        read()     GET /rollouts?after=SEQ: the indexed groups with seq > SEQ (the dashboard, the load test)
-        sample()   GET /rollouts?sample=K: K groups drawn from the recent window, every writer alike
+        publish()  POST /rollouts: number the groups after the newest seq and keep them as one batch
+        read()     GET /rollouts?after=SEQ: the kept groups with seq > SEQ (the dashboard, the load test)
+        sample()   GET /rollouts?sample=K: K groups drawn from the recent window, every writer alike"""
 
-    A writer is a peer name; with per-peer credentials, the name its credential belongs to."""
-
-    def __init__(self):
+    def __init__(self, budget=256 << 20, window_batches=2, window_seconds=600, page_bytes=1 << 20,
+                 keep_replies=20_000, keep_peers=1024, scan_groups=16 << 10):
+        self.budget = budget  # what the kept batches may cost before retention prunes
+        self.window_batches = window_batches  # how many of each writer's newest batches a sample draws on,
+        self.window_seconds = window_seconds  # if its newest batch is at most this many seconds old
+        self.page_bytes = page_bytes      # a read's reply stops growing past this size (one group at least)
+        self.keep_replies = keep_replies  # replies of pruned batches kept, so a late retry is stored once
+        self.keep_peers = keep_peers      # rows of the peers table; the peer seen least recently goes first
+        self.scan_groups = scan_groups    # groups one read may step over (the reader's own, which it skips)
         self.write_lock = threading.Lock()  # orders the writers: one batch is stored at a time
-        self.lock = threading.Lock()        # guards the state below, in memory only: readers never wait for a disk
-        self.index = []     # (seq, writer, group as UTF-8 JSON, its batch's last seq) per kept group, in seq order
-        self.batches = {}   # writer -> its kept batches, oldest first: Batch(last seq, batch_id, arrival time,
-                            # its groups as JSON texts, cost: its bytes on disk and RolloutStore's overhead)
-        self.replies = {}   # (writer, batch_id) -> the reply, of every kept batch and of the newest pruned ones
-        self.drawable = []  # the writers a sampled read draws from: each one's newest batch is in the window
-        self.last_seq = 0   # seq of the newest group ever stored: never reused
+        self.lock = threading.Lock()        # guards the state below: readers never wait for a disk
+        self.last_seq = 0    # seq of the newest group ever stored: never used again
+        self.index = []      # (seq, writer, group as UTF-8 JSON, its batch's last seq) per kept group
+        self.batches = {}    # writer -> its kept batches (Batch: last seq, id, arrival, texts, cost)
+        self.kept_bytes = 0  # what the kept batches cost, all writers together
+        self.replies = {}    # (writer, batch_id) -> the reply, of each kept and each recently pruned batch
+        self.gone = collections.deque()  # (writer, batch_id) of the pruned batches whose replies are kept
+        self.drawable = []   # the writers a sampled read draws from: each one's newest batch is recent
+        self.fresh = collections.OrderedDict()  # writer -> its place in drawable, by newest batch's arrival
+        self.peers = collections.OrderedDict()  # peer -> {"last_seen", "last_round", "groups"}, by recency
 
     def publish(self, peer, round_, batch_id, groups):
-        """Store one batch (or recognise a retry of one) -> {"accepted": groups, "seq": its last seq}."""
+        """Store one batch, or recognise a retry of one -> {"accepted": its groups, "seq": its last seq}."""
         with self.write_lock:
             if (peer, batch_id) in self.replies or not groups:  # a retry gets the first reply: stored once
                 return self.replies.get((peer, batch_id), {"accepted": 0, "seq": self.last_seq})
             now, first = _now(), self.last_seq + 1
-            record = {"peer": peer, "round": round_, "batch_id": batch_id, "time": now, "groups": [
-                {**g, "peer": peer, "round": round_, "seq": first + k, "time": now} for k, g in enumerate(groups)]}
-            size = self._write_atomic(_batch_file(first + len(groups) - 1), _dumps(record))  # durable: now it may be seen
+            groups = [{**g, "peer": peer, "round": round_, "seq": first + k, "time": now}
+                      for k, g in enumerate(groups)]
+            record = {"peer": peer, "round": round_, "batch_id": batch_id, "time": now, "groups": groups}
+            size = self._save(record)  # durable before anyone may see it
             with self.lock:
                 self._add(record, size)
             self._retain()
             return self.replies[(peer, batch_id)]
 
     def read(self, after, exclude, limit):
-        """Groups with seq > after not from `exclude` -> (their JSON texts, next cursor, last seq)."""
+        """Groups with seq > after, none of them `exclude`'s -> (their JSON texts, next cursor, last seq)."""
         with self.lock:
-            return (*_page(self.index, after, limit, exclude), self.last_seq)
+            texts, cursor = _page(self.index, after, limit, exclude, self.page_bytes, self.scan_groups)
+            return texts, cursor, self.last_seq
 
     def sample(self, k, exclude, seed):
         """K groups drawn from the window, none of them `exclude`'s -> (their JSON texts, last seq). The
-        window is decided here, never by what a sender claims: each writer's newest Limits.window_batches (2)
-        batches by arrival, if its newest arrived within Limits.window_seconds (600) (self.drawable). K times:
-        a writer uniformly among those with window groups left, then one of those uniformly. So each writer
-        has the same chance whatever its speed or I, and a reply holds at most K groups (it stops past
-        Limits.page_bytes, 1 MB) whatever the swarm's size. The same state and seed give the same draw. Cost:
-        K draws, whatever the number of writers (a writer drawn dry is swapped out of the first n places)."""
-        rng, texts, size, left, moved = random.Random(seed), [], 0, {}, {}
+        window (decided here, never by what a sender claims) is each writer's newest window_batches (2)
+        batches by arrival, if its newest arrived within window_seconds (600). Each draw picks a writer
+        uniformly among those with window groups left, then one of its groups: every writer has the same
+        chance whatever its speed or I, and a reply holds at most K groups (it stops past page_bytes, 1 MB).
+        The same state and seed give the same draw. A lazy Fisher-Yates shuffle of the writers (one drawn dry
+        swaps places with the last of the first n) makes it K draws, whatever the swarm's size."""
+        rng, texts, size = random.Random(seed), [], 0
+        left = {}   # writer -> its window groups not drawn yet, made when the writer is first drawn
+        moved = {}  # the shuffle's swaps: a place -> the place in drawable whose writer now stands there
         with self.lock:
-            self._expire(time.time() - Limits.window_seconds)
-            n = len(self.drawable)
-            while n and len(texts) < k and size < Limits.page_bytes:
+            self._expire(time.time() - self.window_seconds)
+            n = len(self.drawable)  # the writers in the first n places still have groups to draw
+            while n and len(texts) < k and size < self.page_bytes:
                 i = rng.randrange(n)
                 writer = self.drawable[moved.get(i, i)]
-                if writer not in left:
+                if writer not in left:  # its window: the texts of its newest window_batches batches
                     kept = self.batches[writer]
                     left[writer] = [] if writer == exclude else [
-                        t for j in range(1, min(len(kept), Limits.window_batches) + 1) for t in kept[-j].texts]
+                        t for j in range(1, min(len(kept), self.window_batches) + 1) for t in kept[-j].texts]
                 if left[writer]:
                     texts.append(left[writer].pop(rng.randrange(len(left[writer]))))
                     size += len(texts[-1])
-                if not left[writer]:
+                if not left[writer]:  # drawn dry: the writer in place n - 1 takes place i
                     n -= 1
                     moved[i] = moved.get(n, n)
             return texts, self.last_seq
 
-    def _add(self, record, size):
+    def _add(self, record, size):  # (self.lock held) a stored batch joins the index, the draw and the tables
         peer, groups, last = record["peer"], record["groups"], record["groups"][-1]["seq"]
         texts = [_dumps(g) for g in groups]
         self.index.extend((g["seq"], peer, text, last) for g, text in zip(groups, texts))
-        self._keep(peer, Batch(last, record["batch_id"], record["time"], texts, size + Limits.batch_overhead))
+        self._keep(peer, Batch(last, record["batch_id"], record["time"], texts, size))
         self.last_seq = last
         self.replies[(peer, record["batch_id"])] = {"accepted": len(groups), "seq": last}
         self._seen(peer, record["round"], record["time"], len(groups))
 
+    def _keep(self, writer, batch):  # (self.lock held) a batch joins its writer's, and the writer goes last
+        self.batches.setdefault(writer, collections.deque()).append(batch)
+        self.kept_bytes += batch.cost
+        if writer in self.fresh:
+            self.fresh.move_to_end(writer)
+        else:
+            self.fresh[writer] = len(self.drawable)
+            self.drawable.append(writer)
 
-def _page(entries, after, limit=None, exclude=None):
-    """entries: (number, peer, UTF-8 JSON, ...) in number order -> (the JSON texts after `after` that are
-    not `exclude`'s, the number to continue after, past the excluded ones too): at most `limit` (None:
-    any) and Limits.page_bytes, unless one text alone is larger."""
-    start = bisect.bisect_right(entries, after, key=lambda entry: entry[0])
-    texts, size, next_number = [], 0, after
-    for number, peer, text, *_ in entries[start:start + Limits.scan_groups]:
-        if len(texts) == limit or (texts and size + len(text) > Limits.page_bytes):
-            break
-        next_number = number
-        if peer != exclude:
-            texts.append(text)
-            size += len(text) + 1
-    return texts, next_number
+    def _expire(self, since):  # (self.lock held) writers with no batch since `since` leave the draw
+        while self.fresh and self.batches[oldest := next(iter(self.fresh))][-1].time < since:
+            self._undraw(oldest)
+
+    def _undraw(self, writer):  # the last drawable writer takes its place, so that no list is shifted
+        i, last = self.fresh.pop(writer), self.drawable.pop()
+        if last != writer:
+            self.drawable[i] = last
+            self.fresh[last] = i
+
+    def _seen(self, peer, round_, when, published=0):  # the peers table, the one seen most recently last
+        p = self.peers.pop(peer, None) or {"last_seen": 0.0, "last_round": 0, "groups": 0}
+        p.update(last_seen=max(p["last_seen"], when), last_round=max(p["last_round"], round_),
+                 groups=p["groups"] + published)
+        self.peers[peer] = p
+        while len(self.peers) > self.keep_peers:
+            self.peers.popitem(last=False)
+
+    def _retain(self):
+        """Retention by cost: past the budget, the writers holding most lose their oldest, to 90% of it."""
+        pruned = []
+        if self.kept_bytes > self.budget:
+            with self.lock:
+                pruned = self._prune(0.9 * self.budget)
+        self._forget(pruned)
+
+    def _prune(self, target):
+        """(self.lock held) Cut by water-filling: writers above a level lose their oldest batches, the level
+        at which all holdings, so cut, add up to target -> the pruned batches. The batch stored last stays."""
+        held = {writer: sum(batch.cost for batch in kept) for writer, kept in self.batches.items()}
+        costs, rest = sorted(held.values(), reverse=True), self.kept_bytes
+        for k, cost in enumerate(costs):
+            rest -= cost
+            level = (target - rest) / (k + 1)
+            if k + 1 == len(costs) or level >= costs[k + 1]:
+                break
+        pruned = []
+        for writer in [w for w, cost in held.items() if cost > level]:
+            kept = self.batches[writer]
+            while kept and held[writer] > level and kept[0].seq != self.last_seq:
+                batch = kept.popleft()
+                pruned.append(batch)
+                held[writer] -= batch.cost
+                self.kept_bytes -= batch.cost
+                self.gone.append((writer, batch.batch_id))
+            if not kept:
+                del self.batches[writer]
+                if writer in self.fresh:
+                    self._undraw(writer)
+        dropped = {batch.seq for batch in pruned}
+        self.index = [entry for entry in self.index if entry[3] not in dropped]
+        while len(self.gone) > self.keep_replies:  # past keep_replies, the oldest reply records go
+            del self.replies[self.gone.popleft()]
+        return pruned
+
+    def _save(self, record):  # a persistence hook: a batch, durable before anyone may see it -> its cost
+        return len(_dumps(record))
+
+    def _forget(self, pruned):  # a persistence hook, after retention: in memory, what it pruned is gone
+        pass
 
 
 # -----------------------------------------------------------------------------
 # The peer's side: its training loop touches two queues; one thread talks to the store.
 
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # peer names: safe in URLs, logs and HTML
+NAMES = ("1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit, in any case "
+         "(Alice is alice)")
+
+
+def _sane(x):  # a number any chart can draw: finite and not absurd (a 400-digit integer is not); no bools
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and abs(x) <= 1e15
+
+
+def _log(message, peer=None):  # a line of the server's log, or of peer's client's, lone surrogates escaped
+    who = f"client {peer}" if peer else "server"  # (a reply may carry one, and no stream may refuse the line)
+    print(f"swarm {who}: {message}".encode("utf-8", "backslashreplace").decode(), file=sys.stderr, flush=True)
+
+
+class Refused(Exception):
+    """The store refused an outbox entry as malformed: the same bytes would be refused again."""
+
+
 class Client:
     """One peer's view of the swarm. The training loop's calls only touch two queues, bounded in bytes
-    (beyond the bound the oldest entry goes: SAPO wants fresh rollouts); a daemon thread does all the
-    talking, one exchange at a time (_send, _read), through a transport: HttpTransport or RedisTransport.
+    (past a bound the oldest entry goes: SAPO wants fresh rollouts); a daemon thread does all the talking
+    through a transport, whose four calls are publish, post_metrics, sample and close (LocalTransport's).
 
         publish(round, groups) -> outbox --(oldest first, until acknowledged)--> store
         fetch() <- inbox <--(a sampled read of K groups, once per fetch() or flush())-- store
 
-    A retried batch is stored once (it carries a batch_id). A read is K recent groups, every producer alike,
-    however large the swarm; none is handed out twice; and it depends on its round, not on the reads before it."""
+    A retried batch is stored once (it carries a batch_id); no group is handed out twice."""
 
-    def __init__(self, peer, transport, sample, seed=0, round=0, seen=()):
-        self.peer = peer                  # this peer's name: the store leaves its groups out of its reads
-        self.transport = transport        # the store's side of publish, post_metrics and sample
-        self.sample = sample              # K: the groups one read asks for
-        self.seed = seed                  # the read state, which a restarted peer keeps: the k-th read for round r
-        self.round, self.count = round, 0  # draws with (seed, r, k); the round the next read is for, reads asked;
-        self.seen = collections.deque(map(tuple, seen), maxlen=Limits.seen_seqs)  # (seq, time) handed out
+    def __init__(self, peer, transport, sample, seed=0, round=0, seen=(), seen_cap=4096, inbox_cap=64 << 20,
+                 outbox_cap=64 << 20, body_cap=8 << 20):
+        self.peer = peer              # this peer's name: the store leaves its groups out of its reads
+        self.transport = transport    # the store's end of the exchanges
+        self.sample = sample          # K, the groups one read asks for
+        self.inbox_cap = inbox_cap    # bytes of received groups the inbox holds; past it the oldest go
+        self.outbox_cap = outbox_cap  # bytes of unsent entries the outbox holds; past it the oldest go
+        self.body_cap = body_cap      # the largest request a store takes: a larger entry is dropped at once
+        self.poll_seconds = 1.0       # the longest the thread idles before it looks at its queues again
+        self.seed = seed    # the k-th read asked for in round r draws with (seed, r, k): kept over a restart
+        self.round = round  # the round the next read is for (kept over a restart too)
+        self.count = 0      # the reads asked for in that round so far
+        self.seen = collections.deque(map(tuple, seen), maxlen=seen_cap)  # (seq, time) of groups handed out
         self.cond = threading.Condition()  # guards all that follows; notified when the thread gets somewhere
-        self.outbox, self.outbox_bytes = collections.deque(), 0  # (what, send, arguments, bytes), oldest first
-        self.inbox, self.inbox_bytes = collections.deque(), 0    # (group, bytes) received, oldest first
-        self.asked = collections.deque(maxlen=2)  # (round, k) of the reads asked for and not done yet
-        self.reads_begun = self.reads_done = 0  # reads numbered as they begin; the number of the last done
-        self.wake = self.closing = False   # there is something to do; close() was called
-        self.down, self.dropped = None, 0  # while the store does not answer: why; entries the outbox let go
-        self.thread = threading.Thread(target=_talk, args=(self,), name=f"swarm-client-{peer}", daemon=True)
-        self.thread.start()  # (_talk: the thread's loop, with its back-off and log lines, below the marker)
+        self.outbox = collections.deque()  # entries to send, oldest first: (what, send, its arguments, bytes)
+        self.outbox_bytes = 0              # their bytes
+        self.inbox = collections.deque()   # groups received and not fetched yet, oldest first: (group, bytes)
+        self.inbox_bytes = 0               # their bytes
+        self.asked = collections.deque(maxlen=2)  # (round, k) of the reads asked for and not done; 2 at most
+        self.reads_begun = self.reads_done = 0  # reads are numbered as they begin: the last begun, last done
+        self.wake = self.closing = False  # whether the thread has something to do; whether it is to stop
+        self.down, self.dropped = None, 0  # why the store does not answer (None if it does); entries dropped
+        self.thread = threading.Thread(target=self._run, name=f"swarm-client-{peer}", daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def check(peer, sample, most):  # connect()'s check of its arguments, before it makes a transport
+        if not isinstance(peer, str) or not NAME.fullmatch(peer):
+            raise ValueError(f"peer must be a name of {NAMES}.")
+        if type(sample) is not int or not 1 <= sample <= most:
+            raise ValueError(f"sample must be a whole number from 1 to {most}.")
 
     def publish(self, round, groups):
         """Queue this round's groups for the swarm; returns at once."""
-        if groups:
-            _enqueue(self, f"round {round}'s batch", self.transport.publish, lambda: (
+        if groups:  # its round, its groups as JSON texts, and the id that makes a retry harmless
+            self._enqueue(f"round {round}'s batch", self.transport.publish, lambda: (
                 int(round), [_dumps(g) for g in groups], f"{self.peer}-{int(round)}-{os.urandom(6).hex()}"))
 
     def post_metrics(self, round, metrics):
         """Queue per-round numbers for the dashboard (best effort); what is not a sane number goes as null."""
-        _enqueue(self, f"round {round}'s metrics", self.transport.post_metrics, lambda: (int(round), [_dumps(
-            {str(k)[:64]: float(v) if _sane(v) else None for k, v in list(metrics.items())[:64]})]))
+        def make():  # -> its round and the row as one JSON text
+            row = {str(k)[:64]: float(v) if _sane(v) else None for k, v in list(metrics.items())[:64]}
+            return int(round), [_dumps(row)]
+        self._enqueue(f"round {round}'s metrics", self.transport.post_metrics, make)
 
     def fetch(self):
-        """Other peers' groups from the reads done since the last call, none handed out before; asks for the next."""
+        """Other peers' groups read since the last call, none handed out before; then asks for more."""
         with self.cond:
             seen = set(self.seen)
             fresh = {(g["seq"], g["time"]): g for g, _ in self.inbox if (g["seq"], g["time"]) not in seen}
@@ -224,27 +313,76 @@ class Client:
             return list(fresh.values())
 
     def flush(self, timeout=10.0):
-        """Wait until the outbox is empty and a read begun after this call is done -> True, or False if
-        that took over timeout seconds."""
+        """Wait until the outbox is empty and a read begun now is done -> True, or False after `timeout` s."""
         with self.cond:
             begun = self.reads_begun
             self._ask()
             return self.cond.wait_for(lambda: not self.outbox and self.reads_done > begun, timeout)
 
     def close(self, wait=0.0):
-        """Stop the thread once the outbox is empty or after `wait` seconds; one line says what was not delivered."""
+        """Stop the thread once the outbox is empty or after `wait` seconds; a line says what was not sent."""
         with self.cond:
             self.cond.wait_for(lambda: not self.outbox, wait)
             self.closing = True
             self.cond.notify_all()
         self.transport.close()
         self.thread.join(5)
-        _say_undelivered(self, wait)
+        self._say_undelivered(wait)
 
-    def _ask(self):  # (self.cond held) wake the thread for one more read of this round, at most 2 waiting
+    def _ask(self):  # (self.cond held) wake the thread for one more read of this round
         self.asked.append((self.round, self.count))
         self.count, self.wake = self.count + 1, True
         self.cond.notify_all()
+
+    def _enqueue(self, what, send, make):
+        """make() -> send's arguments (round, JSON texts, ...), queued last in the outbox; or a log line."""
+        try:
+            args = make()
+        except (TypeError, ValueError, OverflowError, AttributeError) as e:
+            return _log(f"{what} cannot be sent ({e})", self.peer)
+        size = sum(len(text) + 1 for text in args[1]) + 256  # (and room for what a request wraps them in)
+        if size > self.body_cap:  # a store would refuse it (413): never held, even while it is down
+            return _log(f"{what} is {size} bytes, over a request's {self.body_cap}, so it is dropped",
+                        self.peer)
+        with self.cond:
+            self.outbox.append((what, send, args, size))
+            self.outbox_bytes += size
+            while self.outbox_bytes > self.outbox_cap and len(self.outbox) > 1:
+                self.outbox_bytes -= self.outbox.popleft()[3]
+                self.dropped += 1
+            self.wake = True
+            self.cond.notify_all()
+
+    def _run(self):
+        """The thread: the oldest outbox entry first, else the read asked for, else idle until a publish,
+        fetch or flush. Trouble is said once, however long it lasts, and waited out (0.25 s to 5 s)."""
+        backoff = 0.0
+        while not self.closing:
+            with self.cond:
+                entry = self.outbox[0] if self.outbox else None
+            try:
+                if entry is not None:
+                    self._send(entry)
+                elif self._read():
+                    self._idle(self.poll_seconds)
+                if self.down:
+                    lost = f"; {self.dropped} older entries did not fit the outbox" if self.dropped else ""
+                    waited = ", sending what waited" * (entry is not None)
+                    _log(f"the server answers again{waited}{lost}", self.peer)
+                    self.down, self.dropped = None, 0
+                backoff = 0.0
+            except Exception as e:  # (a bug must not end the thread either)
+                if not self.down and not self.closing:
+                    cause = e if isinstance(e, (OSError, BadRequest)) else f"unexpected error {e!r:.200}"
+                    _log(f"{cause}; training goes on, and what is unsent waits in the outbox (up to "
+                         f"{self.outbox_cap >> 20} MB) until the server answers", self.peer)
+                self.down, backoff = str(e) or type(e).__name__, min(5.0, max(0.25, 2 * backoff))
+                self._idle(backoff)
+
+    def _idle(self, seconds):  # until a publish, fetch or flush wakes the thread, unless it waits out trouble
+        with self.cond:
+            self.cond.wait_for(lambda: self.closing or (self.wake and not self.down), seconds)
+            self.wake = False
 
     def _send(self, entry):
         """Deliver the oldest outbox entry. It leaves the outbox once the store acknowledged it, or refused
@@ -269,11 +407,12 @@ class Client:
             self.reads_begun += 1
             read, asked = self.reads_begun, self.asked[0]
         seed = random.Random("/".join(map(str, (self.seed, *asked)))).getrandbits(63)
-        fresh = [(g, n) for g, n in self.transport.sample(self.sample, seed) if g["peer"].lower() != self.peer.lower()]
+        drawn = self.transport.sample(self.sample, seed)
+        fresh = [(g, n) for g, n in drawn if g["peer"].lower() != self.peer.lower()]
         with self.cond:
             self.inbox.extend(fresh)
             self.inbox_bytes += sum(size for _, size in fresh)
-            while self.inbox_bytes > Limits.inbox_bytes:  # beyond the bound the oldest go
+            while self.inbox_bytes > self.inbox_cap:  # past the bound the oldest go
                 self.inbox_bytes -= self.inbox.popleft()[1]
             if self.asked and self.asked[0] == asked:  # (unless two newer reads were asked for meanwhile)
                 self.asked.popleft()
@@ -281,29 +420,35 @@ class Client:
             self.cond.notify_all()
             return not self.asked
 
-
-def connect(url, peer, sample, token=None, **state):
-    """A started Client of the store a URL names: a Redis server for redis:// or rediss://, else a swarm.py
-    server. sample: K; token: the store's credential (None: $SWARM_TOKEN); state: the read state (seed, round, seen)."""
-    _check_client(peer, sample)
-    kind = RedisTransport if str(url).lower().startswith(("redis://", "rediss://")) else HttpTransport
-    return Client(peer, kind(str(url), peer, os.environ.get("SWARM_TOKEN") if token is None else token), sample, **state)
+    def _say_undelivered(self, wait):  # close()'s line on what never reached the store, and why
+        batches = sum(send == self.transport.publish for _, send, _, _ in self.outbox)
+        if self.outbox or self.dropped:
+            lost = f", nor {self.dropped} older entries a full outbox let go" * bool(self.dropped)
+            _log(f"{batches} batches and {len(self.outbox) - batches} metrics rows were not delivered"
+                 f"{lost}: {self.down or f'the server had not taken them after {wait:g} s'}", self.peer)
 
 
 # ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
 
+try:
+    import fcntl     # POSIX: the server locks its folder so two servers never share one
+    import resource  # POSIX: the descriptor limit sets how many connections the server may hold
+    import termios   # POSIX: TIOCOUTQ, what a socket has not delivered yet (_unsent)
+except ImportError:
+    fcntl = resource = termios = None
+
 
 class Limits:
-    """Every bound in one place (sizes in bytes): on what a sender may make the server hold, and a server a client."""
-    body_bytes = 8 << 20        # one request body (413 beyond it); those over 1/8 of it are parsed one at a time
-    json_values = 1 << 20       # values in a body (413 beyond) or a reply, counted before parsing (2**20: ~45 ms)
+    """Every bound in one place (sizes in bytes): what a sender may make a server hold, and a server a client."""
+    body_bytes = 8 << 20        # one request body (413 beyond); those over 1/8 of it are parsed one at a time
+    json_values = 1 << 20       # values in a body (413 beyond) or a reply, counted before parsing (~45 ms)
     group_tokens = 1 << 17      # token ids in one group, so that any reply of groups stays within json_values
     completion_tokens = 8192    # token ids (and log-probs) of one completion in a group
     page_bytes = 1 << 20        # one reply page of /rollouts or /metrics (a page holds at least one item)
     page_groups = 1024          # groups in one /rollouts page (?limit=, default 256)
     scan_groups = 16 * 1024     # groups one read may step over (the reader's own, which it excludes)
-    keep_bytes = 256 << 20      # default --keep-bytes: what kept batches cost (7/8 of it) and pruned.json (1/8)
-    batch_overhead = 2048       # a kept batch's cost beyond its disk blocks: memory (a tiny one: ~2.3 KB, measured)
+    keep_bytes = 256 << 20      # default --keep-bytes: kept batches' cost (7/8 of it) and pruned.json (1/8)
+    batch_overhead = 2048       # a kept batch's cost beyond its disk blocks: its memory (~2.3 KB, measured)
     metrics_bytes = 8 << 20     # metrics rows kept, in memory and in metrics.jsonl
     replies = 20_000            # idempotency records of pruned batches (those of kept batches are all kept)
     peers = 1024                # peers in the table; the one seen least recently goes first
@@ -313,12 +458,11 @@ class Limits:
     request_seconds = 10.0      # whole-request deadline: the server's to read one, the client's per call
     line_bytes = 8192           # the request line (414 beyond it) and each header line (431)
     header_lines = 64           # header lines in one request (431 beyond it)
-    workers = 4                 # threads answering GETs, and as many for POSTs (reads never wait for an fsync)
+    workers = 4                 # threads answering GETs, as many for POSTs (reads never wait for an fsync)
     backlog = 128               # connections the kernel queues before the server accepts them
     outbox_bytes = 64 << 20     # client: unsent batches and metrics; the oldest go first beyond it
     inbox_bytes = 64 << 20      # client: received groups not yet fetched; the oldest go first beyond it
-    reply_bytes = body_bytes + (64 << 10)  # client: the largest reply read (one group of at most a body, and more)
-    poll_seconds = 1.0          # client: the longest its thread idles before it looks at its queues again
+    reply_bytes = body_bytes + (64 << 10)  # client: the largest reply it reads (a body's groups, and more)
     sample_groups = 256         # groups one sampled read may ask for (?sample=K)
     window_batches = 2          # a sampled read draws from each producer's newest this many batches,
     window_seconds = 600        # of the producers whose newest batch arrived within this many seconds
@@ -348,17 +492,9 @@ def _want(ok, message, status=400, headers=None):
         raise BadRequest(message, status, headers)
 
 
-def _sane(x):  # a number any chart can draw: finite and not absurd (a 400-digit integer is not); no bools
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and abs(x) <= 1e15
-
-
 def _too_deep(x, levels):
     children = x.values() if isinstance(x, dict) else x if isinstance(x, list) else ()
     return levels < 0 or any(_too_deep(child, levels - 1) for child in children)
-
-
-def _dumps(x):  # compact UTF-8 JSON: what is stored, served and sent
-    return json.dumps(x, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 def rule(test, says, convert=lambda value, where: value):
@@ -370,7 +506,8 @@ def rule(test, says, convert=lambda value, where: value):
 
 
 def text(most, least=0):
-    return rule(lambda v: isinstance(v, str) and least <= len(v) <= most, f"a string of {least} to {most} characters")
+    says = f"a string of {least} to {most} characters"
+    return rule(lambda v: isinstance(v, str) and least <= len(v) <= most, says)
 
 
 def number(most, whole=True):  # JSON true is no number here; a float may be written as an int
@@ -379,18 +516,19 @@ def number(most, whole=True):  # JSON true is no number here; a float may be wri
 
 
 def items(most, each=None, least=0):  # a list of least to most values, each passing the rule each (None: any)
-    return rule(lambda v: isinstance(v, list) and least <= len(v) <= most, f"a list of {least} to {most} items",
-                lambda v, where: [each(x, f"{where}[{i}]") for i, x in enumerate(v)] if each else v)
+    return rule(lambda v: isinstance(v, list) and least <= len(v) <= most, f"a list of {least} to {most}"
+                " items", lambda v, where: [each(x, f"{where}[{i}]") for i, x in enumerate(v)] if each else v)
 
 
 def fields(table, optional={}, also=()):
     """The rule for a JSON object with the fields of `table` (field -> rule) -> a copy with only those.
     optional: field -> the value a missing field takes; also: (test of the copy, what it says) pairs."""
     def checked(value, where=""):
-        _want(isinstance(value, dict), f"{where or 'The body'} must be a JSON object.")
+        it = where or "The body"
+        _want(isinstance(value, dict), f"{it} must be a JSON object.")
         clean = {}
         for field, each in table.items():
-            _want(field in value or field in optional, f"{where or 'The body'} is missing the field '{field}'.")
+            _want(field in value or field in optional, f"{it} is missing the field '{field}'.")
             if field in value:
                 clean[field] = each(value[field], f"{where}.{field}" if where else field)
             elif optional[field] is not None:  # None: left out
@@ -401,29 +539,30 @@ def fields(table, optional={}, also=()):
     return checked
 
 
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # peer names: safe in URLs, logs and HTML
-NAMES = "1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit, in any case (Alice is alice)"
 PEER = rule(lambda v: isinstance(v, str) and NAME.fullmatch(v), NAMES, lambda v, where: v.lower())  # stored
-BATCH_ID = rule(lambda v: isinstance(v, str) and re.fullmatch(r"[A-Za-z0-9_.:-]{1,128}", v), "an id of 1 to 128 characters "
-                "from A-Z, a-z, 0-9 and '_.:-'")
+BATCH_ID = rule(lambda v: isinstance(v, str) and re.fullmatch(r"[A-Za-z0-9_.:-]{1,128}", v),
+                "an id of 1 to 128 characters from A-Z, a-z, 0-9 and '_.:-'")
 SEQ, ROUND, TIME = number(10**15), number(10**12), number(1e11, whole=False)
 GROUP = {  # field -> rule: a rollout group on the wire
     "task": text(256, 1), "question": text(16_000), "answer": text(4_000),
     "metadata": rule(lambda v: isinstance(v, dict) and not _too_deep(v, 8) and len(_dumps(v)) <= 16_000,
                      "a JSON object nested at most 8 deep and at most 16000 bytes as JSON"),
-    "completions": items(64, text(32_000), 1), "stopped": items(64, rule(lambda v: isinstance(v, bool), "true or false")),
-    "model": text(256),  # the last three, beyond the paper: optional, all or none (train.py --shared-logprobs)
+    "completions": items(64, text(32_000), 1),
+    "stopped": items(64, rule(lambda v: isinstance(v, bool), "true or false")),
+    "model": text(256),  # the last three, beyond the paper: optional, all or none (--shared-logprobs)
     "token_ids": items(64, items(Limits.completion_tokens, rule(lambda v: type(v) is int and 0 <= v < 2**31,
                                                                  "a token id from 0 to 2**31 - 1"))),
-    "logprobs": items(64, items(Limits.completion_tokens, rule(lambda v: _sane(v) and v <= 0, "a number <= 0"))),
+    "logprobs": items(64, items(Limits.completion_tokens, rule(lambda v: _sane(v) and v <= 0,
+                                                                "a number <= 0"))),
     "tokenizer": text(64, 1)}
-OPTIONAL = {"metadata": {}, "model": "", "token_ids": None, "logprobs": None, "tokenizer": None}  # None: left out
-ALSO = [(lambda g: len(g["stopped"]) == len(g["completions"]), "stopped must hold one boolean per completion"),
+OPTIONAL = {"metadata": {}, "model": "", "token_ids": None, "logprobs": None, "tokenizer": None}
+ALSO = [(lambda g: len(g["stopped"]) == len(g["completions"]),
+         "stopped must hold one boolean per completion"),
         (lambda g: len({f in g for f in ("token_ids", "logprobs", "tokenizer")}) == 1,
          "token_ids, logprobs and tokenizer must come together, or none of them"),
-        (lambda g: "token_ids" not in g or [len(c) for c in g["logprobs"]] == [len(c) for c in g["token_ids"]] and
-         len(g["token_ids"]) == len(g["completions"]), "token_ids and logprobs must hold a list per completion, "
-         "one log-prob per token id"),
+        (lambda g: "token_ids" not in g or [len(c) for c in g["logprobs"]] == [len(c) for c in g["token_ids"]]
+         and len(g["token_ids"]) == len(g["completions"]),
+         "token_ids and logprobs must hold a list per completion, one log-prob per token id"),
         (lambda g: sum(map(len, g.get("token_ids", []))) <= Limits.group_tokens,
          f"token_ids must hold at most {Limits.group_tokens} ids in all")]
 
@@ -439,17 +578,19 @@ def wire_group(task, question, answer, completions, stopped, metadata=None, mode
     return group
 
 
-STORED = fields({**GROUP, "peer": PEER, "round": ROUND, "seq": SEQ, "time": TIME}, OPTIONAL, ALSO)  # as served
-PUBLISH = fields({"peer": PEER, "round": ROUND, "batch_id": BATCH_ID, "groups": items(256, fields(GROUP, OPTIONAL, ALSO))})
-BATCH = fields({"peer": PEER, "round": ROUND, "batch_id": BATCH_ID, "time": TIME, "groups": items(256, STORED)})
+STORED = fields({**GROUP, "peer": PEER, "round": ROUND, "seq": SEQ, "time": TIME}, OPTIONAL, ALSO)  # served
+WIRE = fields(GROUP, OPTIONAL, ALSO)  # as published
+PUBLISH = fields({"peer": PEER, "round": ROUND, "batch_id": BATCH_ID, "groups": items(256, WIRE)})
+BATCH = fields({"peer": PEER, "round": ROUND, "batch_id": BATCH_ID, "time": TIME,
+                "groups": items(256, STORED)})
 PRUNED = fields({"seq": SEQ, "replies": items(math.inf, fields(  # pruned.json
     {"peer": PEER, "batch_id": BATCH_ID, "accepted": number(256), "seq": SEQ}))})
-NUMBERS = rule(lambda v: isinstance(v, dict) and len(v) <= 64 and all(0 < len(k) <= 64 and (x is None or _sane(x))
-                                                                      for k, x in v.items()),
+NUMBERS = rule(lambda v: isinstance(v, dict) and len(v) <= 64
+               and all(0 < len(k) <= 64 and (x is None or _sane(x)) for k, x in v.items()),
                "an object of at most 64 names (1 to 64 characters) to numbers within ±1e15 or null",
                lambda v, where: {k: None if x is None else float(x) for k, x in v.items()})
 METRICS = fields({"peer": PEER, "round": ROUND, "metrics": NUMBERS})
-ROW = fields({"n": SEQ, "peer": PEER, "round": ROUND, "time": TIME, "metrics": NUMBERS})  # a metrics.jsonl line
+ROW = fields({"n": SEQ, "peer": PEER, "round": ROUND, "time": TIME, "metrics": NUMBERS})  # metrics.jsonl
 SAMPLE = fields({"groups": items(math.inf), "last": SEQ})  # a GET /rollouts?sample=K reply
 
 
@@ -466,14 +607,14 @@ def parse_json(raw, surrogates=False):
     surrogates=True keeps lone surrogates: a client drops the one group that holds one, not its page."""
     try:
         text = raw.decode() if isinstance(raw, (bytes, bytearray)) else raw  # strict: no encoded surrogates
-        if text.count(",") + text.count("{") + text.count("[") > Limits.json_values:  # then count outside strings
-            _want(_values(text) <= Limits.json_values, f"The JSON holds more than {Limits.json_values} values; "
-                  "send fewer at once.", 413)
+        most = Limits.json_values
+        if text.count(",") + text.count("{") + text.count("[") > most:  # then count them outside strings
+            _want(_values(text) <= most, f"The JSON holds more than {most} values; send fewer at once.", 413)
         value = json.loads(text, parse_float=_finite, parse_constant=_finite)
         if not surrogates and re.search(r"\\u[dD][89a-fA-F]", text):
             _dumps(value)  # raises UnicodeEncodeError on a lone surrogate
         return value
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, not UTF-8, a lone surrogate, 5000 digits, too deep
+    except (ValueError, RecursionError) as e:  # not JSON or UTF-8, a lone surrogate, 5000 digits, too deep
         raise BadRequest(f"The body is not valid JSON: {str(e)[:120]}.") from None
 
 
@@ -482,32 +623,27 @@ def _values(text):  # what parsing a JSON text costs: its commas, objects and li
     return bare.count(",") + bare.count("{") + bare.count("[")
 
 
-def _log(message, peer=None):  # a line of the server's log, or of peer's client's, lone surrogates escaped
-    who = f"client {peer}" if peer else "server"  # (a reply may carry one, and no stream may refuse the line)
-    print(f"swarm {who}: {message}".encode("utf-8", "backslashreplace").decode(), file=sys.stderr, flush=True)
-
-
 # -----------------------------------------------------------------------------
-# Storage: one file per accepted batch (written atomically, fsynced), and an in-memory index of all kept.
+# Storage on disk: one file per accepted batch (written atomically, fsynced), pruned.json and metrics.jsonl.
 
 class RolloutStore(Store):
-    """Store on disk: the locked folder of batch files, retention by cost, the draw's bookkeeping, metrics rows."""
+    """The Store on disk, under Limits' bounds: a locked folder of batch files, pruned.json (what retention
+    deleted) and metrics.jsonl (the dashboard's rows), all read back when a server starts on it."""
     copies = ("pruned.json", "pruned-copy.json")  # two copies: a damaged one alone loses nothing
 
     def __init__(self, folder, keep_bytes=Limits.keep_bytes):
-        super().__init__()
-        self.folder, self.keep_bytes = os.path.abspath(folder), keep_bytes
-        self.budget = keep_bytes - keep_bytes // 8 - 8192  # the batches' share; pruned.json's two copies the rest
-        self.kept_bytes = 0                       # what the kept batches cost, all writers together
-        self.fresh = collections.OrderedDict()    # writer -> its place in drawable, by its newest batch's arrival
+        # The batches get keep_bytes less an eighth and 8 KB; pruned.json's two copies take the rest, at most
+        # 512 bytes a reply, so they keep one reply for each 4 KB of keep_bytes.
+        super().__init__(keep_bytes - keep_bytes // 8 - 8192, Limits.window_batches, Limits.window_seconds,
+                         Limits.page_bytes, min(Limits.replies, max(16, keep_bytes // 4096)), Limits.peers,
+                         Limits.scan_groups)
+        self.folder = os.path.abspath(folder)     # the folder this server alone writes
         self.pruned = 0                           # seq of the newest group retention deleted
-        self.gone = collections.deque()           # (writer, batch_id) of pruned batches whose replies are kept
-        self.peers = collections.OrderedDict()    # peer -> {"last_seen", "last_round", "groups"}, by recency
         self.metrics, self.metrics_bytes = [], 0  # (n, peer, row as a JSON line, row) per kept metrics row
         self.closed = self.metrics_cut = False    # metrics_cut: a failed write may have left half a line
         self.folder_fd, self.doomed = None, []  # doomed: files retention deletes once pruned.json says so
-        self.deleter = ThreadPoolExecutor(1, thread_name_prefix="swarm-delete")  # deletes them, holding no lock
-        try:  # the folder itself is flocked (no lock file a stray `rm` could remove); files open relative to it
+        self.deleter = ThreadPoolExecutor(1, thread_name_prefix="swarm-delete")  # deletes them, lock-free
+        try:  # the folder itself is flocked (no lock file that `rm` could remove); files open relative to it
             os.makedirs(self.folder, exist_ok=True)
             self.folder_fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
             self._remove(".tmp-probe")
@@ -521,46 +657,22 @@ class RolloutStore(Store):
                 os.close(self.folder_fd)
             if not isinstance(e, OSError):
                 raise
-            raise ValueError(f"another swarm server is already using --dir {self.folder}; stop it or choose another "
-                             "folder." if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else f"cannot use --dir "
-                             f"{self.folder} ({e.strerror or e}); give a folder it can create and write.") from None
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise ValueError(f"another swarm server is already using --dir {self.folder}; stop it or "
+                                 "choose another folder.") from None
+            raise ValueError(f"cannot use --dir {self.folder} ({e.strerror or e}); give a folder it can "
+                             "create and write.") from None
 
-    def _seen(self, peer, round_, when, published=0):
-        p = self.peers.pop(peer, None) or {"last_seen": 0.0, "last_round": 0, "groups": 0}
-        p.update(last_seen=max(p["last_seen"], when), last_round=max(p["last_round"], round_),
-                 groups=p["groups"] + published)
-        self.peers[peer] = p  # (re)inserted last: the peer seen least recently is first to go
-        while len(self.peers) > Limits.peers:
-            self.peers.popitem(last=False)
+    def _save(self, record):  # the batch's file, named after its last seq -> its blocks, and its memory
+        size = self._write_atomic(_batch_file(record["groups"][-1]["seq"]), _dumps(record))
+        return size + Limits.batch_overhead
 
-    def _keep(self, writer, batch):  # (self.lock held) a batch joins its writer's; the writer goes last in the draw
-        self.batches.setdefault(writer, collections.deque()).append(batch)
-        self.kept_bytes += batch.cost
-        if writer in self.fresh:
-            self.fresh.move_to_end(writer)
-        else:
-            self.fresh[writer] = len(self.drawable)
-            self.drawable.append(writer)
-
-    def _expire(self, since):  # (self.lock held) writers whose newest batch arrived before `since` leave the draw
-        while self.fresh and self.batches[oldest := next(iter(self.fresh))][-1].time < since:
-            self._undraw(oldest)
-
-    def _undraw(self, writer):  # the last drawable writer takes its place, so no list is shifted
-        i, last = self.fresh.pop(writer), self.drawable.pop()
-        if last != writer:
-            self.drawable[i] = last
-            self.fresh[last] = i
-
-    def _retain(self):
-        """Past the budget, the writers holding most lose their oldest batches, down to the level at which all
-        holdings, so cut, fill 90% of it: a flooder's own go first; the newest batch stays. Their replies go
-        into pruned.json (both copies; the newest Limits.replies), so the numbering goes on after a restart
-        and a late retry is stored once; then a thread deletes the files, holding no lock. A pruned.json the
-        disk cannot take is logged: the batch just stored stays stored; the files wait for the next try."""
-        if self.kept_bytes > self.budget:
-            with self.lock:
-                self._prune(0.9 * self.budget)
+    def _forget(self, pruned):
+        """The replies of pruned batches go into pruned.json (both copies), so that the numbering goes on
+        after a restart and a late retry is stored once; then a thread deletes their files, holding no
+        lock. A pruned.json the disk cannot take is logged: the files wait for the next try."""
+        self.pruned = max([self.pruned] + [batch.seq for batch in pruned])
+        self.doomed += [_batch_file(batch.seq) for batch in pruned]
         if not self.doomed:
             return
         replies = [{"peer": p, "batch_id": b, **self.replies[(p, b)]} for p, b in self.gone]
@@ -568,36 +680,10 @@ class RolloutStore(Store):
             for name in self.copies:
                 self._write_atomic(name, _dumps({"seq": self.pruned, "replies": replies}))
         except (OSError, BadRequest) as e:
-            return _log(f"cannot write pruned.json for now ({getattr(e, 'message', e)}); pruned files wait for it")
+            why = getattr(e, "message", e)
+            return _log(f"cannot write pruned.json for now ({why}); pruned files wait for it")
         self.deleter.map(self._remove, self.doomed)  # (submitted at once)
         self.doomed = []
-
-    def _prune(self, target):  # (self.lock held) _retain's cut, to a level at which all holdings add up to target
-        held = {writer: sum(batch.cost for batch in kept) for writer, kept in self.batches.items()}
-        costs, rest = sorted(held.values(), reverse=True), self.kept_bytes
-        for k, cost in enumerate(costs):  # the k + 1 largest cut to the level, the others under it
-            rest -= cost
-            level = (target - rest) / (k + 1)
-            if k + 1 == len(costs) or level >= costs[k + 1]:
-                break
-        dropped = set()
-        for writer in [w for w, cost in held.items() if cost > level]:
-            kept = self.batches[writer]
-            while kept and held[writer] > level and kept[0].seq != self.last_seq:
-                batch = kept.popleft()
-                held[writer] -= batch.cost
-                self.kept_bytes -= batch.cost
-                self.pruned = max(self.pruned, batch.seq)
-                self.doomed.append(_batch_file(batch.seq))
-                self.gone.append((writer, batch.batch_id))
-                dropped.add(batch.seq)
-            if not kept:
-                del self.batches[writer]
-                if writer in self.fresh:
-                    self._undraw(writer)
-        self.index = [entry for entry in self.index if entry[3] not in dropped]
-        while len(self.gone) > min(Limits.replies, max(16, self.keep_bytes // 4096)):  # (a reply takes at most
-            del self.replies[self.gone.popleft()]  # 512 bytes in the two copies: an eighth of --keep-bytes in all)
 
     def _load(self):
         """Read the folder back: pruned.json, every batch file in seq order, metrics.jsonl. Whatever a file
@@ -618,7 +704,7 @@ class RolloutStore(Store):
             batch = self._read(name, BATCH) if found else None
             seqs = [g["seq"] for g in batch[0]["groups"]] if batch else []
             if seqs and seqs[0] > self.last_seq and seqs == list(range(seqs[0], last + 1)):
-                self._add(*batch)
+                self._add(batch[0], batch[1] + Limits.batch_overhead)  # (its cost, as _save counts it)
             elif batch:
                 _log(f"skipping batch file {name}: its groups are not numbered up to the seq in its name")
             self.last_seq = max(self.last_seq, last)  # its name alone uses up the numbers, even if unreadable
@@ -631,7 +717,7 @@ class RolloutStore(Store):
                 self._keep_metrics(row)
             except BadRequest:
                 bad += 1  # e.g. the last line, cut short by kill -9
-        if bad or data == b"" or data and not data.endswith(b"\n"):  # so that no row is appended to half a line
+        if bad or data == b"" or data and not data.endswith(b"\n"):  # so no row is appended to half a line
             _log(f"skipped {bad} unreadable lines in metrics.jsonl") if bad else None
             self._write_atomic("metrics.jsonl", b"".join(m[2] for m in self.metrics))
         if self.last_seq:
@@ -658,7 +744,8 @@ class RolloutStore(Store):
         with self.write_lock:
             row = {"n": self.metrics[-1][0] + 1 if self.metrics else 1, "peer": peer, "round": round_,
                    "time": _now(), "metrics": metrics}
-            line, self.metrics_cut = b"\n" * self.metrics_cut + _dumps(row) + b"\n", True  # never onto a cut line
+            line = b"\n" * self.metrics_cut + _dumps(row) + b"\n"  # never onto a line cut short
+            self.metrics_cut = True
             try:
                 with self._open("metrics.jsonl", "ab") as f:  # best effort: no fsync
                     f.write(line)
@@ -687,7 +774,8 @@ class RolloutStore(Store):
 
     def read_metrics(self, after):
         with self.lock:
-            return (*_page(self.metrics, after), self.metrics[-1][0] if self.metrics else 0)
+            texts, next_n = _page(self.metrics, after, None, None, self.page_bytes, self.scan_groups)
+            return texts, next_n, self.metrics[-1][0] if self.metrics else 0
 
     def snapshot(self, metrics=False):  # (/health, which cursor readers ask often, walks no metrics rows)
         with self.lock:
@@ -703,11 +791,12 @@ class RolloutStore(Store):
         except FileNotFoundError:
             moved = True
         if moved:
-            _log(f"{self.folder} was moved or replaced while this server ran; it stores nothing until restarted")
-            raise BadRequest("The server's folder was moved or replaced, so nothing was stored; send it again "
-                             "once the server is restarted.", 503, {"Retry-After": "10"})
-        f = open(name, mode, opener=lambda path, flags: os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644,
-                                                                dir_fd=self.folder_fd))  # (open adds O_CLOEXEC)
+            _log(f"{self.folder} was moved or replaced while this server ran; it stores nothing until "
+                 "restarted")
+            raise BadRequest("The server's folder was moved or replaced, so nothing was stored; send it "
+                             "again once the server is restarted.", 503, {"Retry-After": "10"})
+        flags = os.O_NOFOLLOW | os.O_NONBLOCK  # (and open adds O_CLOEXEC)
+        f = open(name, mode, opener=lambda at, how: os.open(at, how | flags, 0o644, dir_fd=self.folder_fd))
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             f.close()
             raise OSError(errno.EINVAL, "not a regular file")
@@ -723,7 +812,7 @@ class RolloutStore(Store):
                 f.flush()
                 os.fsync(f.fileno())
                 size = max(len(data), os.fstat(f.fileno()).st_blocks * 512)
-            with contextlib.suppress(OSError):  # an empty folder in the way goes (a full one: the rename fails)
+            with contextlib.suppress(OSError):  # an empty folder in its way goes (a full one fails the rename)
                 os.rmdir(name, dir_fd=self.folder_fd)
             os.replace(".tmp-" + name, name, src_dir_fd=self.folder_fd, dst_dir_fd=self.folder_fd)
             os.fsync(self.folder_fd)
@@ -751,22 +840,32 @@ class RolloutStore(Store):
                 os.close(self.folder_fd)  # releases the folder lock
 
 
-Batch = collections.namedtuple("Batch", "seq batch_id time texts cost")  # one kept batch (Store.batches)
-
-
 def _batch_file(seq):  # a batch's file, named after its last seq: 12 digits or more, read back by value
     return f"batch-{seq:012d}.json"
 
 
-def _now():  # the server's clock as a TIME field holds it, so that no clock makes a stored file unreadable
-    return min(max(time.time(), 0.0), 1e11)
+def _page(entries, after, limit, exclude, page_bytes, scan_groups):
+    """entries: (number, peer, UTF-8 JSON, ...) in number order -> (the JSON texts after `after` that are
+    not `exclude`'s, the number to continue after, past the excluded ones too): at most `limit` (None: any)
+    and page_bytes, unless one text alone is larger; at most scan_groups entries stepped over."""
+    start = bisect.bisect_right(entries, after, key=lambda entry: entry[0])
+    texts, size, next_number = [], 0, after
+    for number, peer, text, *_ in entries[start:start + scan_groups]:
+        if len(texts) == limit or (texts and size + len(text) > page_bytes):
+            break
+        next_number = number
+        if peer != exclude:
+            texts.append(text)
+            size += len(text) + 1
+    return texts, next_number
 
 
 # -----------------------------------------------------------------------------
 # HTTP server: an asyncio loop reads requests; worker threads answer them; errors are one JSON sentence.
 
-ROUTES = {"/": "GET", "/health": "GET", "/peers": "GET", "/rollouts": "GET, POST", "/metrics": "GET, POST"}  # _route
+ROUTES = {"/": "GET", "/health": "GET", "/peers": "GET", "/rollouts": "GET, POST", "/metrics": "GET, POST"}
 JSON = "application/json"
+BUSY = "The server is busy; send it again in a moment."  # (503, with Retry-After: 1)
 Request = collections.namedtuple("Request", "method target body peer")  # peer: _read_request
 
 
@@ -782,8 +881,8 @@ async def _drop_input(reader, most=1 << 20):  # what a refused client still send
         most -= len(chunk)
 
 
-def _loop_error(loop, context):  # (Python 3.11 raises InvalidStateError when a connection meets an accept
-    if not isinstance(context.get("exception"), asyncio.InvalidStateError):  # cancelled at shutdown: harmless)
+def _loop_error(loop, context):  # (Python 3.11 raises InvalidStateError when a connection meets an
+    if not isinstance(context.get("exception"), asyncio.InvalidStateError):  # accept cancelled at shutdown)
         _log(f"{context['message']} {context.get('exception')!r:.200}")
 
 
@@ -807,13 +906,14 @@ class SwarmServer:
     request's way: _accept, _connection (_read_request, _in_turn, _send, _hang_up). credentials: credentials()'s."""
 
     def __init__(self, store, host, port, credentials=None, public_reads=False, verbose=False, score=None):
-        self.store, self.credentials, self.public_reads, self.verbose = store, credentials, public_reads, verbose
+        self.store, self.credentials = store, credentials
+        self.public_reads, self.verbose = public_reads, verbose
         self.score = score  # (group, completion) -> its reward, which the dashboard shows; None: none shown
         self.listener = socket.create_server((host, port), backlog=Limits.backlog,
                                              family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.listener.setblocking(False)
         self.server_address = self.listener.getsockname()
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if resource else -1  # -1: none; 64 stay for files
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if resource else -1  # -1: none; 64 for files
         self.max_connections = max(4, min(Limits.connections, soft - 64)) if soft > 0 else Limits.connections
         self.open, self.waiting = set(), {}  # every connection; those that may be closed for a new one ->
                                              # 0 if idle or sending a head, 1 if sending a body (in order)
@@ -821,7 +921,7 @@ class SwarmServer:
         self.pools = {method: ThreadPoolExecutor(Limits.workers, thread_name_prefix=f"swarm-{method}")
                       for method in ("GET", "POST")}
         self.large = threading.Lock()        # held while a large body is answered: see Limits.body_bytes
-        self.turns = weakref.WeakValueDictionary()  # writer -> the lock its POSTs take turns on, while any waits
+        self.turns = weakref.WeakValueDictionary()  # writer -> the lock its waiting POSTs take turns on
         self.posting = asyncio.Semaphore(Limits.workers)  # POSTs being answered; its waiters: one per writer
         self.loop = asyncio.new_event_loop()
         self.loop.set_exception_handler(_loop_error)
@@ -872,21 +972,23 @@ class SwarmServer:
         self.waiting[writer], body = 0, bytearray()
         try:
             try:
-                request = await asyncio.wait_for(self._read_request(reader, writer, body), Limits.request_seconds)
+                seconds = Limits.request_seconds
+                request = await asyncio.wait_for(self._read_request(reader, writer, body), seconds)
             except asyncio.TimeoutError:
-                raise BadRequest(f"The request did not arrive whole within {Limits.request_seconds:g} s.", 408) from None
+                raise BadRequest(f"The request did not arrive whole within {seconds:g} s.", 408) from None
             reply = await self._in_turn(request)
             await self._send(writer, *reply, head_only=request.method == "HEAD")
             if self.verbose:
-                _log(f"{writer.get_extra_info('peername')} {request.method} {request.target[:200]} {reply[0]}")
+                who = writer.get_extra_info("peername")
+                _log(f"{who} {request.method} {request.target[:200]} {reply[0]}")
         except BadRequest as e:  # the rest of the request is unread: answer, then close
             self.waiting[writer] = 0  # first to go while it lingers, holding no body
             self.in_flight -= len(body)
             body.clear()
             with contextlib.suppress(OSError, asyncio.TimeoutError):
                 await self._send(writer, *e.reply)
-                writer.write_eof()  # and read what the client still sends for a moment, so that closing
-                await asyncio.wait_for(_drop_input(reader), 2.0)  # does not reset it before it reads the reply
+                writer.write_eof()  # and read what the client still sends for a moment, so that
+                await asyncio.wait_for(_drop_input(reader), 2.0)  # closing does not reset it before it reads
         except (OSError, EOFError, asyncio.TimeoutError):
             pass  # a client that hangs up, idles or stops reading its reply is not news
         finally:
@@ -905,7 +1007,8 @@ class SwarmServer:
         Without one, writers cannot be told apart (an address may be a proxy's): first come, first served."""
         if request.method != "POST":
             return await self.loop.run_in_executor(self.pools["GET"], self._answer, request)
-        turn = self.turns.setdefault(request.peer, asyncio.Lock()) if request.peer else contextlib.nullcontext()
+        peer = request.peer
+        turn = self.turns.setdefault(peer, asyncio.Lock()) if peer else contextlib.nullcontext()
         async with turn, self.posting:
             return await self.loop.run_in_executor(self.pools["POST"], self._answer, request)
 
@@ -932,23 +1035,25 @@ class SwarmServer:
         headers, lines = {}, 0
         while (line := await _readline(reader, 431, "A header line")) not in ("\r\n", "\n"):
             lines += 1
-            _want(lines <= Limits.header_lines, f"The request has more than {Limits.header_lines} header lines.", 431)
+            most = Limits.header_lines
+            _want(lines <= most, f"The request has more than {most} header lines.", 431)
             header = re.fullmatch(r"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*(.*?)[ \t]*\r?\n", line)
             _want(header, "Each header line must be 'Name: value'.")
             name = header[1].lower()  # a name given twice has both values, as RFC 9110 combines them
             headers[name] = f"{headers[name]}, {header[2]}" if name in headers else header[2]
         peer = None  # the name the credential writes as; None: any (the shared token, or no credentials)
         if self.credentials and (method != "GET" or not self.public_reads):  # public reads: GETs need none
-            scheme, _, given = headers.get("authorization", "").partition(" ")  # (by digest: a lookup's
-            given = hashlib.sha256(given.strip().encode("latin-1")).digest()     # timing tells nothing of a token)
+            scheme, _, given = headers.get("authorization", "").partition(" ")  # (looked up by digest, so
+            given = hashlib.sha256(given.strip().encode("latin-1")).digest()  # its timing tells nothing)
             peer = self.credentials.get(given, "") if scheme.lower() == "bearer" else ""
-            _want(peer != "", "This server needs the header 'Authorization: Bearer <token>'; pass the swarm token.",
-                  401, {"WWW-Authenticate": "Bearer"})
+            _want(peer != "", "This server needs the header 'Authorization: Bearer <token>'; pass the swarm "
+                  "token.", 401, {"WWW-Authenticate": "Bearer"})
         length = headers.get("content-length", "0")
         _want("transfer-encoding" not in headers and (method != "POST" or "content-length" in headers),
               "A POST needs a Content-Length header (no chunked bodies).", 411)
         _want(re.fullmatch(r"[0-9]{1,12}", length), "Content-Length must be a whole number.")
-        _want(int(length) <= Limits.body_bytes, f"The body is {length} bytes; the limit is {Limits.body_bytes}.", 413)
+        most = Limits.body_bytes
+        _want(int(length) <= most, f"The body is {length} bytes; the limit is {most}.", 413)
         self.waiting[writer] = 1  # sending its body: evicted after those that sent no head yet
         if int(length) and headers.get("expect", "").lower() == "100-continue":
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -957,7 +1062,7 @@ class SwarmServer:
             if not chunk:
                 raise EOFError("the client hung up")
             if self.in_flight + len(chunk) > Limits.in_flight_bytes:
-                raise BadRequest("The server is busy; send it again in a moment.", 503, {"Retry-After": "1"})
+                raise BadRequest(BUSY, 503, {"Retry-After": "1"})
             self.in_flight += len(chunk)  # given back by _connection once the reply has gone
             body += chunk
         self.waiting.pop(writer, None)
@@ -965,10 +1070,11 @@ class SwarmServer:
 
     async def _send(self, writer, status, content_type, body, headers=None, head_only=False):
         if len(body) > 65536 and self.in_flight + len(body) > Limits.in_flight_bytes:  # bound what waits
-            status, content_type, body, headers = BadRequest("The server is busy; ask again in a moment.", 503,
-                                                             {"Retry-After": "1"}).reply
+            busy = BadRequest("The server is busy; ask again in a moment.", 503, {"Retry-After": "1"})
+            status, content_type, body, headers = busy.reply
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         head = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: {content_type}\r\n" \
-               f"Content-Length: {len(body)}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+               f"Content-Length: {len(body)}\r\n{extra}"
         data = (head + "Connection: close\r\n\r\n").encode() + (b"" if head_only else body)
         self.in_flight += len(data)
         try:
@@ -977,14 +1083,14 @@ class SwarmServer:
         finally:
             self.in_flight -= len(data)
 
-    def _answer(self, request):  # (in a worker thread) a whole request -> (status, content type, body, headers)
+    def _answer(self, request):  # (in a worker thread) a request -> (status, content type, body, headers)
         try:
             path, _, query = request.target.partition("?")
             _want(path.startswith("/"), "The request target must be a path such as /rollouts.")
             allowed = ROUTES.get(path)
             _want(allowed, f"There is no {path[:80]} here; the paths are {', '.join(ROUTES)}.", 404)
-            _want(request.method in allowed.split(", "), f"{path} accepts only {allowed}, not {request.method[:20]}.",
-                  405, {"Allow": allowed})
+            _want(request.method in allowed.split(", "),
+                  f"{path} accepts only {allowed}, not {request.method[:20]}.", 405, {"Allow": allowed})
             _want(query.count("&") < 16, "The query string has too many fields.")
             q = parse_qs(query, keep_blank_values=True)
             with self.large if len(request.body) > Limits.body_bytes // 8 else contextlib.nullcontext():
@@ -994,19 +1100,21 @@ class SwarmServer:
             return e.reply
         except Exception as e:
             if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):  # the sender keeps its data: later
-                return BadRequest("The server's disk is full, so nothing was stored; send it again later.", 507).reply
+                full = "The server's disk is full, so nothing was stored; send it again later."
+                return BadRequest(full, 507).reply
             if getattr(e, "errno", None) in (errno.EMFILE, errno.ENFILE):
-                return BadRequest("The server is busy; send it again in a moment.", 503, {"Retry-After": "1"}).reply
+                return BadRequest(BUSY, 503, {"Retry-After": "1"}).reply
             _log(f"unexpected error in {request.method[:20]} {request.target[:200]}: {e!r:.300}")
-            return BadRequest("The server hit an unexpected error; it was logged and the server keeps serving.",
-                              500).reply
+            return BadRequest("The server hit an unexpected error; it was logged and the server keeps "
+                              "serving.", 500).reply
 
     def _route(self, method, path, q, body, peer):
         """A request for one of ROUTES (a write: by `peer`'s credential) -> the reply's bytes. Groups are kept as
         JSON text: a page of them is joined, not encoded again."""
         if method == "POST":
             b = (PUBLISH if path == "/rollouts" else METRICS)(parse_json(body))
-            _want(peer in (None, b["peer"]), f"This credential is peer {peer}'s; it cannot write as {b['peer']}.", 403)
+            _want(peer in (None, b["peer"]),
+                  f"This credential is peer {peer}'s; it cannot write as {b['peer']}.", 403)
             if path == "/metrics":
                 self.store.add_metrics(b["peer"], b["round"], b["metrics"])
                 return b'{"ok":true}'
@@ -1018,8 +1126,8 @@ class SwarmServer:
             exclude = q.get("exclude", [""])[-1].lower()
             _want(not exclude or NAME.fullmatch(exclude), f"exclude must be a peer name: {NAMES}.")
             if "sample" in q:  # a sampled read: K groups of the recent window
-                texts, last_seq = self.store.sample(_int_param(q, "sample", 1, 1, Limits.sample_groups), exclude,
-                                                    _int_param(q, "seed", 0, 0, 2**63 - 1))
+                k = _int_param(q, "sample", 1, 1, Limits.sample_groups)
+                texts, last_seq = self.store.sample(k, exclude, _int_param(q, "seed", 0, 0, 2**63 - 1))
                 return b'{"groups":[' + b",".join(texts) + b'],"last":%d}' % last_seq
             texts, next_seq, last_seq = self.store.read(_int_param(q, "after", 0, 0, 10**15), exclude,
                                                         _int_param(q, "limit", 256, 1, Limits.page_groups))
@@ -1030,7 +1138,7 @@ class SwarmServer:
                            "last_seq": snap["last_seq"]})
         if path == "/peers":
             return _dumps({"peers": snap["peers"]})
-        newest = self.store.read(max(0, snap["last_seq"] - 64), None, 64)[0]  # the dashboard: what peers said last
+        newest = self.store.read(max(0, snap["last_seq"] - 64), None, 64)[0]  # the dashboard: the newest
         return render_page(snap, [json.loads(t) for t in newest], self.score).encode()
 
     def shutdown(self):
@@ -1081,7 +1189,8 @@ def read_peers(path):
     """A --peers-file -> {name: token}: one 'name token' a line (blank and '#' lines skipped), else ValueError."""
     try:
         with open(path, encoding="latin-1") as f:
-            rows = [line.split() for line in f.read(Limits.body_bytes).splitlines() if line.strip()[:1] not in "#"]
+            lines = f.read(Limits.body_bytes).splitlines()
+        rows = [line.split() for line in lines if line.strip()[:1] not in "#"]
     except OSError as e:
         raise ValueError(f"cannot read --peers-file {path} ({e.strerror or e}).") from None
     if not rows or any(len(row) != 2 for row in rows) or len(dict(rows)) < len(rows):
@@ -1111,83 +1220,44 @@ def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.ke
 
 
 # -----------------------------------------------------------------------------
-# Client: the thread's loop, and its transports (_Transport).
+# The client's transports: a Store in this process, a swarm.py server, or Redis.
 
-class Refused(Exception):
-    """The store refused an outbox entry as malformed: the same bytes would be refused again."""
-
-
-def _check_client(peer, sample):
-    if not isinstance(peer, str) or not NAME.fullmatch(peer):
-        raise ValueError(f"peer must be a name of {NAMES}.")
-    if type(sample) is not int or not 1 <= sample <= Limits.sample_groups:
-        raise ValueError(f"sample must be a whole number from 1 to {Limits.sample_groups}.")
-
-
-def _enqueue(client, what, send, make):
-    """make() -> (round, JSON texts, ...), send's arguments, at the end of the outbox; or a log line."""
-    try:
-        args = make()
-    except (TypeError, ValueError, OverflowError, AttributeError) as e:
-        return _log(f"{what} cannot be sent ({e})", client.peer)
-    size = sum(len(text) + 1 for text in args[1]) + 256  # (and room for what a request wraps them in)
-    if size > Limits.body_bytes:  # a server would refuse it (413): never held, even while it is down
-        return _log(f"{what} is {size} bytes, over a request's {Limits.body_bytes}, so it is dropped", client.peer)
-    with client.cond:
-        client.outbox.append((what, send, args, size))
-        client.outbox_bytes += size
-        while client.outbox_bytes > Limits.outbox_bytes and len(client.outbox) > 1:
-            client.outbox_bytes -= client.outbox.popleft()[3]
-            client.dropped += 1
-        client.wake = True
-        client.cond.notify_all()
+def connect(url, peer, sample, token=None, **state):
+    """A started Client of the store a URL names: a Redis server for redis:// or rediss://, else a swarm.py
+    server. sample: K; token: the store's credential (None: $SWARM_TOKEN); state: the read state (seed,
+    round, seen). The client's bounds are Limits'."""
+    Client.check(peer, sample, Limits.sample_groups)
+    kind = RedisTransport if str(url).lower().startswith(("redis://", "rediss://")) else HttpTransport
+    transport = kind(str(url), peer, os.environ.get("SWARM_TOKEN") if token is None else token)
+    return Client(peer, transport, sample, **state, seen_cap=Limits.seen_seqs, inbox_cap=Limits.inbox_bytes,
+                  outbox_cap=Limits.outbox_bytes, body_cap=Limits.body_bytes)
 
 
-def _talk(client):
-    """The client's thread: the oldest outbox entry first, else the read asked for, else idle until a
-    publish, fetch or flush. Trouble is said once, however long it lasts, and waited out (0.25 s to 5 s)."""
-    backoff = 0.0
-    while not client.closing:
-        with client.cond:
-            entry = client.outbox[0] if client.outbox else None
-        try:
-            if entry is not None:
-                client._send(entry)
-            elif client._read():
-                _idle(client, Limits.poll_seconds)
-            if client.down:
-                lost = f"; {client.dropped} older entries did not fit the outbox" if client.dropped else ""
-                _log(f"the server answers again{', sending what waited' * (entry is not None)}{lost}", client.peer)
-                client.down, client.dropped = None, 0
-            backoff = 0.0
-        except Exception as e:  # (a bug must not end the thread either)
-            if not client.down and not client.closing:
-                cause = e if isinstance(e, (OSError, BadRequest)) else f"unexpected error {e!r:.200}"
-                _log(f"{cause}; training goes on, and what is unsent waits in the outbox (up to "
-                     f"{Limits.outbox_bytes >> 20} MB) until the server answers", client.peer)
-            client.down, backoff = str(e) or type(e).__name__, min(5.0, max(0.25, 2 * backoff))
-            _idle(client, backoff)
+class LocalTransport:
+    """A Store in this process as a Client's transport. Every transport has these four calls; a call in
+    trouble raises OSError (try later) or Refused (the store will never take this)."""
 
+    def __init__(self, store, peer):
+        self.store = store        # the Store the exchanges go to
+        self.peer = peer.lower()  # the name the store keeps this peer's batches under (names ignore case)
 
-def _say_undelivered(client, wait):  # close()'s line on what never reached the store, and why (if anything)
-    batches = sum(send == client.transport.publish for _, send, _, _ in client.outbox)
-    if client.outbox or client.dropped:
-        lost = f", nor {client.dropped} older entries a full outbox let go" * bool(client.dropped)
-        _log(f"{batches} batches and {len(client.outbox) - batches} metrics rows were not delivered"
-             f"{lost}: {client.down or f'the server had not taken them after {wait:g} s'}", client.peer)
+    def publish(self, round_, texts, batch_id):
+        return self.store.publish(self.peer, round_, batch_id, [json.loads(text) for text in texts])
 
+    def post_metrics(self, round_, texts):  # a Store keeps no metrics: they are the server's dashboard's
+        pass
 
-def _idle(client, seconds):  # until a publish, fetch or flush wakes it, except while it waits out trouble
-    with client.cond:
-        client.cond.wait_for(lambda: client.closing or (client.wake and not client.down), seconds)
-        client.wake = False
+    def sample(self, k, seed):
+        return [(json.loads(text), len(text)) for text in self.store.sample(k, self.peer, seed)[0]]
+
+    def close(self):
+        pass
 
 
 class _Transport:
-    """What both transports share: the peer's name (lower-cased: `name`), and the checks of what a store says.
-    A transport's calls: publish(round, JSON texts, batch_id) -> the acknowledgement, post_metrics(round, [JSON
-    text]), sample(k, seed) -> [(checked group, bytes)], close() (ends an exchange at once). They raise
-    OSError or BadRequest for "no usable answer now, try later", Refused for "malformed, drop it"."""
+    """What the HTTP and Redis transports share: the peer's name (lower-cased: `name`) and the checks of what
+    a store says. Their calls are LocalTransport's, and they also raise BadRequest for "no usable answer now,
+    try later"; sample() hands back only the groups it could check, with their bytes."""
     def __init__(self, peer):
         self.peer, self.name, self.said, self.closed = peer, peer.lower(), None, False
 
@@ -1202,7 +1272,8 @@ class _Transport:
                 bad.append(getattr(e, "message", str(e)))
         if bad and bad[0] != self.said:
             self.said = bad[0]
-            _log(f"dropped {len(bad)} malformed groups from the server (the first: {bad[0][:200]})", self.peer)
+            _log(f"dropped {len(bad)} malformed groups from the server (the first: {bad[0][:200]})",
+                 self.peer)
         return good
 
     def _acknowledged(self, reply, groups, where):  # a reply to a publish -> it, if it says all were stored
@@ -1224,8 +1295,8 @@ class HttpTransport(_Transport):
         self.url, self.session = u.geturl().rstrip("/"), requests.Session()
         self.session.trust_env, self.session.proxies = False, requests.utils.get_environ_proxies(self.url)
         self.session.verify = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
-        self.session.headers.update({"Content-Type": JSON, "Connection": "close", "Accept-Encoding": "identity",
-                                     **({"Authorization": f"Bearer {token}"} if token else {})})
+        headers = {"Content-Type": JSON, "Connection": "close", "Accept-Encoding": "identity"}
+        self.session.headers.update({**headers, **({"Authorization": f"Bearer {token}"} if token else {})})
         for scheme in ("http://", "https://"):
             self.session.mount(scheme, _Adapter(self))
 
@@ -1235,7 +1306,8 @@ class HttpTransport(_Transport):
         return self._acknowledged(reply, len(texts), "a reply to /rollouts")
 
     def post_metrics(self, round_, texts):
-        reply = self._call("/metrics", b'{"peer":%s,"round":%d,"metrics":%s}' % (_dumps(self.peer), round_, texts[0]))
+        row = b'{"peer":%s,"round":%d,"metrics":%s}' % (_dumps(self.peer), round_, texts[0])
+        reply = self._call("/metrics", row)
         _want(isinstance(reply, dict) and reply.get("ok") is True, "a reply to /metrics acknowledges nothing")
 
     def sample(self, k, seed):
@@ -1259,8 +1331,9 @@ class HttpTransport(_Transport):
         timer = threading.Timer(Limits.request_seconds, _shut, [self.sockets])
         timer.start()
         try:
-            with self.session.request("GET" if body is None else "POST", self.url + path, data=body, stream=True,
-                                      allow_redirects=False, timeout=Limits.request_seconds) as r:
+            method = "GET" if body is None else "POST"
+            with self.session.request(method, self.url + path, data=body, stream=True, allow_redirects=False,
+                                      timeout=Limits.request_seconds) as r:
                 for chunk in r.iter_content(1 << 16):
                     reply += chunk
                     if len(reply) > Limits.reply_bytes:
@@ -1271,11 +1344,13 @@ class HttpTransport(_Transport):
             timer.cancel()
             for sock in self.sockets:  # the duplicates _Adapter made
                 sock.close()
-        if (late := time.monotonic() > deadline) or self.closed or isinstance(reply, Exception):  # (cut by the timer?)
-            raise ConnectionError(f"server unreachable ({'no whole reply in time' if late else _reason(reply)})")
+        late = time.monotonic() > deadline  # (cut short by the timer?)
+        if late or self.closed or isinstance(reply, Exception):
+            why = "no whole reply in time" if late else _reason(reply)
+            raise ConnectionError(f"server unreachable ({why})")
         if (status := r.status_code) != 200 and not 400 <= status < 500 or status in (408, 429):
-            moved = f", a redirect to {r.headers.get('Location', '')[:100]!r}, which this client does not follow" \
-                if 300 <= status < 400 else ""
+            where = r.headers.get("Location", "")[:100]
+            moved = f", a redirect to {where!r}, which this client does not follow" * (300 <= status < 400)
             raise ConnectionError(f"server unreachable (HTTP {status}{moved})")
         try:
             _want(len(reply) <= Limits.reply_bytes, f"a reply of more than {Limits.reply_bytes} bytes")
@@ -1318,7 +1393,8 @@ def _shut(sockets):  # end an exchange at once, from another thread
             sock.shutdown(socket.SHUT_RDWR)
 
 
-_REFUSED = dict.fromkeys((401, 403), "this peer's token is not the server's: pass it with --token or $SWARM_TOKEN")
+_REFUSED = dict.fromkeys((401, 403), "this peer's token is not the server's: pass it with --token or "
+                         "$SWARM_TOKEN")
 _REFUSED[404] = "is that the swarm server's URL, or does a proxy send it elsewhere?"  # (the likely causes)
 
 
@@ -1515,17 +1591,22 @@ def render_svg(series, title="reward per round", ylabel="reward", xlabel="round"
     point a faint dot, and the line the running mean over `mean_over` points (0: the points themselves).
     bands: {name: [(round, low, high), ...]}, shaded in that line's colour; hline: a dashed level."""
     left, top, plot_w, plot_h = 60, 34, width - 230, height - 80  # margins for the axes and the legend
-    lines = {name: sorted((x, y) for x, y in pts if _sane(x) and _sane(y)) for name, pts in sorted(series.items())}
+    lines = {name: sorted((x, y) for x, y in pts if _sane(x) and _sane(y))
+             for name, pts in sorted(series.items())}
     lines = {name: pts for name, pts in lines.items() if pts}
-    bands = {name: [b for b in band if all(map(_sane, b))] for name, band in (bands or {}).items() if name in lines}
+    bands = {name: [b for b in band if all(map(_sane, b))]
+             for name, band in (bands or {}).items() if name in lines}
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} '
-           f'{height}" font-family="sans-serif" font-size="12"><rect width="{width}" height="{height}" fill="white"/>',
-           f'<text x="{left + plot_w / 2}" y="20" text-anchor="middle" font-size="14">{html.escape(title)}</text>']
+           f'{height}" font-family="sans-serif" font-size="12"><rect width="{width}" height="{height}" '
+           'fill="white"/>',
+           f'<text x="{left + plot_w / 2}" y="20" text-anchor="middle" font-size="14">{html.escape(title)}'
+           '</text>']
     if not lines:
         return "\n".join(out + [f'<text x="{left + plot_w / 2}" y="{top + plot_h / 2}" text-anchor="middle" '
                                 'fill="#888">no data yet</text></svg>'])
     xs, ys = [x for pts in lines.values() for x, _ in pts], [y for pts in lines.values() for _, y in pts]
-    ys += [y for band in bands.values() for _, low, high in band for y in (low, high)] + [hline] * _sane(hline)
+    ys += [y for band in bands.values() for _, low, high in band for y in (low, high)]
+    ys += [hline] * _sane(hline)
     x0, x1 = min(xs), max(max(xs), min(xs) + 1)
     pad = (max(ys) - min(ys)) * 0.05 or 0.5
     y0, y1 = min(ys) - pad, max(ys) + pad
@@ -1537,35 +1618,47 @@ def render_svg(series, title="reward per round", ylabel="reward", xlabel="round"
         return top + (y1 - y) / (y1 - y0) * plot_h
 
     out.append(f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#444"/>')
-    for xv in _ticks(x0, x1, least=1 if all(x == int(x) for x in xs) else 0):  # rounds along the bottom (whole ones)
+    whole = all(x == int(x) for x in xs)
+    for xv in _ticks(x0, x1, least=1 if whole else 0):  # rounds along the bottom (whole ones, if all are)
         out.append(f'<text x="{px(xv):.1f}" y="{top + plot_h + 18}" text-anchor="middle">{xv:g}</text>')
     for yv in _ticks(y0, y1):  # values up the side, with grid lines
-        out.append(f'<line x1="{left}" y1="{py(yv):.1f}" x2="{left + plot_w}" y2="{py(yv):.1f}" stroke="#ddd"/>'
-                   f'<text x="{left - 6}" y="{py(yv) + 4:.1f}" text-anchor="end">{yv:g}</text>')
-    out.append(f'<text x="{left + plot_w / 2}" y="{height - 8}" text-anchor="middle">{html.escape(xlabel)}</text>'
-               f'<text x="16" y="{top + plot_h / 2}" text-anchor="middle" '
+        y = py(yv)
+        out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}" stroke="#ddd"/>'
+                   f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{yv:g}</text>')
+    out.append(f'<text x="{left + plot_w / 2}" y="{height - 8}" text-anchor="middle">{html.escape(xlabel)}'
+               f'</text><text x="16" y="{top + plot_h / 2}" text-anchor="middle" '
                f'transform="rotate(-90 16 {top + plot_h / 2})">{html.escape(ylabel)}</text>')
     if _sane(hline):
         out.append(f'<line x1="{left}" y1="{py(hline):.1f}" x2="{left + plot_w}" y2="{py(hline):.1f}" '
                    'stroke="#888" stroke-dasharray="5,4"/>')
     for k, (name, pts) in enumerate(lines.items()):
-        colour, ly = COLOURS[k % len(COLOURS)], top + 10 + 18 * k
-        edge = [(x, high) for x, _, high in bands.get(name, [])] + [(x, low) for x, low, _ in bands.get(name, [])[::-1]]
-        if edge:
-            out.append(f'<polygon fill="{colour}" fill-opacity="0.15" stroke="none" points="'
-                       + " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in edge) + '"/>')
-        if mean_over and len(pts) > 1:  # each point a dot, and the running mean through them
-            out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2" fill="{colour}" fill-opacity="0.5"/>'
-                    for x, y in pts[::max(1, len(pts) // 500)]]
-            pts = [(x, sum(y for _, y in pts[max(0, i + 1 - mean_over):i + 1]) / min(i + 1, mean_over))
-                   for i, (x, _) in enumerate(pts)]
-        pts = pts[::max(1, len(pts) // 2000)]  # a chart needs no more than ~2000 points a line
-        coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
-        out.append(f'<circle cx="{px(pts[0][0]):.1f}" cy="{py(pts[0][1]):.1f}" r="3" fill="{colour}"/>' if len(pts) == 1
-                   else f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{coords}"/>')
-        out.append(f'<line x1="{left + plot_w + 12}" y1="{ly}" x2="{left + plot_w + 32}" y2="{ly}" stroke="{colour}" '
-                   f'stroke-width="3"/><text x="{left + plot_w + 38}" y="{ly + 4}">{html.escape(name[:24])}</text>')
+        legend = (left + plot_w, top + 10 + 18 * k)
+        out += _svg_line(name, pts, bands.get(name, []), COLOURS[k % len(COLOURS)], px, py, mean_over, legend)
     return "\n".join(out + ["</svg>"])
+
+
+def _svg_line(name, pts, band, colour, px, py, mean_over, legend):
+    """One line of render_svg's chart -> its SVG elements: the band, the dots and the running mean through
+    them (or the points themselves), and its entry in the legend, whose row starts at legend (x, y)."""
+    lx, ly = legend
+    out, edge = [], [(x, high) for x, _, high in band] + [(x, low) for x, low, _ in band[::-1]]
+    if edge:
+        out.append(f'<polygon fill="{colour}" fill-opacity="0.15" stroke="none" points="'
+                   + " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in edge) + '"/>')
+    if mean_over and len(pts) > 1:  # each point a dot, and the running mean through them
+        out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2" fill="{colour}" fill-opacity="0.5"/>'
+                for x, y in pts[::max(1, len(pts) // 500)]]
+        pts = [(x, sum(y for _, y in pts[max(0, i + 1 - mean_over):i + 1]) / min(i + 1, mean_over))
+               for i, (x, _) in enumerate(pts)]
+    pts = pts[::max(1, len(pts) // 2000)]  # a chart needs no more than ~2000 points a line
+    if len(pts) == 1:
+        out.append(f'<circle cx="{px(pts[0][0]):.1f}" cy="{py(pts[0][1]):.1f}" r="3" fill="{colour}"/>')
+    else:
+        coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
+        out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{coords}"/>')
+    out.append(f'<line x1="{lx + 12}" y1="{ly}" x2="{lx + 32}" y2="{ly}" stroke="{colour}" stroke-width="3"/>'
+               f'<text x="{lx + 38}" y="{ly + 4}">{html.escape(name[:24])}</text>')
+    return out
 
 
 def render_page(snap, groups=(), score=None):
@@ -1576,18 +1669,20 @@ def render_page(snap, groups=(), score=None):
     for row in snap["metrics"]:  # later rows for the same round (after a resume) replace earlier ones
         if row["peer"] in drawn and row["metrics"].get("local_reward") is not None:
             series.setdefault(row["peer"], {})[row["round"]] = row["metrics"]["local_reward"]
-        last.setdefault(row["peer"], {}).update(row["metrics"], done=row["round"] + 1)  # rounds done, as bars count
+        last.setdefault(row["peer"], {}).update(row["metrics"], done=row["round"] + 1)  # (rounds done)
     chart = render_svg({p: sorted(s.items()) for p, s in series.items()},
                        title="local_reward per round (dots), mean of the last 5 rounds (lines)")
     newest = {g["peer"]: g for g in groups if g["peer"] in drawn}  # the last group of each peer wins
-    said = "".join(f"<h3>{html.escape(p)}, round {g['round']}: {html.escape(g['question'][:300])}</h3>"
-                   + "".join(f"<pre>{f'reward {score(g, c):g}: ' if score else ''}{html.escape(c[:500])}</pre>"
-                             for c in g["completions"][:2])
-                   for p, g in sorted(newest.items()))
+    said = ""
+    for p, g in sorted(newest.items()):  # its question, and its first two completions
+        said += f"<h3>{html.escape(p)}, round {g['round']}: {html.escape(g['question'][:300])}</h3>"
+        for c in g["completions"][:2]:
+            said += f"<pre>{f'reward {score(g, c):g}: ' if score else ''}{html.escape(c[:500])}</pre>"
     rows, models = [], {g["peer"]: g.get("model", "") for g in groups}
     for peer, info in sorted(snap["peers"].items()):
         m = last.get(peer, {})
-        cells = "".join(f"<td>{'' if m.get(k) is None else f'{m[k]:.3f}'}</td>" for k in ("local_reward", "batch_reward"))
+        cells = "".join(f"<td>{'' if m.get(k) is None else f'{m[k]:.3f}'}</td>"
+                        for k in ("local_reward", "batch_reward"))
         seen = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(info["last_seen"]))
         rows.append(f"<tr><td>{html.escape(peer)}</td><td>{html.escape(models.get(peer, ''))}</td>"
                     f"<td>{m.get('done', '')}</td><td>{info['groups']}</td>{cells}<td>{seen}</td></tr>")
@@ -1617,28 +1712,35 @@ def _size(text):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="nanoSAPO swarm rollout server (see the docstring of swarm.py).",
-                                     epilog=f"Peer names are {NAMES}.")
-    parser.error = lambda message: parser.exit(2, f"swarm.py: {message}; see python swarm.py --help.\n")  # one line
-    parser.add_argument("--dir", default="swarm_data", help="batch folder, made if missing (default: %(default)s)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on, 0.0.0.0: any (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on, 0: any (default: %(default)s)")
-    parser.add_argument("--token", default=os.environ.get("SWARM_TOKEN"), help="require 'Authorization: Bearer "
-                        "TOKEN' on every request (default: $SWARM_TOKEN, which, unlike this flag, does not show in ps)")
-    parser.add_argument("--token-file", type=argparse.FileType(encoding="latin-1"), help="the token, from a file")
-    parser.add_argument("--peers-file", help="per-peer credentials, one 'NAME TOKEN' a line, read again on SIGHUP: "
-                        "a peer's token writes only as that peer; with it, --token writes as any")
-    parser.add_argument("--public-reads", action="store_true",
-                        help="with credentials: let anyone GET (dashboard, rollouts, metrics); writes still need one")
-    parser.add_argument("--keep-bytes", type=_size, default=f"{Limits.keep_bytes >> 20}M", help="what kept batches "
-                        "may cost, on disk and in memory; the writer holding most loses its oldest (default: %(default)s)")
+    parser = argparse.ArgumentParser(description="nanoSAPO swarm rollout server (see the docstring of "
+                                     "swarm.py).", epilog=f"Peer names are {NAMES}.")
+    parser.error = lambda message: parser.exit(2, f"swarm.py: {message}; see python swarm.py --help.\n")
+    parser.add_argument("--dir", default="swarm_data",
+                        help="batch folder, made if missing (default: %(default)s)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on, 0.0.0.0: any (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000,
+                        help="port to listen on, 0: any (default: %(default)s)")
+    parser.add_argument("--token", default=os.environ.get("SWARM_TOKEN"), help="require 'Authorization: "
+                        "Bearer TOKEN' on every request (default: $SWARM_TOKEN, which, unlike this flag, "
+                        "does not show in ps)")
+    parser.add_argument("--token-file", type=argparse.FileType(encoding="latin-1"),
+                        help="the token, from a file")
+    parser.add_argument("--peers-file", help="per-peer credentials, one 'NAME TOKEN' a line, read again on "
+                        "SIGHUP: a peer's token writes only as that peer; with it, --token writes as any")
+    parser.add_argument("--public-reads", action="store_true", help="with credentials: let anyone GET "
+                        "(dashboard, rollouts, metrics); writes still need one")
+    parser.add_argument("--keep-bytes", type=_size, default=f"{Limits.keep_bytes >> 20}M", help="what kept "
+                        "batches may cost, on disk and in memory; the writer holding most loses its oldest "
+                        "(default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="log every request on stderr")
     args = parser.parse_args(argv)
     if args.token_file:  # (a token that is not printable ASCII fails in start_server)
         args.token = args.token_file.read().strip()
     try:
-        server, url = start_server(args.dir, args.host, args.port, args.token, args.keep_bytes, args.public_reads,
-                                   args.verbose, read_peers(args.peers_file) if args.peers_file else None)
+        peers = read_peers(args.peers_file) if args.peers_file else None
+        server, url = start_server(args.dir, args.host, args.port, args.token, args.keep_bytes,
+                                   args.public_reads, args.verbose, peers)
     except (ValueError, OSError) as e:  # e.g. a folder or port it cannot use: one sentence, exit status 2
         parser.exit(2, f"swarm.py: {e}\n")
     print(f"swarm server: {url}", flush=True)  # a launcher reads this line

@@ -2627,7 +2627,7 @@ def test_swarm_utf8_on_disk_and_pages_bounded_in_bytes(_sw_server, monkeypatch):
     assert _sw_post(url, "alice", 0, [_sw_group(0, completions=[text], stopped=[True])]).status_code == 200
     data = open(os.path.join(folder, _sw_files(folder)[0]), "rb").read()
     assert text.encode() in data and len(data) < len(text.encode()) + 1000  # UTF-8, not \uXXXX escapes
-    monkeypatch.setattr(swarm.Limits, "page_bytes", 20_000)
+    monkeypatch.setattr(server.store, "page_bytes", 20_000)  # (the store took Limits.page_bytes when it started)
     for r in range(1, 6):
         _sw_post(url, "alice", r, [_sw_group(10 * r + j, completions=["x" * 4000], stopped=[True]) for j in range(4)])
     seen, after, pages = [], 0, 0
@@ -2655,9 +2655,9 @@ def test_swarm_utf8_on_disk_and_pages_bounded_in_bytes(_sw_server, monkeypatch):
 
 def test_swarm_everything_a_request_can_make_the_server_hold_is_bounded(_sw_server, monkeypatch):
     server, url, folder = _sw_server
-    monkeypatch.setattr(swarm.Limits, "peers", 20)
+    monkeypatch.setattr(server.store, "keep_peers", 20)  # (Limits.peers, which the store took when it started)
     monkeypatch.setattr(swarm.Limits, "metrics_bytes", 5_000)
-    monkeypatch.setattr(swarm.Limits, "replies", 10)
+    monkeypatch.setattr(server.store, "keep_replies", 10)  # (Limits.replies, taken likewise)
     for k in range(50):  # empty posts store nothing and name nobody
         assert _sw_post(url, f"nobody{k}", 0, []).json() == {"accepted": 0, "seq": 0}
     assert requests.get(url + "/health", timeout=5).json()["peers"] == 0
@@ -4346,6 +4346,147 @@ def test_swarm_cli_bad_flags(tmp_path):
         assert run.returncode == 2 and "another swarm server" in run.stderr
     finally:
         server.shutdown()
+
+
+# -----------------------------------------------------------------------------
+# The swarm's part of SAPO in memory, as a reader who stops at swarm.py's marker line runs it: the Store on
+# its own (no folder, no server), and the Client's queues and thread against a transport in memory.
+
+def test_swarm_store_in_memory_publishes_reads_and_samples_without_a_folder():
+    """swarm.Store() alone numbers batches in arrival order, pages through them after a cursor and draws
+    sampled reads, leaving out the reader's own groups; the same state and seed give the same draw."""
+    store = swarm.Store()
+    assert store.publish("alice", 0, "a0", [_sw_group(1), _sw_group(2)]) == {"accepted": 2, "seq": 2}
+    assert store.publish("bob", 0, "b0", [_sw_group(3)]) == {"accepted": 1, "seq": 3}
+    texts, cursor, last = store.read(0, "bob", 10)
+    assert [json.loads(t)["seq"] for t in texts] == [1, 2] and (cursor, last) == (3, 3)
+    texts, last = store.sample(4, "bob", 7)
+    assert sorted(json.loads(t)["seq"] for t in texts) == [1, 2] and last == 3
+    assert store.sample(4, "bob", 7) == (texts, last)
+    assert [json.loads(t)["peer"] for t in store.sample(4, "alice", 7)[0]] == ["bob"]
+    assert json.loads(texts[0])["question"] in {_sw_group(1)["question"], _sw_group(2)["question"]}
+
+
+def test_swarm_store_in_memory_stores_a_retry_once():
+    store = swarm.Store()
+    first = store.publish("alice", 0, "a0", [_sw_group(1)])
+    store.publish("bob", 0, "b0", [_sw_group(2)])
+    assert store.publish("alice", 0, "a0", [_sw_group(1)]) == first == {"accepted": 1, "seq": 1}
+    assert [seq for seq, *_ in store.index] == [1, 2] and store.last_seq == 2
+
+
+def test_swarm_store_in_memory_retains_by_cost_within_its_budget():
+    """Past its budget the writer holding most loses its oldest batches first, and their cost leaves the
+    total; a quiet writer keeps its batch, the pruned groups are read and drawn no more, and a late retry
+    of a pruned batch gets its first reply while that reply is kept (keep_replies)."""
+    store = swarm.Store(budget=7_000, keep_replies=2)
+    store.publish("quiet", 0, "q0", [_sw_group(0)])
+    for r in range(6):
+        before = {w: [b.cost for b in kept] for w, kept in store.batches.items()}
+        store.publish("flood", r, f"f{r}", [_sw_group(10 + r, completions=["x" * 2000])])
+        assert store.kept_bytes == sum(b.cost for kept in store.batches.values() for b in kept) <= store.budget
+        kept = [b.batch_id for b in store.batches["flood"]]
+        assert kept == [f"f{k}" for k in range(r + 1 - len(kept), r + 1)]  # its newest, the oldest gone first
+        held = before.get("flood", [])
+        pruned = held[:len(held) + 1 - len(kept)]  # the oldest of those it held, gone with this publish
+        assert store.kept_bytes == sum(map(sum, before.values())) + store.batches["flood"][-1].cost - sum(pruned)
+    assert [b.batch_id for b in store.batches["quiet"]] == ["q0"] and len(store.batches["flood"]) < 6
+    seqs = {json.loads(t)["seq"] for t in store.read(0, None, 100)[0]}
+    assert seqs == {seq for seq, *_ in store.index} and 2 not in seqs  # (seq 2: the first flood batch)
+    assert all(json.loads(t)["seq"] in seqs for t in store.sample(64, None, 0)[0])
+    assert len(store.gone) == 2 and store.gone[-1] == ("flood", f"f{5 - len(store.batches['flood'])}")
+    newest_pruned = store.gone[-1][1]
+    reply = store.replies[("flood", newest_pruned)]
+    assert store.publish("flood", 0, newest_pruned, [_sw_group(99)]) == reply and store.last_seq == 7
+
+
+class _SwFakeTransport:
+    """A transport in memory: it records what a Client sends, hands out `groups` to reads, and while `down`
+    fails every call as an unreachable store would."""
+
+    def __init__(self, groups=()):
+        self.groups, self.sent, self.metrics, self.down, self.closed = list(groups), [], [], False, False
+
+    def _check(self):
+        if self.down:
+            raise ConnectionError("the store is down")
+
+    def publish(self, round_, texts, batch_id):
+        self._check()
+        self.sent.append((round_, [json.loads(t) for t in texts], batch_id))
+        return {"accepted": len(texts), "seq": len(self.sent)}
+
+    def post_metrics(self, round_, texts):
+        self._check()
+        self.metrics.append((round_, json.loads(texts[0])))
+
+    def sample(self, k, seed):
+        self._check()
+        return [(g, len(json.dumps(g))) for g in self.groups[:k]]
+
+    def close(self):
+        self.closed = True
+
+
+def test_swarm_client_queues_and_thread_work_against_a_transport_in_memory():
+    """publish() and post_metrics() queue; the Client's own thread delivers them and fills the inbox, which
+    keeps the newest groups that fit inbox_cap and never this peer's own; fetch() empties it, handing no group
+    out twice; close() stops the thread and the transport."""
+    groups = [_sw_stored(1), _sw_stored(2), {**_sw_stored(3), "peer": "ALICE"}, _sw_stored(4)]
+    fake = _SwFakeTransport(groups)
+    room = len(json.dumps(groups[1])) + len(json.dumps(groups[3]))  # for the last two others' groups
+    client = swarm.Client("alice", fake, 4, inbox_cap=room)
+    try:
+        client.publish(0, [_sw_group(0)])
+        client.post_metrics(0, {"local_reward": 0.5, "loss": float("nan")})
+        assert client.flush(30)
+        assert [(r, [g["question"] for g in sent]) for r, sent, _ in fake.sent] == [(0, [_sw_group(0)["question"]])]
+        assert fake.sent[0][2].startswith("alice-0-") and fake.metrics == [(0, {"local_reward": 0.5, "loss": None})]
+        assert sorted(g["seq"] for g in client.fetch()) == [2, 4]
+        assert client.flush(30) and client.fetch() == []
+    finally:
+        client.close()
+    assert fake.closed and not client.thread.is_alive()
+
+
+def test_swarm_client_keeps_its_outbox_while_the_store_is_down_bounded_in_bytes(capsys):
+    """With the store down the outbox keeps the newest entries that fit its bound (outbox_cap) and sends
+    them, oldest first, once the store answers; what never got through is said in one line at close()."""
+    fake = _SwFakeTransport()
+    fake.down = True
+    client = swarm.Client("alice", fake, 4, outbox_cap=20_000)
+    try:
+        for r in range(10):
+            client.publish(r, [_sw_group(r, completions=["x" * 3000])])
+            assert client.outbox_bytes <= 20_000
+        kept = [int(what.split()[1][:-2]) for what, *_ in client.outbox]
+        assert 1 < len(kept) < 10 and kept == list(range(10 - len(kept), 10))
+        fake.down = False
+        assert client.flush(30)
+        sent = [r for r, *_ in fake.sent]  # (an older entry caught in flight when it was let go may come first)
+        assert sent[-len(kept):] == kept and sent == sorted(sent)
+        fake.down = True
+        client.publish(10, [_sw_group(10)])
+    finally:
+        client.close()
+    assert "swarm client alice: 1 batches and 0 metrics rows were not delivered" in capsys.readouterr().err
+
+
+def test_swarm_clients_share_rollouts_through_a_store_in_memory():
+    """Two Clients on one Store through LocalTransport: each receives the other's groups, never its own."""
+    store = swarm.Store()
+    alice = swarm.Client("alice", swarm.LocalTransport(store, "alice"), 4)
+    bob = swarm.Client("Bob", swarm.LocalTransport(store, "Bob"), 4)
+    try:
+        alice.publish(0, [_sw_group(1), _sw_group(2)])
+        bob.publish(0, [_sw_group(3)])
+        assert alice.flush(30) and bob.flush(30) and alice.flush(30)
+        assert {writer for _, writer, *_ in store.index} == {"alice", "bob"}
+        assert sorted(g["question"] for g in bob.fetch()) == sorted(_sw_group(i)["question"] for i in (1, 2))
+        assert [(g["peer"], g["question"]) for g in alice.fetch()] == [("bob", _sw_group(3)["question"])]
+    finally:
+        alice.close()
+        bob.close()
 
 
 # ===================================================================================================

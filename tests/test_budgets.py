@@ -154,6 +154,21 @@ def test_the_reading_path_fits_its_budget():
     assert readme_lines() <= BUDGETS["readme"]
 
 
+def test_each_component_file_has_few_code_lines_over_110_characters():
+    """At most 20 code lines over 110 characters in each of the six files (comments and docstrings are
+    prose, not counted): a line a reader must scroll or wrap to read is rare."""
+    counts = {r["file"]: r["long_lines"] for r in line_counts()}
+    assert max(counts.values()) <= BUDGETS["long_lines"], counts
+
+
+def test_few_names_are_used_above_a_marker_and_defined_only_below_it():
+    """At most 10 jumps over the six files, and at most 5 in swarm.py: a reader who stops at the marker
+    line meets few names defined only below it."""
+    found = {r["file"]: r["jumps"] for r in line_counts()}
+    counts = {name: len(j) for name, j in found.items()}
+    assert sum(counts.values()) <= BUDGETS["jumps"] and counts["swarm.py"] <= BUDGETS["swarm_jumps"], (counts, found)
+
+
 def test_each_component_file_imports_only_files_before_it_in_the_reading_order():
     """No import circle: reward, model, sample, grpo, swarm, train, each importing only earlier files (sample
     model, and reward for its command line; model, grpo and swarm none of the project), inside functions too."""

@@ -1695,16 +1695,21 @@ def test_swarm_sampled_client_reads_k_groups_a_call_whatever_the_swarm_size(_sw_
     ones (a late joiner, a resumed peer: the cursor does not matter), and never hands out a seq twice."""
     server, url, _ = _sw_server
     got = {}
+
+    def settled(client):  # every read asked for is done before the test takes them (else reads race the test)
+        with client.cond:
+            client.cond.wait_for(lambda: not client.asked, 30)
+        return client.fetch()
     for producers in (5, 50):
         for r in range(3):
             for k in range(len(got) * 5, producers):
                 assert _sw_post(url, f"p{k}", r, [_sw_group(10 * r + j) for j in range(4)]).status_code == 200
         client = _sw_clients(url, f"reader{producers}", sample=8, seed=producers)
-        assert client.fetch() == [] and client.flush(10)  # fetch() waits for nothing: it asks for a read
-        got[producers] = [client.fetch()]
+        assert client.fetch() == []  # fetch() waits for nothing: it asks for a read
+        got[producers] = [settled(client)]  # that one read
         for _ in range(20):  # two reads each: the one fetch() asked for, and flush()'s
             assert client.flush(10)
-            got[producers].append(client.fetch())
+            got[producers].append(settled(client))
     for producers, reads in got.items():
         seqs = [g["seq"] for read in reads for g in read]
         assert len(reads[0]) == 8 and all(len(read) <= 16 for read in reads) and len(seqs) == len(set(seqs))
@@ -2575,9 +2580,16 @@ def test_train_peers_read_a_sample_of_4j_and_the_pool_survives_resume(tiny, tmp_
     assert made[-1]["sample"] == swarm.Limits.sample_groups  # the most a read may ask for
 
 
-def test_train_reads_per_round_are_bounded_by_j_not_by_the_swarm(tiny, tmp_path):
+def test_train_reads_per_round_are_bounded_by_j_not_by_the_swarm(tiny, tmp_path, monkeypatch):
     """Through a real server: what a peer (J = 2, so 8 groups a read) takes in per round does not grow
     from 5 producers to 50, and a late joiner and a resumed peer take in the producers' newest rounds."""
+    fetch = swarm.Client.fetch
+
+    def settled(client):  # the read asked for a round is done before that round takes it: one read a round
+        with client.cond:
+            client.cond.wait_for(lambda: not client.asked, 30)
+        return fetch(client)
+    monkeypatch.setattr(swarm.Client, "fetch", settled)
     server, url = swarm.start_server(str(tmp_path / "swarm"))
     rng, peers = random.Random(0), []
     group = lambda: {k: v for k, v in wire_group(reward.TASKS["repeat_number"].generate(rng)).items()

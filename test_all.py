@@ -41,6 +41,10 @@ import sample
 import swarm
 import train
 
+# Tiny models gain nothing from a second thread, and on a busy machine a thread that waits on another
+# makes every step many times slower: the tests run on one.
+torch.set_num_threads(1)
+
 
 # ===================================================================================================
 # shared helpers: tiny models and a tiny tokenizer, built here (tests never touch the network)

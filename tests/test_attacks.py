@@ -398,7 +398,7 @@ def attack_kill9(cycles=10, writers=16):
     must be there after each restart, once, under the seq it was acknowledged with."""
     import random
     import requests
-    folder, acked, lost, duplicated = tempfile.mkdtemp(prefix="swarm-bench-"), {}, 0, 0
+    folder, acked, lost, duplicated = tempfile.mkdtemp(prefix="swarm-attack-"), {}, 0, 0
     try:
         for cycle in range(cycles):
             proc, url, _ = _server(folder)
@@ -503,7 +503,7 @@ def attack_client(calls=50):
             except OSError:
                 pass
             s.close()
-            servers.append(swarm.start_server(tempfile.mkdtemp(prefix="swarm-bench-"), port=port))
+            servers.append(swarm.start_server(tempfile.mkdtemp(prefix="swarm-attack-"), port=port))
         for (server, url), (kind, c) in zip(servers, clients.items()):
             flushed = c.flush(60)
             rounds = [int(g["question"].split()[0]) for g in _read_all(url)]

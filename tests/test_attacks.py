@@ -5,7 +5,7 @@ memory within their limits, a dishonest writer held to its own share), at sizes 
 a script, each attack runs at the sizes docs/swarm.md measures (Reliability) and prints its figures:
 
     python tests/test_attacks.py                        # every attack, about 15 minutes on 2 cores
-    python tests/test_attacks.py --only kill Sybil      # the attacks whose names hold one of the words
+    python tests/test_attacks.py --only kill sybil      # the attacks whose names hold one of the words
     python tests/test_attacks.py --against DIR          # the server of DIR/swarm.py (another checkout)
 
 The server runs as a process of its own (bench.py's _server: python swarm.py --port 0). Latencies are

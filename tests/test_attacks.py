@@ -4,7 +4,7 @@ it proves (honest requests get through, no acknowledged batch is lost over kill 
 memory within their limits, a dishonest writer held to its own share), at sizes that take seconds. Run as
 a script, each attack runs at the sizes docs/swarm.md measures (Reliability) and prints its figures:
 
-    python tests/test_attacks.py                        # every attack, about 15 minutes on 2 cores
+    python tests/test_attacks.py                        # every attack: about 13 minutes on 2 cores
     python tests/test_attacks.py --only kill sybil      # the attacks whose names hold one of the words
     python tests/test_attacks.py --against DIR          # the server of DIR/swarm.py (another checkout)
 

@@ -7,7 +7,7 @@ SAPO (arXiv 2509.08721, §4.1) trains on nine ReasoningGym families (PAPER_TASKS
 the paper's code (PAPER_CONFIGS), rewarded by ReasoningGym's own `score_answer`. Here all nine are
 written with the standard library only: each scorer gives what reasoning_gym 0.1.25's gives (same
 formats, same partial credit); each generator follows the paper's config with our own code and
-wording, so items are alike, not identical (`python bench.py --parity`).
+wording, so items are alike, not identical (`python tests/test_parity.py`).
 
 Deviations, and why:
 - Our families differ from ReasoningGym's in places, for fewer lines or to skip degenerate items (43

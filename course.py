@@ -67,8 +67,10 @@ class Exercise:
 
 
 EXERCISES = [
-    Exercise("extract_answer", "reward.py", ["extract_answer"], "the verifier reads the answer (Sec. 4.1)", 10,
-             ["Each step finds the next opening tag from a position, then the closing tag after it (str.find).",
+    Exercise("extract_answer", "reward.py", ["extract_answer"], "the verifier reads the answer (Sec. 4.1)",
+             10,
+             ["Each step finds the next opening tag from a position, then the closing tag after it "
+              "(str.find).",
               "Remember the text between the tags whenever both are found, and go on past the closing tag.",
               "When no closing tag follows, return what you remembered last (stripped), or None."],
              {"the first span, not the last": [("found, pos = text", "found, pos = found or text")],
@@ -80,15 +82,17 @@ EXERCISES = [
               "Check the seed before you use it: exactly an int (a bool is not one), from 0 to 2**32 - 1.",
               "Compare question, answer and metadata as JSON text with sorted keys: 1, 1.0 and True differ."],
              {"only the answer compared": [('("question", "answer", "metadata")', '("answer",)')],
-              "compared with ==, which takes 1.0 for 1": [("json.dumps(item[k], sort_keys=True)", "item[k]"),
-                                                          ("json.dumps(fresh[k], sort_keys=True)", "fresh[k]")],
+              "compared with ==, which takes 1.0 for 1": [("json.dumps(item[k]", "dict(v=item[k]"),
+                                                          ("json.dumps(fresh[k]", "dict(v=fresh[k]")],
               "the seed's type and range not checked": [('type(meta.get("seed")) is int and ', ""),
                                                         ("< 2**32", "< 2**64")]}),
     Exercise("rope", "model.py", ["rope_tables", "apply_rope"], "RoPE, the position of each token", 20,
              ["One frequency a pair, theta ** (-2i / head_dim) for i = 0 .. head_dim/2 - 1; the angle at "
               "position p is p times it (torch.outer).",
-              "Hugging Face pairs x[i] with x[i + D/2], so the D/2 angles come twice: first half, second half.",
-              "rotate_half(x) puts the second half, negated, before the first; x * cos + rotate_half(x) * sin."],
+              "Hugging Face pairs x[i] with x[i + D/2], so the D/2 angles come twice: first half, then "
+              "second half.",
+              "rotate_half(x) puts the second half, negated, before the first; then x * cos plus "
+              "rotate_half(x) * sin."],
              {"interleaved frequencies (each twice in a row)": [("torch.cat([angles, angles], dim=-1)",
                                                                  "angles.repeat_interleave(2, dim=-1)")],
               "the exponent i/D, not 2i/D": [("head_dim, 2, device", "head_dim // 2, device")],
@@ -100,12 +104,12 @@ EXERCISES = [
               "Draw argmax(p / E), E ~ Exponential(1) from the generator; the log-prob is log p[token]."],
              {"temperature multiplied, not divided": [("float() / temperature", "float() * temperature")],
               "top-k keeping k - 1": [("logits < kth", "logits <= kth")],
-              "top-p dropping the token that crosses top_p": [("cumsum(dim=-1) - sorted_p", "cumsum(dim=-1)")],
-              "top-p's kept probabilities not renormalised": [("sorted_p / sorted_p.sum(dim=-1, keepdim=True)",
-                                                               "sorted_p")],
+              "top-p dropping the token that crosses top_p": [("cumsum(dim=-1) - sorted_p", "cumsum(-1)")],
+              "top-p's kept probabilities not renormalised": [("sorted_p / sorted_p.sum(",
+                                                               "sorted_p + 0 * sorted_p.sum(")],
               "argmax(p * E), which is not a draw from p": [("(probs / noise)", "(probs * noise)")]}),
-    Exercise("kv_cache", "sample.py", ["prefill", "decode_step"], "the KV cache: prefill, then a token a step",
-             40,
+    Exercise("kv_cache", "sample.py", ["prefill", "decode_step"],
+             "the KV cache: prefill, then a token a step", 40,
              ["Prefill: left-pad with 0 to L, mask causal and not-a-pad (a pad query sees itself), RoPE "
               "positions counted from each prompt's own start, slots 0..L-1 of rows 0, G, 2G, ...",
               "Copy each prompt's L slots to the G - 1 rows after it (cache.unflatten(2, (P, G)) helps), and "
@@ -620,7 +624,8 @@ def verify():
         text = read(ex.file)
         if started(ex, text):
             raise CourseError(f"verify needs the solution, and {ex.name} is started: reset it first.")
-        problems += [f"{ex.name}: a span of {ex.file} is empty" for r in regions(ex, text) if r.first > r.last]
+        empty = [r for r in regions(ex, text) if r.first > r.last]
+        problems += [f"{ex.name}: a span of {ex.file} is empty"] * bool(empty)
         points = sum(c[1] for c in CASES.get(ex.name, []))
         problems += [f"{ex.name}: its cases give {points} points, not 10"] * (points != 10)
     problems += leaks()
@@ -678,6 +683,7 @@ def grade_all():
             score, verdicts = grade(ex, lambda: fresh_import(ex.file), said.append)
             named = any(f"{way} {label}" in line for line in said for way in ("this is what", "most likely"))
             scores[label] = verdicts if label == "blank" else (score, named)
+            problems += [f"its version '{label}' fails to import"] * (verdicts == ["fails to import"])
             sys.modules[ex.file[:-3]] = originals[ex.file[:-3]]
         write(ex.file, solution)
         results[ex.name] = dict(blank=scores.pop("blank"), solution=scores.pop("solution")[0], wrong=scores,
@@ -719,7 +725,8 @@ def leaks():
         blanked[ex.file] = blank(ex, blanked[ex.file])
     prose = {name: "\n".join(prose_of(text)) for name, text in blanked.items()}
     docs = os.path.join(ROOT, "docs")
-    for name in ["README.md", "course.py"] + sorted(f"docs/{n}" for n in os.listdir(docs) if n.endswith(".md")):
+    guides = sorted(f"docs/{n}" for n in os.listdir(docs) if n.endswith(".md"))
+    for name in ["README.md", "course.py"] + guides:
         prose[name] = read(name)
     found = []
     for ex in EXERCISES:
@@ -1275,25 +1282,28 @@ def _grpo_loss(grpo, lp, old, adv, mask, same_old=False, **settings):
     return [float(loss.detach()), logprobs.grad]
 
 
+SYMMETRIC = "a symmetric clip (1 + epsilon on both sides)"
+
+
 @case("surrogate", "the docstring's example: ratios [1.0, 1.5], A = 0.8659 -> -0.9871", 2)
 def _(grpo):
     a = 0.5 / (math.sqrt(1 / 3) + 1e-4)
     lp, old, mask = [[0.0, math.log(1.5)]], [[0.0, 0.0]], [[1, 1]]
     expect(f"[loss, d loss / d logprobs] of ratios [1.0, 1.5], A = {a:.4f}",
            _grpo_loss(grpo, lp, old, [a], mask), _surrogate(lp, old, [a], mask), tol=1e-9,
-           wrong={"a symmetric clip (1 + epsilon on both sides)": _surrogate(lp, old, [a], mask, symmetric=True),
+           wrong={SYMMETRIC: _surrogate(lp, old, [a], mask, symmetric=True),
                   "token mean over B·T": _surrogate(lp, old, [a], mask, "B·T")})
 
 
 RATIOS = [0.7, 0.9, 1.25, 1.4]  # below 1 - 0.2, inside, inside [0.8, 1.28] but past 1.2, past 1.28
 
 
-@case("surrogate", f"the clip on both sides, epsilon 0.2, epsilon_high 0.28: ratios {RATIOS}, A = 1 and -1", 2)
+@case("surrogate", f"the clip on both sides, epsilon 0.2, epsilon_high 0.28: ratios {RATIOS}, A = +-1", 2)
 def _(grpo):
     lp, old, mask, adv = [[math.log(r) for r in RATIOS]] * 2, [[0.0] * 4] * 2, [[1] * 4] * 2, [1.0, -1.0]
     expect(f"[loss, gradient] of ratios {RATIOS} in a row with A = 1 and a row with A = -1",
            _grpo_loss(grpo, lp, old, adv, mask), _surrogate(lp, old, adv, mask), tol=1e-9,
-           wrong={"a symmetric clip (1 + epsilon on both sides)": _surrogate(lp, old, adv, mask, symmetric=True),
+           wrong={SYMMETRIC: _surrogate(lp, old, adv, mask, symmetric=True),
                   "the clipped term alone, no min": _surrogate(lp, old, adv, mask, no_min=True)})
 
 
@@ -1311,7 +1321,8 @@ def _(grpo):
     old = [[x - 0.1 for x in row] for row in lp]
     mistakes = {"token_mean": "token mean over B·T", "constant": "Dr. GRPO over T, not max_tokens"}
     for loss_type in ["token_mean", "seq_mean", "constant"]:
-        expect(f"[loss, gradient] of rows of 3 and 1 tokens, A = {adv}, loss_type={loss_type!r}, max_tokens=5",
+        expect(f"[loss, gradient] of rows of 3 and 1 tokens, A = {adv}, loss_type={loss_type!r}, "
+               "max_tokens=5",
                _grpo_loss(grpo, lp, old, adv, mask, loss_type=loss_type, max_tokens=5),
                _surrogate(lp, old, adv, mask, loss_type, max_tokens=5), tol=1e-9,
                wrong={mistakes.get(loss_type): _surrogate(lp, old, adv, mask, "B·T")})
@@ -1323,7 +1334,8 @@ def _(grpo):
     expect(f"[loss, gradient] with beta=0.1, ref_logprobs {ref}, logprobs {lp}, ratio 1",
            _grpo_loss(grpo, lp, lp, adv, mask, beta=0.1, ref_logprobs=ref),
            _surrogate(lp, lp, adv, mask, ref=ref, beta=0.1), tol=1e-9,
-           wrong={"k3's sign (logprobs - ref)": _surrogate(lp, lp, adv, mask, ref=ref, beta=0.1, k3_sign=True)})
+           wrong={"k3's sign (logprobs - ref)": _surrogate(lp, lp, adv, mask, ref=ref, beta=0.1,
+                                                           k3_sign=True)})
 
 
 @case("surrogate", "the dual clip bounds a token's loss by 3 |A| on the shared rows only", 1)
@@ -1333,7 +1345,8 @@ def _(grpo):
     expect("[loss, gradient] of ratio 5, A = -1, rows shared [True, False], dual_clip=3",
            _grpo_loss(grpo, lp, old, adv, mask, dual_clip=3.0, shared=[True, False]),
            _surrogate(lp, old, adv, mask, **settings), tol=1e-9,
-           wrong={"the dual clip on every row": _surrogate(lp, old, adv, mask, **settings, dual_everywhere=True)})
+           wrong={"the dual clip on every row": _surrogate(lp, old, adv, mask, **settings,
+                                                           dual_everywhere=True)})
 
 
 # swarm.py: Store.sample
@@ -1377,7 +1390,8 @@ def _(swarm):
            wrong={"the reader's own groups drawn": [["a", n] for n in range(1, 5)] + others})
     three = _drawn(store, 3, exclude="a", seed=2)
     expect("sample(K=3, exclude='a'): how many groups, and whether they are distinct",
-           [len(three), len(set(three)) == len(three)], [3, True], wrong={"drawn with replacement": [3, False]})
+           [len(three), len(set(three)) == len(three)], [3, True],
+           wrong={"drawn with replacement": [3, False]})
 
 
 @case("store_sample", "only each writer's newest window_batches (2) batches", 2)
@@ -1405,7 +1419,8 @@ def _(swarm):
 @case("store_sample", "the same state and seed give the same draw", 1)
 def _(swarm):
     store = _store(swarm, [("a", 5), ("b", 5), ("c", 5)])
-    expect("two reads sample(K=5, seed=7) of the same store", _drawn(store, 5, seed=7), _drawn(store, 5, seed=7))
+    expect("two reads sample(K=5, seed=7) of the same store", _drawn(store, 5, seed=7),
+           _drawn(store, 5, seed=7))
 
 
 # train.py: external_group
@@ -1453,8 +1468,8 @@ def _summary(group):
 def _kept(train, tok, completions, rewards, max_new_tokens=16):
     """The summary of a Group that keeps these completions, re-tokenised, with these rewards."""
     kept = [train.retokenise(tok, c, True, tok.eos_token_id, max_new_tokens) for c in completions]
-    return {"rewards": rewards, "stopped": [s for _, _, s in kept], "completions": [ids for ids, _, _ in kept],
-            "texts": [text for _, text, _ in kept]}
+    return {"rewards": rewards, "stopped": [x[2] for x in kept], "completions": [x[0] for x in kept],
+            "texts": [x[1] for x in kept]}
 
 
 @case("external_group", "a group made here is re-tokenised and re-scored by the receiver", 3)
@@ -1472,8 +1487,9 @@ def _(train):
     completions = ["<answer> 13 </answer>", "no"]
     got, tok = _received(train, completions, answer="13")
     expect(f"external_group of 'What is 3 + 9?' whose sender says the answer is 13, completed {completions}",
-           got, None, wrong={"the sender's ground truth trusted (no verify_item)": _kept(train, tok, completions,
-                                                                                        [1.0, 0.0])})
+           got, None,
+           wrong={"the sender's ground truth trusted (no verify_item)": _kept(train, tok, completions,
+                                                                              [1, 0])})
 
 
 @case("external_group", "rewards are of what is trained on: an answer cut off scores 0", 2)
@@ -1482,8 +1498,9 @@ def _(train):
     got, tok = _received(train, completions, max_new_tokens=6)
     expect(f"external_group of 'What is 3 + 9?' completed {completions}, max_new_tokens=6 (both 0 as cut)",
            got, None,
-           wrong={"the sender's text scored, not the re-tokenised one": _kept(train, tok, completions, [1.0, 0.0], 6),
-                  "groups with all-equal rewards kept": _kept(train, tok, completions, [0.0, 0.0], 6)})
+           wrong={"the sender's text scored, not the re-tokenised one": _kept(train, tok, completions,
+                                                                              [1, 0], 6),
+                  "groups with all-equal rewards kept": _kept(train, tok, completions, [0, 0], 6)})
 
 
 @case("external_group", "a group whose rewards are all equal is dropped", 1)
@@ -1576,7 +1593,7 @@ def _(train):
            {"external_available": 6, "external_survived": 4})
 
 
-@case("choose_external", "a group stays POOL_ROUNDS (2) of the receiver's rounds, whatever its sender says", 2)
+@case("choose_external", "a group stays POOL_ROUNDS (2) of the receiver's rounds, whatever it says", 2)
 def _(train):
     peer, _ = _choosing(train, 1, [_wire(3, claimed_round=6)])
     drawn, _ = _choose(train, peer, [5, 6, 7])
@@ -1601,7 +1618,8 @@ def _(train):
 def _(train):
     nothing = {"external_available": 0, "external_survived": 0}
     peer, _ = _choosing(train, 2, [_wire(3)], client=False)
-    expect("choose_external without a client: [drawn, counts]", list(_choose(train, peer, [0])), [[[]], nothing])
+    expect("choose_external without a client: [drawn, counts]", list(_choose(train, peer, [0])),
+           [[[]], nothing])
     peer, _ = _choosing(train, 0, [_wire(3)])
     drawn, counts = _choose(train, peer, [0])
     expect("choose_external with J=0: [drawn, counts, fetches]", [drawn, counts, peer.client.calls],

@@ -268,11 +268,7 @@ def start(name):
 def check(name):
     ex = find(name)
     text = read(ex.file)
-    try:
-        found = regions(ex, text)
-    except SyntaxError as e:
-        raise CourseError(f"{ex.file} does not parse (line {e.lineno}: {e.msg}); fix it, or start over "
-                          f"with python course.py reset {name}.") from None
+    found = regions(ex, text)
     if all(cut(text, r) == stub_text(ex, r.indent) for r in found):
         print(f"{name}: not started: {' and '.join(written(ex))} in {ex.file} still raise the stub. Write "
               f"the code, then check again (python course.py hint {name} helps).")
@@ -306,11 +302,7 @@ def reset(name):
     text = read(ex.file)
     if not started(ex, text):
         raise CourseError(f"{name} is not started, so there is nothing to reset.")
-    try:
-        found = regions(ex, text)
-    except SyntaxError as e:
-        raise CourseError(f"{ex.file} does not parse (line {e.lineno}: {e.msg}), so the exercise cannot be "
-                          f"found in it; fix it, then reset again.") from None
+    found = regions(ex, text)
     attempt = os.path.join(STATE, "attempts", f"{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}.py")
     os.makedirs(os.path.dirname(attempt), exist_ok=True)
     with open(attempt, "w", encoding="utf-8") as f:
@@ -331,7 +323,7 @@ def started(ex, text=None):
     text = read(ex.file) if text is None else text
     try:
         return any(cut(text, r) == stub_text(ex, r.indent) for r in regions(ex, text))
-    except (SyntaxError, CourseError):
+    except CourseError:
         return False
 
 
@@ -351,8 +343,11 @@ def save_state(name, value):
 
 
 def read(file, root=ROOT):
-    with open(os.path.join(root, file), encoding="utf-8", newline="") as f:
-        return f.read()
+    try:
+        with open(os.path.join(root, file), encoding="utf-8", newline="") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise CourseError(f"{file} is missing from {root}.") from None
 
 
 def write(file, text, root=ROOT):
@@ -372,9 +367,13 @@ class Region:
 
 
 def regions(ex, text):
-    """The Region of each of the exercise's spans in text (SyntaxError if it does not parse)."""
-    tree, lines = ast.parse(text), text.splitlines(keepends=True)
-    return [region(tree, lines, ex.file, span) for span in ex.spans]
+    """The Region of each of the exercise's spans in text."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError as e:
+        raise CourseError(f"{ex.file} does not parse (line {e.lineno}: {e.msg}): fix that line "
+                          "first.") from None
+    return [region(tree, text.splitlines(keepends=True), ex.file, span) for span in ex.spans]
 
 
 def region(tree, lines, file, span):
@@ -404,7 +403,8 @@ def statement(body, lines, prefix, where):
     """The one statement of body whose first line starts with prefix."""
     found = [s for s in body if lines[s.lineno - 1].strip().startswith(prefix)]
     if len(found) != 1:
-        raise CourseError(f"{len(found)} statements of {where} start with {prefix!r}, not 1.")
+        raise CourseError(f"{len(found)} statements of {where} start with {prefix!r}, not 1: the lines "
+                          "around the exercise were edited, and must be as they were.")
     return found[0]
 
 

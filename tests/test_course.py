@@ -45,6 +45,7 @@ def test_course_every_exercise_resolves_and_lists_ten_or_more():
     assert code == 0 and [line.split()[0] for line in said.splitlines()] == [ex.name for ex in course.EXERCISES]
 
 
+@pytest.mark.slow
 def test_course_start_then_reset_gives_back_every_file_byte_for_byte(copy):
     before = {name: (copy / name).read_bytes() for name in course.COMPONENTS}
     for ex in course.EXERCISES:  # all at once: two exercises of one file are found in each other's blank
@@ -62,6 +63,7 @@ def test_course_start_then_reset_gives_back_every_file_byte_for_byte(copy):
     assert len(list((copy / ".course" / "attempts").iterdir())) == len(course.EXERCISES)
 
 
+@pytest.mark.slow
 def test_course_a_wrong_attempt_is_named_and_shows_only_the_students_frames(copy):
     run(copy, "start", "advantages")
     stub = course.stub_text(course.find("advantages"), "    ")
@@ -103,6 +105,7 @@ def test_course_start_twice_and_release_into_a_full_folder_are_one_sentence(copy
     assert code != 0 and "exists and is not an empty folder" in said and len(said.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_course_release_writes_a_repository_without_history_whose_blanks_are_not_started(tmp_path):
     out = tmp_path / "class"
     code, said = run(ROOT, "release", str(out), "advantages", "store_sample")

@@ -26,6 +26,7 @@ import ast
 import datetime
 import importlib
 import importlib.util
+import io
 import itertools
 import json
 import math
@@ -49,6 +50,7 @@ RELEASED = []  # the exercises a released student repository starts with blanked
 STUB = 'raise NotImplementedError("course exercise {0}: not started (python course.py hint {0})")'
 CASE_SECONDS = 20  # a case still running after this long is stopped: an endless loop, most likely
 COMPONENTS = ["reward.py", "model.py", "sample.py", "grpo.py", "swarm.py", "train.py"]
+COPY_MARK = ".course-verify-copy"  # marks verify's temporary copy, the one folder _grade-all may rewrite
 
 
 @dataclass
@@ -75,7 +77,8 @@ EXERCISES = [
               "When no closing tag follows, return what you remembered last (stripped), or None."],
              {"the first span, not the last": [("found, pos = text", "found, pos = found or text")],
               "the span not stripped": [("found.strip()", "found")],
-              "no check that the text is a str": [("not isinstance(text, str)", "text is None")]}),
+              "no check that the text is a str": [("not isinstance(text, str)", "text is None")]},
+             note="Anything but a str gives None."),
     Exercise("trust", "reward.py", ["Task.verify"], "trusting a shared question: make it again (Sec. 3)", 20,
              ["A seeded family makes the item again with from_seed; an unseeded one replays its recorded "
               "values through _Replay, in the order of the sorted metadata keys.",
@@ -85,7 +88,9 @@ EXERCISES = [
               "compared with ==, which takes 1.0 for 1": [("json.dumps(item[k]", "dict(v=item[k]"),
                                                           ("json.dumps(fresh[k]", "dict(v=fresh[k]")],
               "the seed's type and range not checked": [('type(meta.get("seed")) is int and ', ""),
-                                                        ("< 2**32", "< 2**64")]}),
+                                                        ("< 2**32", "< 2**64")]},
+             note="A seed is trusted only as what generate draws, an int from 0 to 2**32 - 1 (a bool is not "
+                  "one); raising counts as a rejection (verify_item catches it)."),
     Exercise("rope", "model.py", ["rope_tables", "apply_rope"], "RoPE, the position of each token", 20,
              ["One frequency a pair, theta ** (-2i / head_dim) for i = 0 .. head_dim/2 - 1; the angle at "
               "position p is p times it (torch.outer).",
@@ -196,7 +201,9 @@ EXERCISES = [
               "the sender's round ages the pool": [("r - x.arrived", "r - x.item['round']")],
               "the arrival round not recorded": [("replace(x, arrived=r)", "replace(x)")],
               "drawn in arrival order, not production order": [("self.pool.sort(", "list(self.pool).sort(")],
-              "fetched even when J = 0": [("or args.external == 0", "or False")]}),
+              "fetched even when J = 0": [("or args.external == 0", "or False")]},
+             note="It returns (the groups drawn, {'external_available': how many were fetched, "
+                  "'external_survived': how many were usable}); with no client or J = 0 it fetches nothing."),
 ]
 
 
@@ -270,8 +277,9 @@ def check(name):
     text = read(ex.file)
     found = regions(ex, text)
     if all(cut(text, r) == stub_text(ex, r.indent) for r in found):
-        print(f"{name}: not started: {' and '.join(written(ex))} in {ex.file} still raise the stub. Write "
-              f"the code, then check again (python course.py hint {name} helps).")
+        print(f"{name}: not started: {' and '.join(written(ex))} in {ex.file} still raise"
+              f"{'s' * (len(found) == 1)} the stub. Write the code, then check again (python course.py hint "
+              f"{name} helps).")
         return 1
     is_started = started(ex, text)
     print(f"{name}: {ex.step}" + ("" if is_started else " (the solution is in place: start blanks it)"))
@@ -305,6 +313,8 @@ def reset(name):
     found = regions(ex, text)
     attempt = os.path.join(STATE, "attempts", f"{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}.py")
     os.makedirs(os.path.dirname(attempt), exist_ok=True)
+    while os.path.exists(attempt):  # a second reset within the second keeps the first attempt too
+        attempt = attempt[:-3] + "+.py"
     with open(attempt, "w", encoding="utf-8") as f:
         f.write("".join(f"# {ex.file}, {what}\n{cut(text, r)}\n" for what, r in zip(written(ex), found)))
     saved = load_state(f"solutions/{name}")
@@ -373,7 +383,7 @@ def regions(ex, text):
     except SyntaxError as e:
         raise CourseError(f"{ex.file} does not parse (line {e.lineno}: {e.msg}): fix that line "
                           "first.") from None
-    return [region(tree, text.splitlines(keepends=True), ex.file, span) for span in ex.spans]
+    return [region(tree, lines_of(text), ex.file, span) for span in ex.spans]
 
 
 def region(tree, lines, file, span):
@@ -408,13 +418,18 @@ def statement(body, lines, prefix, where):
     return found[0]
 
 
+def lines_of(text):
+    """text's lines, each with its end, split where Python's parser splits them (not at a form feed)."""
+    return io.StringIO(text, newline="").readlines()
+
+
 def cut(text, r):
-    return "".join(text.splitlines(keepends=True)[r.first - 1:r.last])
+    return "".join(lines_of(text)[r.first - 1:r.last])
 
 
 def splice(text, found, new_texts):
     """text with each region replaced by its new text, every other line as it was."""
-    lines = text.splitlines(keepends=True)
+    lines = lines_of(text)
     for r, new in sorted(zip(found, new_texts), key=lambda pair: -pair[0].first):
         lines[r.first - 1:r.last] = [new]
     return "".join(lines)
@@ -632,6 +647,7 @@ def verify():
     with tempfile.TemporaryDirectory() as tmp:
         for name in COMPONENTS + ["course.py"]:
             shutil.copy2(os.path.join(ROOT, name), tmp)
+        open(os.path.join(tmp, COPY_MARK), "w").close()
         run = subprocess.run([sys.executable, os.path.join(tmp, "course.py"), "_grade-all"], cwd=tmp,
                              capture_output=True, text=True)
     if run.returncode != 0 or not run.stdout.strip():
@@ -666,6 +682,8 @@ def report(ex, got):
 def grade_all():
     """verify's grading, run in a temporary copy: each exercise's blank, solution and wrong variants
     written in place and imported afresh -> one line of JSON."""
+    if not os.path.exists(os.path.join(ROOT, COPY_MARK)):  # it rewrites the files it grades
+        raise CourseError("_grade-all is verify's, and runs only in the temporary copy that verify makes.")
     sys.path.insert(0, ROOT)
     originals = {name[:-3]: importlib.import_module(name[:-3]) for name in COMPONENTS}
     results = {}
@@ -741,7 +759,7 @@ def leaks():
 
 def prose_of(text):
     """The strings with a space (a one-word string is code) and the comments of Python source."""
-    lines = iter(text.splitlines(keepends=True))
+    lines = iter(lines_of(text))
     return [t.string for t in tokenize.generate_tokens(lambda: next(lines, ""))
             if t.type in (tokenize.STRING, tokenize.COMMENT) and " " in t.string]
 
@@ -1627,12 +1645,12 @@ def _(train):
            wrong={"fetched even when J = 0": [[[]], {"external_available": 3, "external_survived": 3}, 1]})
 
 
-@case("choose_external", "fewer usable than J: all of them, and a line says so", 1)
+@case("choose_external", "fewer usable than J: all of them", 1)
 def _(train):
-    peer, said = _choosing(train, 3, [_wire(2)])
-    drawn, _ = _choose(train, peer, [0])
-    expect("J=3 with 2 usable groups: [how many drawn, how many lines logged]", [len(drawn[0]), len(said)],
-           [2, 1])
+    peer, _ = _choosing(train, 3, [_wire(2)])
+    drawn, _ = _choose(train, peer, [0, 1])
+    expect("how many groups J=3 draws in rounds 0 and 1 of 2 usable ones fetched in round 0",
+           [len(r) for r in drawn], [2, 0])
 
 
 if __name__ == "__main__":

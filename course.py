@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 ROOT = os.path.dirname(os.path.abspath(__file__))
 STATE = os.path.join(ROOT, ".course")  # what start saved, the attempts, the best scores, the hints given
 RELEASED = []  # the exercises a released student repository starts with blanked (release writes it)
-STUB = 'raise NotImplementedError("course exercise {0}: not started (python course.py hint {0})")'
+STUB = 'raise NotImplementedError("course exercise {0}: not written yet")'
 CASE_SECONDS = 20  # a case still running after this long is stopped: an endless loop, most likely
 COMPONENTS = ["reward.py", "model.py", "sample.py", "grpo.py", "swarm.py", "train.py"]
 COPY_MARK = ".course-verify-copy"  # marks verify's temporary copy, the one folder _grade-all may rewrite
@@ -203,7 +203,8 @@ EXERCISES = [
               "drawn in arrival order, not production order": [("self.pool.sort(", "list(self.pool).sort(")],
               "fetched even when J = 0": [("or args.external == 0", "or False")]},
              note="It returns (the groups drawn, {'external_available': how many were fetched, "
-                  "'external_survived': how many were usable}); with no client or J = 0 it fetches nothing."),
+                  "'external_survived': how many were usable}); with no client or J = 0 it fetches nothing. "
+                  "The draw must not depend on the order in which the groups arrived."),
 ]
 
 

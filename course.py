@@ -1655,6 +1655,8 @@ def _(train):
 
 
 if __name__ == "__main__":
+    if hasattr(signal, "SIGPIPE"):  # python course.py list | head: the reader has read enough
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
         sys.exit(main(sys.argv[1:]))
     except CourseError as e:

@@ -5293,7 +5293,7 @@ def test_train_shared_logprobs_leave_local_rows_to_the_paper_rule_over_inner_ste
 def test_train_no_claimed_round_makes_groups_stale_and_the_pool_ages_by_the_receivers_rounds(tiny, tmp_path):
     """A forged group (it fails verify_item) claiming round 10**12 for a victim does not age the victim's
     genuine groups; a producer that restarts from an older round is still used; a pooled group that is
-    not drawn leaves the pool POOL_ROUNDS of the receiver's rounds after it came."""
+    not drawn leaves the pool the rule's pool_rounds of the receiver's rounds after it came."""
     peer = train.Peer(tiny_args(tmp_path, "--name", "r", "--external", "1"), log=quiet, client=FakeClient())
     rng = random.Random(0)
     g = lambda r: wire_group(reward.TASKS["repeat_number"].generate(rng), peer="victim", round_=r)

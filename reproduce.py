@@ -417,6 +417,9 @@ def build_toys(s, seeds, root, guess, known, base="toy", log=print):
             if str(s.max_new_tokens) not in toy_before(cached[seed, i])]
     if len(jobs) < len(cached):
         log(f"{len(cached) - len(jobs)} of {len(cached)} toys were built before: reused from {s.toy_cache}")
+    if jobs:
+        log(f"building {len(jobs)} toys, {min(s.jobs, len(jobs))} at a time, once: {s.toy_cache} keeps them for the "
+            "next run")
     for job, (seconds, success) in pool_map(_build_job, jobs, min(s.jobs, len(jobs))) if jobs else ():
         log(f"built the toy model in {job[0]} ({train.count_params(job[0]) / 1e3:.0f}k parameters, {seconds:.0f} s; "
             f"before training {success[0]:.2%} of completions right, {success[1]:.0%} of groups mixed)")

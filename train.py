@@ -20,9 +20,10 @@ One round on one peer (Algorithm1.round, below, which says how a synchronous swa
   6. take one GRPO step on the I + J groups (grpo.py);
   7. log the round to metrics.jsonl and the dashboard; checkpoint every --save-every rounds.
 
-I = 4 and J = 4 are the paper's best (+94% cumulative reward over the silo, 8 Qwen2.5-0.5B peers); its
-silo baseline is 8/0, so a peer with J = 0 or no swarm takes I + J as I. Questions, sampling and external
-draws are separate random streams of --seed (stream): a swarm and a silo peer of one seed are paired runs.
+I = 4 and J = 4 are the paper's best (+94% cumulative reward over the silo, 8 Qwen2.5-0.5B peers; a CPU
+gets smaller defaults); its silo baseline is 8/0, so a peer with J = 0 or no swarm takes I + J as I. The
+questions, sampling and external draws of a peer are separate random streams of --seed (stream), so a
+swarm and a silo peer of one seed are paired runs.
 
 Deviations from the paper, and why:
 - Learning rate: the paper's text says Adam at 0.001, its code 1e-5 or 1e-6. We use AdamW at --lr 1e-5
@@ -103,10 +104,9 @@ def retokenise(tokenizer, text, stopped, stop_id, max_new_tokens):
 
 
 def external_group(tokenizer, g, stop_id, max_new_tokens, one_shot, log, system="default", tasks=None):
-    """Step 5 for one group that another peer published: the Group, re-tokenised and re-scored by the local
-    verifier, that the selection rule (RULES) may draw; None if it is not UTF-8 text (a lone surrogate), not
-    of one of `tasks` (the receiver's --tasks; None: any family reward.py knows), if its answer does not
-    follow from its question (reward.verify_item), or if its question holds a special token's text."""
+    """Step 5 for a shared group: the Group re-tokenised and re-scored by the local verifier, for the rule
+    (RULES); None if it is not UTF-8 text or not of `tasks` (the receiver's --tasks; None: any family), if
+    its answer does not follow from its question (reward.verify_item) or its question has a special token."""
     if re.search("[\ud800-\udfff]", json.dumps(g, ensure_ascii=False)) or not reward.verify_item(g, tasks):
         log(f"dropped a group from {g.get('peer')}: not UTF-8 text, not one of this peer's tasks, "
             "or its answer does not follow from its question")

@@ -128,6 +128,7 @@ def _count_builds(monkeypatch):
     return built
 
 
+@pytest.mark.slow
 def test_toys_are_built_once_and_reused_from_the_cache(tmp_path, monkeypatch):
     built = _count_builds(monkeypatch)
     flags = ["--pretrain-steps", "5", "--jobs", "1", "--toy-cache", str(tmp_path / "cache")]

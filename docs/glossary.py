@@ -12,6 +12,7 @@ and what the code does otherwise ("" where it follows the paper).
 """
 
 import ast
+import functools
 import os
 import sys
 
@@ -136,11 +137,17 @@ ALGORITHM = [  # Algorithm 1 of the paper, line by line, as train.py's docstring
 ]
 
 
+@functools.lru_cache(maxsize=None)
+def tree(file):
+    """A file's top-level statements, parsed once."""
+    with open(os.path.join(ROOT, file), encoding="utf-8") as f:
+        return ast.parse(f.read()).body
+
+
 def span(ref):
     """'train.py:Algorithm1.choose_external' -> (file, name, first line, last line), from the file's ast."""
     file, name = ref.split(":")
-    with open(os.path.join(ROOT, file), encoding="utf-8") as f:
-        body = ast.parse(f.read()).body
+    body = tree(file)
     node = None
     for part in name.split("."):
         node = next((n for n in body if getattr(n, "name", None) == part or part in

@@ -3,7 +3,8 @@ The paper's experiment in one command: peers that share rollouts (a swarm) again
 alone (in silo), at the same batch size, with the paper's table and figure for this machine's run.
 
     python reproduce.py                  # --preset toy on a CPU (5 seeds), gpu on CUDA
-    python reproduce.py --seeds 10       # more seeds: a tighter interval
+    python reproduce.py --preset lab     # a class's lab: the silo against a swarm in minutes, one verdict
+    python reproduce.py --seeds 10       # more seeds (or --seeds 3,7,11): a tighter interval
     python reproduce.py --sweep          # where sharing helps: gain against initial success rate
     python reproduce.py --mixed          # two toys of other sizes and tokenizers, each against its own silo
     python reproduce.py --diagnose       # also measure what shared completions do to their receivers
@@ -12,9 +13,10 @@ SAPO (arXiv 2509.08721, Sec. 4, Table 1 and Fig. 2) compares configurations I/J:
 peer trains on I groups of its own and J drawn from what the other peers shared, I + J = 8, and 8/0
 is the silo baseline. The measure is cumulative reward, every peer's reward summed over every round,
 as a ratio to 8/0 seed by seed (peer k of every configuration gets the same questions and sampling
-seeds). I/J+is, beyond the paper, trains shared completions against their senders' log-probs
-(train.py --shared-logprobs). docs/reproduce.md says what the toy is, why sharing helps it, and what
-the diagnosis, the sweep and the mixed swarm found.
+seeds). I/J+NAME runs the receivers' selection rule NAME of train.RULES instead of the paper's (4/4+is,
+beyond the paper, trains shared completions against their senders' log-probs; 4/4+keep-all keeps shared
+groups whose rewards are all equal). docs/reproduce.md says what the toy is, why sharing helps it, and
+what the lab, the diagnosis, the sweep and the mixed swarm found.
 
 Deviations from the paper, and why:
 - Peers run in one process and trade through a real swarm.py server on loopback, in synchronous
@@ -27,12 +29,16 @@ Deviations from the paper, and why:
 """
 
 import argparse
+import ast
 import concurrent.futures
+import functools
+import hashlib
 import json
 import math
 import multiprocessing
 import os
 import random
+import shutil
 import time
 
 import torch
@@ -51,12 +57,16 @@ PRESETS = {
     "toy": dict(configs="8/0,6/2,4/4,4/4+is,2/6", peers=8, seeds=5, rounds=150, generations=8, max_new_tokens=None,
                 lr=1e-3, micro_tokens=4096, model="toy", tasks="alphabet_position", guess=0.3, one_shot=False,
                 device="cpu"),
+    # a class's lab: the toy's silo against a swarm of 4, sized to end in minutes on 2 CPU cores
+    "lab": dict(configs="8/0,4/4", peers=4, seeds=4, rounds=100, generations=8, max_new_tokens=None, lr=1e-3,
+                micro_tokens=4096, model="toy", tasks="alphabet_position", guess=0.3, one_shot=False, device="cpu"),
     # the default model (or --model) on one GPU; the size is a guess until measured: the estimate
     # printed before the run starts says how long it will take on this machine
     "gpu": dict(configs="8/0,4/4", peers=8, seeds=1, rounds=100, generations=8, max_new_tokens=256,
                 lr=1e-5, micro_tokens=8192, model=M.DEFAULT_MODEL, tasks="auto", guess=None, one_shot=True,
                 device="cuda"),
 }
+TOY_PRESETS = ("toy", "lab")  # the presets that build their models here (TOYS)
 MIXED_CONFIGS = "8/0,4/4,4/4+is"  # --mixed's default --configs
 # --sweep: toys from rare to common success, as (--guess, --known): success ~ guess / 26 + known
 SWEEP_TOYS = [(0.1, 0.0), (0.3, 0.0), (0.3, 0.25), (0.3, 0.5), (1.0, 0.0)]  # the last: uniform guesses alone
@@ -73,10 +83,13 @@ def parse_args(argv=None):
                                 epilog=f"A flag left out takes its preset's value. Presets: {presets}.")
     train.one_line(p, "reproduce.py")  # errors: one line, and where to look
     a = p.add_argument
-    a("--preset", choices=sorted(PRESETS), default=None, help="toy on a CPU, gpu on CUDA (default: by device)")
-    a("--configs", default=None, help="comma list of I/J configurations; 8/0 (the silo) is the baseline")
+    a("--preset", choices=sorted(PRESETS), default=None, help="toy on a CPU, gpu on CUDA (default: by device); "
+      "lab: a class's lab, 8/0 against 4/4 in minutes on a CPU")
+    a("--configs", default=None, help="comma list of I/J configurations, 8/0 (the silo) the baseline; I/J+NAME runs "
+      "the selection rule NAME of train.RULES: " + ", ".join(train.RULES))
     a("--peers", type=int, default=None, help="peers per configuration (paper: 8)")
-    a("--seeds", type=int, default=None, help="paired seeds per configuration")
+    a("--seeds", default=None, help="paired seeds per configuration: a count N (seeds 0 to N-1) or a comma list "
+      "such as 3,7,11 (one seed: 7,)")
     a("--rounds", type=int, default=None, help="rounds per run")
     a("--generations", type=int, default=None, help="G: completions per question")
     a("--max-new-tokens", type=int, default=None, help="completion length limit in tokens")
@@ -100,7 +113,10 @@ def parse_args(argv=None):
     a("--sweep-peers", default=None, help="--sweep: comma list of swarm sizes (default: "
       + ",".join(map(str, SWEEP_PEERS)) + ")")
     a("--jobs", type=int, default=None, help="runs in parallel (default: CPU cores for toy, 1 on a GPU)")
-    a("--out", default=None, help="run folder (default: runs/reproduce-<date-time>)")
+    a("--out", default=None, help="run folder (default: runs/reproduce-<date-time>); one that holds a run gets "
+      "the new run in a sub-folder, run-2, run-3, ...")
+    a("--toy-cache", default=os.path.join("runs", "toys"), help="toy presets: where built toys are kept and "
+      "reused, by everything that decides them (default: runs/toys)")
     args = p.parse_args(argv)
     if args.preset is None:
         args.preset = "gpu" if torch.cuda.is_available() else "toy"
@@ -111,7 +127,7 @@ def parse_args(argv=None):
     for k, v in PRESETS[args.preset].items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
-    if args.preset == "toy" and not set(args.model.split(",")) <= set(TOYS):
+    if args.preset in TOY_PRESETS and not set(args.model.split(",")) <= set(TOYS):
         p.error(f"the toy preset builds its models: --model is a comma list of {', '.join(TOYS)}")
     if args.max_new_tokens is None:  # the toy's: its longest answer and the stop token
         args.max_new_tokens = max(TOYS[kind]["max_new_tokens"] for kind in args.model.split(","))
@@ -126,23 +142,24 @@ def check_args(p, args):
     what cannot run; the parsed --configs (config_list) and --sweep's toys and sizes into args."""
     try:
         args.config_list = parse_configs(args.configs)
+        args.seeds = parse_seeds(args.seeds)
     except ValueError as e:
         p.error(str(e))
-    if args.peers < 2 or args.seeds < 1 or args.rounds < 2 or args.generations < 2 or args.max_new_tokens < 1:
-        p.error("need --peers >= 2, --seeds >= 1, --rounds >= 2, --generations >= 2 and --max-new-tokens >= 1")
-    if args.peers > 64 or args.seeds > 100:  # every peer of a run lives in this one process
-        p.error("--peers is at most 64 and --seeds at most 100 (the paper's swarm has 8 peers)")
+    if args.peers < 2 or args.rounds < 2 or args.generations < 2 or args.max_new_tokens < 1:
+        p.error("need --peers >= 2, --rounds >= 2, --generations >= 2 and --max-new-tokens >= 1")
+    if args.peers > 64:  # every peer of a run lives in this one process
+        p.error("--peers is at most 64 (the paper's swarm has 8 peers)")
     if not (args.lr > 0 and args.micro_tokens >= 1 and args.pretrain_steps >= 1 and args.sample_every >= 0
             and (args.jobs is None or args.jobs >= 1)):
         p.error("--lr must be positive, --micro-tokens, --pretrain-steps and --jobs at least 1, "
                 "--sample-every at least 0")
-    if args.preset == "toy" and not 0 < args.guess <= 1:
+    if args.preset in TOY_PRESETS and not 0 < args.guess <= 1:
         p.error("--guess must be in (0, 1]: the toy needs some lucky guesses to learn from")
     if not 0 <= args.known <= 1:
         p.error("--known must be a fraction from 0 to 1")
-    if args.sweep and args.preset != "toy":
+    if args.sweep and args.preset not in TOY_PRESETS:
         p.error("--sweep varies the toy's pre-training: run it with --preset toy")
-    if args.mixed and args.preset != "toy":
+    if args.mixed and args.preset not in TOY_PRESETS:
         p.error("--mixed builds two toys: with --preset gpu give --model A,B (the peers take them in turn)")
     if args.sweep and "," in args.model:
         p.error("--sweep varies one toy's pre-training: leave out --mixed")
@@ -163,21 +180,23 @@ def check_args(p, args):
 
 def parse_configs(text):
     """'8/0,4/4,4/4+is' -> [(8, 0), (4, 4), (4, 4, "is")]: 8/0 first (the baseline), I >= 1, J >= 0.
-    I/J trains shared completions by the paper's rule (ratio 1); I/J+is against their senders' log-probs
-    (train.py --shared-logprobs)."""
+    I/J runs the paper's selection rule; I/J+NAME the rule NAME of train.RULES (+is: shared completions
+    trained against their senders' log-probs; +paper is I/J)."""
     configs = []
     for part in text.split(","):
         head, plus, rule = part.strip().partition("+")
         try:
             I, J = (int(x) for x in head.split("/"))
         except ValueError:
-            raise ValueError(f"--configs: {part.strip()!r} is not I/J or I/J+is, e.g. 4/4") from None
+            raise ValueError(f"--configs: {part.strip()!r} is not I/J or I/J+RULE, e.g. 4/4") from None
         if I < 1 or J < 0 or I + J > 64:
             raise ValueError(f"--configs: {part.strip()} needs I >= 1, J >= 0 and I + J <= 64")
-        if plus and (rule != "is" or J == 0):
-            raise ValueError(f"--configs: {part.strip()}: the only rule is +is, and it needs shared groups (J > 0)")
-        if (I, J, *([rule] if plus else [])) not in configs:
-            configs.append((I, J, *([rule] if plus else [])))
+        if plus and (rule not in train.RULES or J == 0):
+            raise ValueError(f"--configs: {part.strip()}: a rule is one of {', '.join('+' + r for r in train.RULES)}"
+                             ", and it needs shared groups (J > 0)")
+        config = (I, J) if rule in ("", "paper") else (I, J, rule)
+        if config not in configs:
+            configs.append(config)
     if (8, 0) not in configs:
         raise ValueError("--configs must include 8/0: every ratio is taken against the silo baseline")
     return [(8, 0)] + [c for c in configs if c != (8, 0)]
@@ -186,6 +205,23 @@ def parse_configs(text):
 def name(config):
     """(4, 4) -> '4/4', (4, 4, 'is') -> '4/4+is'."""
     return f"{config[0]}/{config[1]}" + "".join("+" + rule for rule in config[2:])
+
+
+def rule_of(config):
+    """The selection rule a configuration runs: (4, 4) -> 'paper', (4, 4, 'keep-all') -> 'keep-all'."""
+    return config[2] if len(config) > 2 else "paper"
+
+
+def parse_seeds(value):
+    """--seeds: a count, 3 -> [0, 1, 2], or a comma list, '3,7,11' -> [3, 7, 11] ('7,' -> [7])."""
+    text = str(value).strip()
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()] if "," in text else list(range(int(text)))
+    except ValueError:
+        raise ValueError(f"--seeds: {text!r} is neither a count such as 5 nor a comma list such as 3,7,11") from None
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds) or len(seeds) > 100:
+        raise ValueError(f"--seeds: {text!r} must give 1 to 100 different seeds, none below 0")
+    return seeds
 
 # -----------------------------------------------------------------------------
 # the toy: a word-level tokenizer and a 2-layer model, pre-trained here in seconds
@@ -320,31 +356,78 @@ def toy_folder(root, base, seed):
 
 
 def _build_job(job):
-    """One toy, built in a worker process with its share of the cores, and its success before training."""
+    """One toy, built into the cache in a worker process with its share of the cores, and its success before
+    training (written beside it, before.json, for the next run)."""
     folder, kind, guess, known, task_name, steps, seed, max_new_tokens, threads = job
     torch.set_num_threads(threads)
     t0 = time.time()
     build_toy(folder, guess, known, task_name, steps, log=lambda *a: None, seed=seed, kind=kind)
-    return time.time() - t0, initial_success(folder, task_name, max_new_tokens=max_new_tokens)
+    success = initial_success(folder, task_name, max_new_tokens=max_new_tokens)
+    before = dict(toy_before(folder), **{str(max_new_tokens): success})
+    with open(os.path.join(folder, "before.json.tmp"), "w") as f:
+        json.dump(before, f)
+    os.replace(os.path.join(folder, "before.json.tmp"), os.path.join(folder, "before.json"))
+    return time.time() - t0, success
+
+
+def toy_before(folder):
+    """A cached toy's before.json: {max_new_tokens: (success per completion, share of mixed groups)}."""
+    path = os.path.join(folder, "before.json")
+    return {k: tuple(v) for k, v in M.read_json(path).items()} if os.path.exists(path) else {}
+
+
+TOY_CODE = ("TOYS", "toy_tokenizer", "chars_tokenizer", "toy_model", "belief", "pretrain_toy", "build_toy",
+            "initial_success")  # what of this file decides a toy (and its success before training)
+
+
+@functools.lru_cache(maxsize=1)
+def toy_code():
+    """A hash of the code that decides a toy: TOY_CODE's text in this file, the files it calls and torch's
+    version. A change to any of them builds the cached toys anew."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    read = lambda name: open(os.path.join(here, name), encoding="utf-8").read()  # noqa: E731
+    mine = read("reproduce.py")
+    parts = [ast.get_source_segment(mine, node) for node in ast.parse(mine).body
+             if getattr(node, "name", None) in TOY_CODE or any(getattr(t, "id", None) in TOY_CODE
+                                                               for t in getattr(node, "targets", []))]
+    parts += [read(name) for name in ("model.py", "grpo.py", "reward.py", "sample.py")] + [torch.__version__]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
+
+
+def toy_cached(cache, kind, seed, guess, known, steps, task_name):
+    """A toy's folder in the cache, named by everything that decides it: its kind, task, --guess, --known,
+    --pretrain-steps, seed and the code's version (toy_code)."""
+    return os.path.join(cache, f"{kind}-{task_name}-guess{guess}-known{known}-steps{steps}-seed{seed}-{toy_code()}")
 
 
 def build_toys(s, seeds, root, guess, known, base="toy", log=print):
     """Every seed's toys, each built with that seed (its weights and its pre-training questions), s.jobs at
     a time: seed s of a run trains on toys of its own, so a seed-to-seed spread includes the toy's. One
-    toy per kind of s.model ('toy', or 'toy,chars' for a mixed swarm). Returns {seed: [folder per kind]}
-    and {seed: [(success per completion, share of mixed groups) before training, per kind]}."""
+    toy per kind of s.model ('toy', or 'toy,chars' for a mixed swarm). Each is built once into s.toy_cache
+    (toy_cached) and copied into root. Returns {seed: [folder per kind]} and {seed: [(success per
+    completion, share of mixed groups) before training, per kind]}."""
     kinds = s.model.split(",")
     folders = {seed: [toy_folder(root, f"{base}-{'model' if kind == 'toy' else kind}", seed) for kind in kinds]
                for seed in seeds}
+    cached = {(seed, i): toy_cached(s.toy_cache, kind, seed, guess, known, s.pretrain_steps, s.tasks)
+              for seed in seeds for i, kind in enumerate(kinds)}
     threads = max(1, (os.cpu_count() or 1) // s.jobs)  # as in main, so seed 0's toy is a one-seed run's
-    jobs = [(folders[seed][i], kind, guess, known, s.tasks, s.pretrain_steps, seed, s.max_new_tokens, threads)
-            for seed in seeds for i, kind in enumerate(kinds)]
-    done = {}
-    for job, (seconds, success) in pool_map(_build_job, jobs, min(s.jobs, len(jobs))):
-        done[job[0]] = success
+    jobs = [(cached[seed, i], kind, guess, known, s.tasks, s.pretrain_steps, seed, s.max_new_tokens, threads)
+            for seed in seeds for i, kind in enumerate(kinds)
+            if str(s.max_new_tokens) not in toy_before(cached[seed, i])]
+    if len(jobs) < len(cached):
+        log(f"{len(cached) - len(jobs)} of {len(cached)} toys were built before: reused from {s.toy_cache}")
+    if jobs:
+        log(f"building {len(jobs)} toys, {min(s.jobs, len(jobs))} at a time, once: {s.toy_cache} keeps them for the "
+            "next run")
+    for job, (seconds, success) in pool_map(_build_job, jobs, min(s.jobs, len(jobs))) if jobs else ():
         log(f"built the toy model in {job[0]} ({train.count_params(job[0]) / 1e3:.0f}k parameters, {seconds:.0f} s; "
             f"before training {success[0]:.2%} of completions right, {success[1]:.0%} of groups mixed)")
-    return folders, {seed: [done[f] for f in folders[seed]] for seed in seeds}
+    for (seed, i), folder in cached.items():
+        if not os.path.exists(folders[seed][i]):
+            shutil.copytree(folder, folders[seed][i], ignore=shutil.ignore_patterns("before.json*"))
+    return folders, {seed: [toy_before(cached[seed, i])[str(s.max_new_tokens)] for i in range(len(kinds))]
+                     for seed in seeds}
 
 
 @torch.no_grad()
@@ -441,25 +524,26 @@ def diagnose(peer, groups):
 # one run: one configuration and one seed, N peers in this process trading through a real server
 
 
-def peer_args(s, model, I, J, seed, k, folder, url, rule=None):
+def peer_args(s, model, I, J, seed, k, folder, url, rule="paper"):
     """train.py's settings for peer k of a run (its defaults for this device, then this run's values, all
-    checked by parse_args above): its seed depends only on (seed, k), never on I, J or the rule ("is":
-    --shared-logprobs)."""
-    args = train.parse_args(["--model", model, "--tasks", s.tasks, "--device", s.device])
+    checked by parse_args above), with the selection rule `rule` (train.RULES, and the flags it sets): its
+    seed depends only on (seed, k), never on I, J or the rule."""
+    args = train.parse_args(["--model", model, "--tasks", s.tasks, "--device", s.device, "--rule", rule])
     vars(args).update(out=folder, name=f"peer{k}", seed=train.peer_seed(seed, k), local=I, external=J,
                       generations=s.generations, max_new_tokens=s.max_new_tokens, lr=s.lr, rounds=s.rounds,
                       quiet=True, save_every=0, micro_tokens=s.micro_tokens, sample_every=s.sample_every,
-                      one_shot=s.one_shot, swarm=url if J > 0 else None, shared_logprobs=rule == "is",
-                      grad_checkpoint=args.grad_checkpoint and s.preset != "toy")  # the toy is tiny
+                      one_shot=s.one_shot, swarm=url if J > 0 else None,
+                      grad_checkpoint=args.grad_checkpoint and s.preset not in TOY_PRESETS)  # the toy is tiny
     return args
 
 
-def run(s, models, config, seed, folder):
+def run(s, models, config, seed, folder, Peer=None):
     """Train s.peers peers of configuration (I, J) for s.rounds rounds, peer k on models[k % len(models)]
     (a list of model folders, or one). Synchronous (s.sync): every peer samples and publishes, then every
     peer fetches and trains. Otherwise round-robin: each peer does its whole round in turn. Silo peers
-    (J = 0) get no server. Returns per-peer lists of round metrics (CountingPeer's counts too)."""
-    I, J, rule = (*config, None)[:3]
+    (J = 0) get no server. Returns per-peer lists of round metrics (CountingPeer's counts too). Peer: the
+    class of the peers (default: CountingPeer, DiagnosedPeer with --diagnose)."""
+    I, J, rule = config[0], config[1], rule_of(config)
     models = [models] if isinstance(models, str) else models
     os.makedirs(folder, exist_ok=True)
     server, url = swarm.start_server(os.path.join(folder, "swarm")) if J > 0 else (None, None)
@@ -470,7 +554,7 @@ def run(s, models, config, seed, folder):
         if p.client is not None and not p.client.flush(timeout=60):
             print(f"round {r}: {p.name} did not catch up with the server in 60 s", file=log_file)
     try:
-        Peer = DiagnosedPeer if s.diagnose else CountingPeer
+        Peer = Peer or (DiagnosedPeer if s.diagnose else CountingPeer)
         for k in range(s.peers):
             log = lambda *a, k=k: print(f"peer{k}:", *a, file=log_file, flush=True)  # noqa: E731
             peers.append(Peer(peer_args(s, models[k % len(models)], I, J, seed, k, folder, url, rule), log=log))
@@ -583,7 +667,8 @@ def curve(result, window):
 def summarise(runs, configs, seeds, rounds):
     """results.json's per-configuration figures: cumulative local and batch reward (whole run and first
     half) as mean +- s.e. over seeds and as ratios to 8/0 of the same seed; external groups used per
-    round; the fraction of peer-rounds without an optimizer step; wall time; the curve for the figure.
+    round, and informative ones (rewards not all equal) trained on per round; the fraction of peer-rounds
+    without an optimizer step; wall time; the curve for the figure.
     A configuration with a rule (4/4+is) also gets its local reward as a ratio to the same I/J under the
     paper's rule, seed by seed (ratio_to_paper_rule), where that ran."""
     base, window, summary = (8, 0), max(1, rounds // 20), {}
@@ -605,6 +690,9 @@ def summarise(runs, configs, seeds, rounds):
                                                           seeds_above_1=sum(r is not None and r > 1 for r in ratios))
         rows = [m for s in seeds for peer in runs[c, s]["peers"] for m in peer]
         entry["external_groups_per_round"] = sum(m["external_used"] for m in rows) / len(rows)
+        # groups trained on whose rewards are not all equal (the only ones GRPO learns from): I local, the rest shared
+        entry["informative_groups_per_round"] = train.mean([(1 - m["frac_zero_std_batch"]) * (c[0] + m["external_used"])
+                                                            for m in rows])
         entry["rounds_without_step"] = sum(not m["stepped"] for m in rows) / len(rows)
         entry["minutes"] = sum(runs[c, s]["seconds"] for s in seeds) / 60
         entry["cpu_minutes"] = sum(runs[c, s]["cpu_seconds"] for s in seeds) / 60
@@ -675,7 +763,9 @@ def closing_sentence(summary, seeds):
         return f"The 8/0 peers earned no reward at all, so there is no ratio to report.{paper}"
     said = (f"{c} peers earned {r['mean']:.2f} times the cumulative reward of 8/0 peers with the same seeds"
             + (f" (± {r['se']:.2f} s.e.; 95% interval {r['ci95'][0]:.2f}–{r['ci95'][1]:.2f}; "
-               f"{r['seeds_above_1']} of {len(seeds)} seeds above 1)" if r["ci95"] else " (one seed, so no interval)"))
+               f"{r['seeds_above_1']} of {len(seeds)} seeds above 1)" if r["ci95"] else " (one seed, so no interval)")
+            + f", training on {summary[c]['informative_groups_per_round']:.1f} informative groups a round (rewards "
+            f"not all equal) to 8/0's {summary['8/0']['informative_groups_per_round']:.1f}")
     if r["ci95"] and r["ci95"][0] > 1:
         verdict = "Sharing helped here: "
     elif r["ci95"] and r["ci95"][1] < 1:
@@ -714,17 +804,33 @@ def machine():
                 torch=torch.__version__, python=platform.python_version())
 
 
-def table_md(s, summary, seeds, sentence, minutes=None, estimated=None):
-    """The paper's Table 1 for this run, then the per-seed values, the sentence and the settings."""
+def header_md(s, seeds, minutes=None, estimated=None):
+    """table.md's title, then what ran: the settings and each swarm configuration's selection rule
+    (train.RULES), so that a run with another rule or setting never reads as the paper's."""
     m = machine()
     where = m["gpu"] or f"{m['cores']} CPU cores ({m['cpu']})"
     took = (f" in {minutes:.1f} minutes" if minutes is not None else "") + (
         f" (estimated beforehand: {estimated:.1f})" if estimated is not None else "")
-    lines = [f"# Swarm against silo: {s.peers} peers, {s.rounds} rounds, {len(seeds)} paired seeds "
-             f"({s.preset} preset){took} on {where}", "",
-             "| I/J | cumulative local reward | ratio to 8/0 | 95% interval | seed-to-seed sd | seeds above 1 | "
-             "first half: ratio | cumulative batch reward | ratio | external groups per round | "
-             "rounds without a step | run minutes | paper's ratio |", "|---" * 13 + "|"]
+    toy = f", guess {s.guess}, known {s.known}, {s.pretrain_steps} pre-training steps" * (s.preset in TOY_PRESETS)
+    rules = []
+    for c in s.config_list[1:]:
+        r = train.RULES[rule_of(c)]
+        rules.append(f"{name(c)}, {rule_of(c)}: {r.what}" + "".join(f" (sets --{k.replace('_', '-')} {v})"
+                                                                     for k, v in r.flags))
+    return [f"# Swarm against silo: {s.peers} peers, {s.rounds} rounds, {len(seeds)} paired seeds "
+            f"({s.preset} preset){took} on {where}", "",
+            f"Settings: G = {s.generations}, {s.max_new_tokens} new tokens, lr {s.lr}, model {s.model}, "
+            f"tasks {s.tasks}{toy}, {'synchronous' if s.sync else 'round-robin'} rounds, seeds "
+            f"{', '.join(map(str, seeds))}. Selection rules (train.RULES): " + ("; ".join(rules) or "none") + ".", ""]
+
+
+def table_md(s, summary, seeds, sentence, minutes=None, estimated=None):
+    """The paper's Table 1 for this run under header_md's settings and rules, then the per-seed values, each
+    rule against the paper's, the diagnosis, the sentence and what the columns mean."""
+    lines = header_md(s, seeds, minutes, estimated) + [
+        "| I/J | cumulative local reward | ratio to 8/0 | 95% interval | seed-to-seed sd | seeds above 1 | "
+        "first half: ratio | cumulative batch reward | ratio | external groups per round | informative groups "
+        "per round | rounds without a step | run minutes | paper's ratio |", "|---" * 14 + "|"]
     for c, e in summary.items():
         w, h = e["whole"], e["first_half"]
         cum, bat, ratio = w["cumulative_local_reward"], w["cumulative_batch_reward"], w["ratio_local_reward"]
@@ -733,7 +839,7 @@ def table_md(s, summary, seeds, sentence, minutes=None, estimated=None):
                      f"{ratio['seeds_above_1'] if c != '8/0' else '–'} | "
                      f"{pm(h['ratio_local_reward'])} | {pm(bat, 1)} | "
                      f"{pm(w['ratio_batch_reward'])} | {e['external_groups_per_round']:.2f} | "
-                     f"{e['rounds_without_step']:.0%} | {e['minutes']:.1f} | "
+                     f"{e['informative_groups_per_round']:.2f} | {e['rounds_without_step']:.0%} | {e['minutes']:.1f} | "
                      f"{fmt(PAPER[c] / PAPER['8/0']) if c in PAPER else '–'} |")
     lines += ["", "Per seed: cumulative local reward (ratio to 8/0 of the same seed).", "",
               "| I/J | " + " | ".join(f"seed {x}" for x in seeds) + " |", "|---" * (len(seeds) + 1) + "|"]
@@ -744,8 +850,8 @@ def table_md(s, summary, seeds, sentence, minutes=None, estimated=None):
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     paired = [(c, e) for c, e in summary.items() if "ratio_to_paper_rule" in e["whole"]]
     if paired:
-        lines += ["", "The correction against the paper's rule, seed by seed: cumulative local reward of I/J+is over "
-                  "I/J's (mean ± s.e., 95% interval, seed-to-seed sd).", "",
+        lines += ["", "Each rule against the paper's, seed by seed: cumulative local reward of I/J+RULE over I/J's "
+                  "(mean ± s.e., 95% interval, seed-to-seed sd).", "",
                   "| I/J | whole run | 95% interval | sd | seeds above 1 | first half | 95% interval |", "|---" * 7 + "|"]
         for c, e in paired:
             w, h = e["whole"]["ratio_to_paper_rule"], e["first_half"]["ratio_to_paper_rule"]
@@ -765,12 +871,9 @@ def table_md(s, summary, seeds, sentence, minutes=None, estimated=None):
               "mean reward of a peer's own completions, batch reward that of its whole training batch (the "
               "paper's figure; it counts the shared groups, which always have mixed rewards). ± is one "
               "standard error over seeds (the seed-to-seed sd divided by the square root of the seeds); the 95% "
-              "interval uses Student's t. I/J+is trains shared completions against their senders' log-probs "
-              "(train.py --shared-logprobs); I/J by the paper's rule. Run minutes: wall time of the configuration's runs, added up "
-              "(runs go in parallel).", "",
-              f"Settings: G = {s.generations}, {s.max_new_tokens} new tokens, lr {s.lr}, model {s.model}, "
-              f"tasks {s.tasks}" + (f", guess {s.guess}, known {s.known}" if s.preset == "toy" else "") +
-              f", {'synchronous' if s.sync else 'round-robin'} rounds."]
+              "interval uses Student's t. Informative groups: those of a round's batch whose rewards are not "
+              "all equal, the only ones GRPO learns from. Run minutes: wall time of the configuration's runs, "
+              "added up (runs go in parallel)."]
     return "\n".join(lines) + "\n"
 
 
@@ -861,7 +964,7 @@ def sweep(s, log=print):
     its cumulative local reward over 8/0's, seed by seed; I/J+is also gets its gain over I/J. The toy
     pre-trained on uniform guesses alone (--guess 1) learnt nothing in silo in an earlier sweep, most
     likely because it learnt that the answer does not depend on the letter, and sharing made it worse."""
-    seeds, configs, points = list(range(s.seeds)), s.config_list, []
+    seeds, configs, points = s.seeds, s.config_list, []
     for guess, known in s.toys:
         toy = f"guess{guess}-known{known}"
         models, before = build_toys(s, seeds, s.out, guess, known, f"toy-{toy}", log)
@@ -944,30 +1047,58 @@ def layout(seconds, workers):
     return max(free)
 
 
+LAB = ("The lab: 4 peers that train alone (8/0, 8 questions of their own a round) against 4 that share (4/4: 4 "
+       "of their own, 4 groups the others shared), on a toy that learns 26 facts, each found only by a lucky "
+       "guess, over paired seeds. Predict first: will 4/4 earn more cumulative reward than 8/0, by what ratio, "
+       "and why? docs/reproduce.md says how to read the verdict.")
+
+
+def run_folder(out):
+    """The folder a run writes: --out, or, where that already holds something, its first free sub-folder
+    run-2, run-3, ... (said in one line), so a second run into one --out keeps the first. One sentence
+    if it cannot be made."""
+    folder, n = out, 1
+    while os.path.isdir(folder) and os.listdir(folder):
+        n += 1
+        folder = os.path.join(out, f"run-{n}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"reproduce.py: cannot make the run folder {folder} ({e.strerror or e}); choose another --out")
+    if n > 1:
+        print(f"{out} holds an earlier run: this one goes to {folder}")
+    return folder
+
+
+def toys_extra(s, models, before):
+    """results.json's account of a toy preset's models: success before training, mean and per seed, and each
+    kind in words (printed before the runs start)."""
+    seeds = s.seeds
+    extra = dict(initial_success=sum(b[0][0] for b in before.values()) / len(seeds),
+                 initial_mixed_groups=sum(b[0][1] for b in before.values()) / len(seeds),
+                 initial_per_seed={kind: [before[seed][i] for seed in seeds]
+                                   for i, kind in enumerate(s.model.split(","))})
+    extra["kinds"] = {kind: f"{TOYS[kind]['what']}, {train.count_params(models[seeds[0]][i]) / 1e3:.0f}k parameters, "
+                      f"{train.mean([v[0] for v in values]):.2%} of completions right and "
+                      f"{train.mean([v[1] for v in values]):.0%} of groups mixed before training (mean over seeds)"
+                      for i, (kind, values) in enumerate(extra["initial_per_seed"].items())}
+    print("the toys: " + "; ".join(f"{kind}, {what}" for kind, what in extra["kinds"].items()))
+    return extra
+
+
 def main(argv=None):
     s = parse_args(argv)
-    if os.path.isdir(s.out) and os.listdir(s.out):
-        raise SystemExit(f"reproduce.py: {s.out} is not empty; choose another --out")
-    try:
-        os.makedirs(s.out, exist_ok=True)
-    except OSError as e:
-        raise SystemExit(f"reproduce.py: cannot make the run folder {s.out} ({e.strerror or e}); choose another --out")
+    s.out = run_folder(s.out)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // s.jobs))  # as each of the parallel runs will
     if s.sweep:
         return sweep(s)
-    seeds, extra = list(range(s.seeds)), {}
+    if s.preset == "lab":
+        print(LAB)
+    seeds, extra = s.seeds, {}
     models = {seed: s.model.split(",") for seed in seeds}
-    if s.preset == "toy":  # seed s trains on toys built with seed s
+    if s.preset in TOY_PRESETS:  # seed s trains on toys built with seed s
         models, before = build_toys(s, seeds, s.out, s.guess, s.known)
-        extra = dict(initial_success=sum(b[0][0] for b in before.values()) / len(seeds),
-                     initial_mixed_groups=sum(b[0][1] for b in before.values()) / len(seeds),
-                     initial_per_seed={kind: [before[seed][i] for seed in seeds]
-                                       for i, kind in enumerate(s.model.split(","))})
-        extra["kinds"] = {kind: f"{TOYS[kind]['what']}, {train.count_params(models[0][i]) / 1e3:.0f}k parameters, "
-                          f"{train.mean([v[0] for v in values]):.2%} of completions right and "
-                          f"{train.mean([v[1] for v in values]):.0%} of groups mixed before training (mean over seeds)"
-                          for i, (kind, values) in enumerate(extra["initial_per_seed"].items())}
-        print("the toys: " + "; ".join(f"{kind}, {what}" for kind, what in extra["kinds"].items()))
+        extra = toys_extra(s, models, before)
     n_runs = len(s.config_list) * len(seeds)
     estimate = estimate_minutes(s, models, s.config_list, seeds) if s.rounds >= 10 else None
     about = f": about {estimate:.0f} minutes here, from a probe of every configuration" if estimate else ""
@@ -981,7 +1112,7 @@ def main(argv=None):
                                                             estimated_minutes=estimate), kinds)
     print(open(os.path.join(s.out, "table.md")).read())
     print(f"wrote {s.out}/results.json, table.md and reward.svg in {(time.time() - t0) / 60:.1f} minutes"
-          + (f" (estimated {estimate:.0f})" if estimate else ""))
+          + (f" (estimated {estimate:.0f})" if estimate else "") + "\n\n" + sentence)
     return sentence
 
 

@@ -2186,7 +2186,8 @@ def test_train_poisoned_and_uniform_external_groups_are_dropped():
     uniform = dict(good, completions=["no", "nope"])
     usable = [train.external_group(tok, g, tok.eos_token_id, 16, False, log=lambda *a: None)
               for g in (good, poisoned, uniform)]
-    assert usable[1:] == [None, None] and usable[0].rewards == [1.0, 0.0] and usable[0].item is good
+    assert usable[1] is None and usable[0].rewards == [1.0, 0.0] and usable[0].item is good
+    assert train.informative(usable[0]) and not train.informative(usable[2])  # the paper's rule drops the uniform one
 
 
 @pytest.mark.slow
@@ -2674,7 +2675,7 @@ def test_train_shared_logprobs_leave_local_rows_to_the_paper_rule_over_inner_ste
 def test_train_no_claimed_round_makes_groups_stale_and_the_pool_ages_by_the_receivers_rounds(tiny, tmp_path):
     """A forged group (it fails verify_item) claiming round 10**12 for a victim does not age the victim's
     genuine groups; a producer that restarts from an older round is still used; a pooled group that is
-    not drawn leaves the pool POOL_ROUNDS of the receiver's rounds after it came."""
+    not drawn leaves the pool the rule's pool_rounds of the receiver's rounds after it came."""
     peer = train.Peer(tiny_args(tmp_path, "--name", "r", "--external", "1"), log=quiet, client=FakeClient())
     rng = random.Random(0)
     g = lambda r: wire_group(reward.TASKS["repeat_number"].generate(rng), peer="victim", round_=r)

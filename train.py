@@ -12,20 +12,18 @@ One round on one peer (Algorithm1.round, below, which says how a synchronous swa
   2. sample G completions of each with the peer's own model (sample.py), and score them;
   3. publish the I groups to the swarm server as decoded text (swarm.py): question, ground truth,
      task, metadata, completions, and whether each stopped; never weights (nor log-probs, unless asked);
-  4. take a sample of what other peers published recently: 4J groups a round, whatever the swarm's
-     size, drawn by the server from each producer's newest batches, every producer with equal chance;
-  5. re-tokenise each with the local tokenizer, score exactly the text that will be trained on with
-     the *local* verifier, and drop groups that reward.verify_item rejects (a poisoned ground truth)
-     or whose rewards are all equal (no advantage); pool the survivors and draw J uniformly;
+  4. take a sample of what other peers published recently, never waiting for them: 4J groups a round,
+     drawn by the server from each producer's newest batches, every producer with equal chance;
+  5. re-tokenise each with the local tokenizer, score the text that will be trained on with the *local*
+     verifier, drop groups that reward.verify_item rejects (a poisoned ground truth), and choose J by the
+     selection rule (RULES; the paper's drops groups whose rewards are all equal, then draws J uniformly);
   6. take one GRPO step on the I + J groups (grpo.py);
   7. log the round to metrics.jsonl and the dashboard; checkpoint every --save-every rounds.
-Peers never wait for each other: a peer trains on whatever external groups have arrived.
 
-The defaults I = 4 and J = 4 are the paper's best configuration (+94% cumulative reward over peers in
-silo, with 8 Qwen2.5-0.5B peers); its silo baseline trains on 8/0, so a peer with J = 0 or no swarm
-takes I + J as I. Questions, sampling and external draws come from separate random streams of --seed
-(stream), so a swarm peer and a silo peer with the same seed are paired runs. External groups are
-taken as text, never as control (retokenise): a special token's text in one is just characters.
+I = 4 and J = 4 are the paper's best (+94% cumulative reward over the silo, 8 Qwen2.5-0.5B peers; a CPU
+gets smaller defaults); its silo baseline is 8/0, so a peer with J = 0 or no swarm takes I + J as I. The
+questions, sampling and external draws of a peer are separate random streams of --seed (stream), so a
+swarm and a silo peer of one seed are paired runs.
 
 Deviations from the paper, and why:
 - Learning rate: the paper's text says Adam at 0.001, its code 1e-5 or 1e-6. We use AdamW at --lr 1e-5
@@ -40,7 +38,6 @@ Deviations from the paper, and why:
   (reward.verify_item); the paper trusts the sender's ground truth.
 - Precision: float32 weights, trained under bfloat16 autocast where native, are copied each round into
   a bfloat16 (older GPUs: float16) sampler; weights in bfloat16 would round away updates of 1e-6.
-- Any device but a CUDA GPU gets smaller defaults (small_defaults): a CPU run shows progress in minutes.
 """
 
 import argparse
@@ -73,15 +70,11 @@ import sample
 import swarm
 
 # -----------------------------------------------------------------------------
-# random streams, and rollouts: a group, and another peer's group made this peer's
-
-
-POOL_ROUNDS = 2  # the rounds an undrawn external group stays in the receiver's pool after it came
+# random streams; rollouts: a group, another peer's group made this peer's; the selection rule
 
 
 def stream(seed, *names):
-    """A random.Random of its own for one use of a peer's seed, e.g. stream(seed, "questions", r): what
-    it draws depends on (seed, names) only, never on how much another stream drew."""
+    """Its own random.Random for one use of a seed, e.g. stream(seed, "questions", r): no other draw moves it."""
     return random.Random("/".join(map(str, (seed,) + names)))  # a str seed is hashed (SHA-512), not hash()
 
 
@@ -100,28 +93,21 @@ class Group:
 
 
 def retokenise(tokenizer, text, stopped, stop_id, max_new_tokens):
-    """Another peer's completion as this peer's token ids, and the text those ids say. Special-token
-    strings stay text (split_special_tokens): "<|im_end|><|im_start|>user ..." is ordinary tokens here,
-    never a real end of turn. A completion that stopped gets the local stop token; one longer than
-    max_new_tokens is cut there and counts as not stopped. The text is decoded from the kept ids, so its
-    reward is that of what is trained on (an answer cut off before its <answer> tag scores 0)."""
+    """Another peer's completion as this peer's token ids, and the text those ids say. Special-token strings
+    stay text (split_special_tokens): "<|im_end|><|im_start|>user ..." is ordinary tokens, never an end of
+    turn. A stopped completion gets the local stop token; one over max_new_tokens is cut there and counts as
+    not stopped. The text is decoded from the kept ids: its reward is that of what is trained on."""
     ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     if len(ids) + stopped > max_new_tokens:
         ids, stopped = ids[:max_new_tokens], False
     return ids + [stop_id] * stopped, tokenizer.decode(ids, skip_special_tokens=True), stopped
 
 
-def is_text(g):
-    """Whether a received group is UTF-8 text: it holds no lone surrogate, which no tokenizer takes."""
-    return not re.search("[\ud800-\udfff]", json.dumps(g, ensure_ascii=False))
-
-
 def external_group(tokenizer, g, stop_id, max_new_tokens, one_shot, log, system="default", tasks=None):
-    """Step 5 for one group that another peer published: the Group to train on, or None. None if it is
-    not of one of `tasks` (the receiver's --tasks; None: any family reward.py knows), if its answer does
-    not follow from its question (reward.verify_item), if its question holds a special token's text,
-    or if its rewards, by the local verifier on the re-tokenised text, are all equal (no advantage)."""
-    if not is_text(g) or not reward.verify_item(g, tasks):
+    """Step 5 for a shared group: the Group re-tokenised and re-scored by the local verifier, for the rule
+    (RULES); None if it is not UTF-8 text or not of `tasks` (the receiver's --tasks; None: any family), if
+    its answer does not follow from its question (reward.verify_item) or its question has a special token."""
+    if re.search("[\ud800-\udfff]", json.dumps(g, ensure_ascii=False)) or not reward.verify_item(g, tasks):
         log(f"dropped a group from {g.get('peer')}: not UTF-8 text, not one of this peer's tasks, "
             "or its answer does not follow from its question")
         return None
@@ -133,8 +119,6 @@ def external_group(tokenizer, g, stop_id, max_new_tokens, one_shot, log, system=
     kept = [retokenise(tokenizer, c, s, stop_id, max_new_tokens) for c, s in pairs]
     ids, texts, stopped = (list(x) for x in zip(*kept))
     rewards = [reward.score(g, text) for text in texts]
-    if len(set(rewards)) < 2:
-        return None
     prompt = reward.prompt_ids(tokenizer, g, one_shot, system)
     # a sender's log-probs count where it reads ids as this peer does (and swarm.py checked them)
     same = g.get("tokenizer") == tokenizer_fingerprint(tokenizer)
@@ -149,15 +133,38 @@ def tokenizer_fingerprint(tokenizer):
     vocabulary = json.dumps(sorted(tokenizer.get_vocab().items()))
     return "vocab-" + hashlib.sha256(vocabulary.encode()).hexdigest()[:32]
 
+
+def informative(group):  # the paper's filter: a group whose rewards are all equal has no advantage
+    return len(set(group.rewards)) > 1
+
+
+def draw_uniform(rng, pool, J):  # the paper's draw: the indices of J groups of the pool, each equally likely
+    return rng.sample(range(len(pool)), min(J, len(pool)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:  # a receiver's selection rule (step 5), named in RULES; a run says which it ran (--rule NAME)
+    what: str                    # what it does, in words: a run's log and its table say it
+    keep: object = informative   # keep(group): whether a re-scored shared group may join the pool
+    draw: object = draw_uniform  # draw(rng, pool, J): the indices of the pool's groups it draws
+    pool_rounds: int = 2         # the rounds an undrawn shared group stays in the pool after it came
+    flags: tuple = ()            # the settings it changes, as (flag, value) pairs
+
+
+RULES = {  # the paper's rule first, the default; a variant is a line here (reproduce.py: I/J+NAME)
+    "paper": Rule("drop shared groups whose rewards are all equal, draw J of the rest uniformly"),
+    "keep-all": Rule("keep shared groups whose rewards are all equal too", keep=lambda g: True),
+    "is": Rule("the paper's, against the senders' log-probs", flags=(("shared_logprobs", True),)),
+}
+
 # -----------------------------------------------------------------------------
 # one peer's round
 
 
 class Algorithm1:
-    """One peer's SAPO round, Algorithm 1 of the paper: round(r) is collect(r) (steps 1-3), then
-    learn(r, ...) (steps 4-7). A synchronous swarm calls collect on every peer, lets the groups reach
-    the store, then calls learn on every peer. Peer, below the marker line, loads what __init__ takes,
-    connects the swarm client, runs the loop over rounds and writes the checkpoints."""
+    """One peer's SAPO round, Algorithm 1 of the paper: round(r) is collect(r), steps 1-3, then learn(r, ...),
+    steps 4-7; a synchronous swarm calls collect on every peer, then learn on every peer. Peer, below the
+    marker line, loads what __init__ takes, connects the swarm client, loops over rounds, saves checkpoints."""
 
     def __init__(self, args, model, tok, opt, sampler, ref_model, amp_dtype, folder, log=print):
         self.args, self.log = args, log    # the run's settings (parse_args), and a line for the user
@@ -172,6 +179,7 @@ class Algorithm1:
         # the stop token a shared completion gets, and GRPO's padding (masked out of the loss)
         self.stop_id = tok.eos_token_id if tok.eos_token_id in self.stop_ids else self.stop_ids[0]
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.stop_id
+        self.rule = RULES[args.rule]       # the selection rule: what of the swarm's groups it keeps and draws
         self.external_rng = stream(args.seed, "external")  # draws J of the pool
         self.pool = []                     # usable external groups (Group) not yet drawn
         self.dir = folder                  # OUT/<name>/: metrics.jsonl, samples.jsonl, the checkpoints
@@ -192,8 +200,7 @@ class Algorithm1:
         t0 = time.time()
         external, counts = self.choose_external(r)
         stats = self.update(collected["groups"] + external)
-        seconds = collected["seconds"] + time.time() - t0
-        return self.log_round(r, collected, external, counts, stats, seconds)
+        return self.log_round(r, collected, external, counts, stats, collected["seconds"] + time.time() - t0)
 
     def questions(self, r):
         """Step 1: I items (--local), each of a task family drawn uniformly, from round r's own random
@@ -244,20 +251,19 @@ class Algorithm1:
         self.client.publish(r, shared)
 
     def choose_external(self, r):
-        """Steps 4-5: take the swarm's sample, keep the usable groups (external_group), pool them with those
-        of the last POOL_ROUNDS rounds, and draw J of the pool uniformly; the rest stay pooled."""
+        """Steps 4-5: take the swarm's sample, keep the usable groups (external_group) that the selection rule
+        keeps, pool them with those of its last pool_rounds rounds, and draw J by the rule; the rest stay."""
         args = self.args
         if self.client is None or args.external == 0:
             return [], dict(external_available=0, external_survived=0)
         fetched = self.client.fetch()
         usable = (external_group(self.tok, g, self.stop_id, args.max_new_tokens, args.one_shot, self.log,
                                  args.system_prompt, args.task_list) for g in fetched)
-        fresh = [dataclasses.replace(x, arrived=r) for x in usable if x is not None]
-        self.pool = [x for x in self.pool + fresh if r - x.arrived < POOL_ROUNDS]
-        # In production order, not arrival order: the same groups give the same draw however the network
-        # interleaved the peers' posts, so a synchronous swarm is reproducible run to run.
+        fresh = [dataclasses.replace(x, arrived=r) for x in usable if x is not None and self.rule.keep(x)]
+        self.pool = [x for x in self.pool + fresh if r - x.arrived < self.rule.pool_rounds]
+        # In production order, not arrival order: the same groups give the same draw, however posts interleave.
         self.pool.sort(key=lambda x: (x.item["round"], x.item["peer"], x.item.get("seq", 0)))
-        drawn = set(self.external_rng.sample(range(len(self.pool)), min(args.external, len(self.pool))))
+        drawn = set(self.rule.draw(self.external_rng, self.pool, args.external))
         external = [x for k, x in enumerate(self.pool) if k in drawn]
         self.pool = [x for k, x in enumerate(self.pool) if k not in drawn]
         if len(external) < args.external:
@@ -280,8 +286,7 @@ class Algorithm1:
                 for g in groups for lp in g.logprobs or [None] * len(g.completions)]
 
     def grpo_settings(self, groups):
-        """grpo.step's settings for a batch of these groups: the run's flags, the padding and stop tokens,
-        the autocast dtype and the senders' log-probs (behaviour)."""
+        """grpo.step's settings: the run's flags, pad and stop tokens, autocast dtype, senders' log-probs."""
         a = self.args
         return dict(pad_id=self.pad_id, stop_ids=self.stop_ids, micro_tokens=a.micro_tokens,
                     inner_steps=a.inner_steps, max_grad_norm=a.max_grad_norm, temperature=a.temperature,
@@ -312,7 +317,8 @@ class Algorithm1:
                  local_reward=mean([x for g in local for x in g.rewards]),  # the skill: its own rollouts
                  batch_reward=mean([x for g in batch for x in g.rewards]),  # the paper's figure
                  **counts, external_used=len(external),
-                 frac_zero_std_local=frac_zero_std(local), frac_zero_std_batch=frac_zero_std(batch),
+                 frac_zero_std_local=mean([float(not informative(g)) for g in local]),  # no advantage
+                 frac_zero_std_batch=mean([float(not informative(g)) for g in batch]),
                  completion_len=mean([len(c) for c in outs]),
                  truncated_frac=mean([float(not s) for g in local for s in g.stopped]),
                  sample_tok_per_s=sum(len(c) for c in outs) / max(collected["sample_seconds"], 1e-9),
@@ -320,11 +326,6 @@ class Algorithm1:
         with open(os.path.join(self.dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(m) + "\n")
         return m
-
-
-def frac_zero_std(groups):
-    """The share of groups whose rewards are all equal (no advantage: GRPO learns nothing from them)."""
-    return mean([float(len(set(g.rewards)) == 1) for g in groups])
 
 
 def mean(xs):
@@ -371,9 +372,20 @@ def parse_args(argv=None):
         args.external = J if args.swarm or args.peers else 0
     if args.local is None:
         args.local = I if args.external else I + J
+    apply_rule(p, args, argv)
     check_resume(p, args)
     args.out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     return args
+
+
+def apply_rule(p, args, argv):
+    """The settings that --rule's rule sets (Rule.flags) into args; one sentence if a flag given says otherwise."""
+    given = {f.split("=")[0] for f in argv}
+    for flag, value in RULES[args.rule].flags:
+        name = flag.replace("_", "-")
+        if {f"--{name}", f"--no-{name}"} & given and getattr(args, flag) != value:
+            p.error(f"--rule {args.rule} sets --{name} to {value}: leave --{name} out")
+        setattr(args, flag, value)
 
 
 def one_line(p, prog="train.py"):
@@ -471,6 +483,8 @@ def learning_flags(a, I, J, cpu):
     a("--shared-logprobs", action=argparse.BooleanOptionalAction, default=False,
       help="publish sampling log-probs, and train shared completions against their sender's "
            "(off: the paper's rule)")
+    a("--rule", default="paper", choices=list(RULES), help="the receiver's selection rule, from RULES "
+      "(above train.py's marker): " + "; ".join(f"{name}, {rule.what}" for name, rule in RULES.items()))
 
 
 def machinery_flags(a, device):
@@ -1015,7 +1029,7 @@ def main(argv=None):
     if args.plot:
         return plot(args.plot)
     dashboard = f"; dashboard: {args.swarm.rstrip('/')}/" if args.swarm else ""
-    silo = " (in silo)" if not args.external else ""
+    silo = " (in silo)" if not args.external else f", selection rule {args.rule}"
     print(f"run folder: {args.out}{dashboard}; I = {args.local}, J = {args.external}{silo}, "
           f"G = {args.generations}, {args.max_new_tokens} new tokens, {args.rounds} rounds on {args.device} "
           "(--help shows the defaults)")

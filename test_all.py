@@ -5428,9 +5428,11 @@ def test_train_cpu_defaults_save_memory_and_the_launcher_refuses_what_does_not_f
     ours, _ = M.load_model(str(tiny))
     params = sum(p.numel() for p in ours.parameters())
     assert train.count_params(str(tiny)) == params
-    monkeypatch.setattr(train, "free_memory", lambda device: 2.5 * params * train.PEER_BYTES_PER_PARAM)
+    argv = ["--peers", "4", "--model", str(tiny), "--out", str(tmp_path / "run")]
+    need = train.peer_memory(*train.model_size(str(tiny)), train.parse_args(argv))
+    monkeypatch.setattr(train, "free_memory", lambda device: 2.5 * need)
     with pytest.raises(SystemExit) as e:
-        train.main(["--peers", "4", "--model", str(tiny), "--out", str(tmp_path / "run")])
+        train.main(argv)
     assert "try --peers 2." in str(e.value) and len(str(e.value).splitlines()) == 1
     assert not (tmp_path / "run").exists()  # refused before anything started
     assert "out of memory" in train.why_stopped(-9) and "fewer --peers" in train.why_stopped(-9)
@@ -5457,7 +5459,7 @@ def test_train_launcher_gives_each_peer_a_credential_of_its_own(tmp_path, monkey
     """train.py --peers N starts its server with one credential per peer, each in that peer's SWARM_TOKEN:
     peer k's token writes as peer k only (403 as another), and reads need none (the dashboard)."""
     monkeypatch.setattr(train, "check_memory", lambda *args: None)
-    monkeypatch.setattr(train, "count_params", lambda folder: 0)
+    monkeypatch.setattr(train, "model_size", lambda folder: (None, 0))
     monkeypatch.setattr(train.M, "resolve", lambda name: name)
     seen, real_start_peer = {}, train.start_peer
 

@@ -1698,7 +1698,12 @@ def render_page(snap, groups=(), score=None):
         rows.append(f"<tr><td>{html.escape(peer)}</td><td>{html.escape(models.get(peer, ''))}</td>"
                     f"<td>{m.get('done', '')}</td><td>{info['groups']}</td>{cells}<td>{seen}</td></tr>")
     return f"""<!doctype html>
-<html><head><meta charset="utf-8"><meta http-equiv="refresh" content="5"><title>nanoSAPO swarm</title>
+<html><head><meta charset="utf-8"><title>nanoSAPO swarm</title>
+<script>setInterval(async () => {{  // every 5 s the page's body anew, where the reader has scrolled to
+  const page = await fetch(location.href, {{cache: "no-store"}}).catch(() => null);
+  if (page && page.ok) document.body.innerHTML = new DOMParser().parseFromString(
+    await page.text(), "text/html").body.innerHTML;
+}}, 5000);</script>
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}} h3{{font-size:1em}}
 td,th{{border:1px solid #ccc;padding:4px 10px;text-align:right}} td:first-child{{text-align:left}}
 pre{{white-space:pre-wrap;background:#f4f4f4;padding:4px;margin:2px 0}}</style>

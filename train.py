@@ -1178,13 +1178,15 @@ def plot(run_dir):
     """RUN_DIR/reward.svg, every peer's reward per round (a dot a round, a line through the running mean
     of the last 5): on top the local reward, the peer's skill; below it the batch reward, the paper's figure,
     which also counts the external groups trained on (always of mixed reward, so it reads higher). A run in
-    silo trains on its local groups only, where the two are the same: it gets the top chart alone. In a
-    swarm of several models each line is named by its peer and its model (settings.json). The charts are
-    drawn by swarm.render_svg (swarm.py, the dashboard's, below its marker line)."""
+    silo trains on its local groups only, where the two are the same: it gets the top chart alone. A round
+    run twice (a resume that found no checkpoint) is drawn from its last row. In a swarm of several models
+    each line is named by its peer and its model (settings.json). The charts are drawn by swarm.render_svg
+    (swarm.py, the dashboard's, below its marker line)."""
     runs = {}
     for path in sorted(glob.glob(os.path.join(glob.escape(run_dir), "*", "metrics.jsonl"))):
         with open(path) as f:
-            runs[os.path.basename(os.path.dirname(path))] = [json.loads(line) for line in f if line.strip()]
+            rows = {row["round"]: row for row in map(json.loads, filter(str.strip, f))}  # a round's last row
+        runs[os.path.basename(os.path.dirname(path))] = [rows[r] for r in sorted(rows)]
     runs = {n: rows for n, rows in runs.items() if rows and "local_reward" in rows[0]}  # not swarm/'s
     if not runs:
         raise SystemExit(f"no <peer>/metrics.jsonl under {run_dir}: give the folder of a run")
@@ -1194,7 +1196,7 @@ def plot(run_dir):
     if len(set(ran.values())) > 1:  # a mixed swarm: each line says its peer's model
         runs = {f"{n} {ran[n]}": rows for n, rows in runs.items()}
     kinds = [("local_reward", "local reward (the skill)"),
-             ("batch_reward", "batch reward (the paper's figure: the training batch, external groups too)")]
+             ("batch_reward", "batch reward (the paper's figure)")]  # (a long title is cut at the left)
     if all(row["batch_reward"] == row["local_reward"] for rows in runs.values() for row in rows):
         kinds = kinds[:1]
     charts = []

@@ -48,6 +48,9 @@ import train
 # ===================================================================================================
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The tests' models are tiny: one thread computes them fastest. Several threads wait on each other at every
+# small operation, and on a machine busy with other work that waiting took one test from 13 s to minutes.
+torch.set_num_threads(1)
 
 
 

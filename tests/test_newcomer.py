@@ -160,13 +160,9 @@ def test_the_launcher_waits_for_a_peer_that_says_it_is_saving(tmp_path, monkeypa
     """)
     children = [(subprocess.Popen([sys.executable, "-c", script, str(tmp_path / name)]), str(tmp_path / name))
                 for name in ("other", "saver")]
-    deadline = time.time() + 60
-    while not all((tmp_path / name / "ready").exists() for name in ("saver", "other")) and time.time() < deadline:
-        time.sleep(0.05)
-    assert train.SAVING == ".saving"
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     (other, _), (saver, _) = children
-    seen = {}
+    seen, deadline = {}, time.time() + 60
 
     def release():  # once the one not saving is gone: is the saving one still there? then let it finish
         while other.poll() is None and time.time() < deadline:
@@ -175,6 +171,9 @@ def test_the_launcher_waits_for_a_peer_that_says_it_is_saving(tmp_path, monkeypa
         seen.update(other=other.returncode, saver=saver.poll())
         (tmp_path / "saver" / "release").touch()
     try:
+        while not all((tmp_path / n / "ready").exists() for n in ("saver", "other")) and time.time() < deadline:
+            time.sleep(0.05)
+        assert train.SAVING == ".saving"
         threading.Thread(target=release, daemon=True).start()
         train.stop_all(children)
         assert seen == dict(other=-signal.SIGKILL, saver=None) and saver.returncode == 0  # never killed
@@ -291,7 +290,8 @@ def test_a_wrong_flag_is_answered_before_torch_loads(tmp_path):
     """python train.py with a wrong flag: one line and exit status 2, and torch never imported (checked in the
     process that ran it, and by python -X importtime); --help, which shows this machine's defaults, may load it."""
     (tmp_path / "file").write_text("x")
-    cases = [["--rounds", "0"], ["--bogus"], ["--tasks", "nope"], ["--generations", "100", "--peers", "2"],
+    cases = [["--rounds", "0"], ["--bogus"], ["--tasks", "nope"],
+             ["--generations", "100", "--peers", "2", "--device", "nope"],  # (the first wrong flag is said)
              ["--external", "2"], ["--token", "my token"], ["--resume", "--out", str(tmp_path / "empty")],
              ["--out", str(tmp_path / "file")], ["--model", "a,b"], ["--swarm", "localhost:1"]]
     script = textwrap.dedent(f"""

@@ -384,10 +384,12 @@ def check_flags(p, args):
     if args.external and not (args.swarm or args.peers):  # J > 0, and nothing to take groups from
         p.error("--external needs --swarm URL or --peers N; "
                 "without a swarm leave it out (in silo I takes I + J)")
+    if not (args.swarm or args.peers):
+        return
     caps = [("--generations", args.generations, swarm.Limits.group_completions, "completions a group"),
             ("--local", args.local, swarm.Limits.batch_groups, "groups a batch"),
             ("--max-new-tokens", args.max_new_tokens, swarm.Limits.completion_tokens, "tokens a completion")]
-    for flag, value, most, what in caps if args.swarm or args.peers else []:  # (the server's wire caps)
+    for flag, value, most, what in caps:  # what the server takes; a default is always within it
         if (value or 0) > most:
             p.error(f"{flag} {value} is more than the {most} {what} of a swarm may hold: "
                     "give at most that, or train in silo (without --swarm or --peers)")
@@ -1234,10 +1236,6 @@ def main(argv=None):
         print(next_steps(args, argv, stopped))
     if stopped:
         sys.exit(130)
-
-
-def quiet(*args):  # a log that says nothing
-    pass
 
 
 if __name__ == "__main__":

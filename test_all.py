@@ -2719,7 +2719,7 @@ def test_swarm_dashboard_shows_each_peers_newest_completions_escaped(_sw_server,
     ann.post_metrics(0, {"local_reward": 0.5, "round": 0})                   # round 0 done
     assert eve.flush(10) and ann.flush(10)
     page = requests.get(url + "/", timeout=5).text
-    assert "<script>" not in page and "<img" not in page and "<b>bold" not in page
+    assert "<script>alert" not in page and "<img" not in page and "<b>bold" not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;?" in page and "&lt;b&gt;bold&lt;/b&gt; &amp; &lt;img src=x&gt;" in page
     assert "ann says 2" in page and ">old<" not in page  # the newest group of each peer
     assert re.search(r"<td>ann</td><td>ann&#x27;s &lt;i&gt;model&lt;/i&gt;</td><td>1</td>", page)  # its model, escaped
@@ -5024,15 +5024,17 @@ def test_train_launcher_runs_a_swarm_of_two_models_and_says_which_peer_runs_whic
     with pytest.raises(SystemExit) as e:
         train.parse_args(["--model", models])
     assert e.value.code == 2
-    sizes = {str(tmp_path / "words"): train.count_params(str(tmp_path / "words")),
-             str(tmp_path / "chars"): train.count_params(str(tmp_path / "chars"))}
-    assert len(set(sizes.values())) == 2
-    free = (2 * sizes[str(tmp_path / "words")] + sizes[str(tmp_path / "chars")]) * train.PEER_BYTES_PER_PARAM
+    argv = ["--peers", "4", "--model", models, "--out", str(tmp_path / "too-many")]
+    args = train.parse_args(argv)
+    sizes = {m: train.model_size(str(tmp_path / m)) for m in ("words", "chars")}
+    need = {m: train.peer_memory(*size, args) for m, size in sizes.items()}
+    assert len(set(need.values())) == 2
+    free = 2 * need["words"] + need["chars"]
     monkeypatch.setattr(train, "free_memory", lambda device: free)  # room for words, chars, words: not a 2nd chars
     with pytest.raises(SystemExit) as e:
-        train.main(["--peers", "4", "--model", models, "--out", str(tmp_path / "too-many")])
+        train.main(argv)
     assert "4 peers need about" in str(e.value) and "try --peers 3." in str(e.value) and "up to " in str(e.value)
-    train.check_memory(torch.device("cpu"), [sizes[str(tmp_path / m)] for m in ("words", "chars", "words")])
+    train.check_memory(args, [sizes[m] for m in ("words", "chars", "words")])
 
 
 def test_train_launcher_gives_each_peer_its_model_in_turn_and_one_task_mix(monkeypatch):

@@ -1068,22 +1068,25 @@ FIRST_READ_SECONDS = 2  # at its start, the longest a peer waits for its first r
 
 
 def stop_all(children):
-    """Stop every child (a process and its folder): SIGTERM, then SIGKILL after STOP_SECONDS, unless its
-    folder holds SAVING (a peer writing its last checkpoint, however long the machine's load makes that):
-    that one is waited for."""
+    """Stop every child (a process and its folder): SIGTERM, then SIGKILL after STOP_SECONDS. A peer whose
+    folder holds SAVING writes its last checkpoint: it is waited for, however long the machine's load makes
+    that, and then given the time its swarm client's last sends take (FLUSH_SECONDS, and a little)."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second Ctrl-C must not cut this short
         signal.signal(sig, signal.SIG_IGN)
     for proc, _ in children:
         proc.terminate()  # a no-op on one that has exited
-    deadline, said = time.time() + STOP_SECONDS, set()
+    start = time.time()
     for proc, folder in children:
+        deadline, said = start + STOP_SECONDS, False
         while proc.poll() is None:
-            if time.time() > deadline and not os.path.exists(os.path.join(folder, SAVING)):
+            if os.path.exists(os.path.join(folder, SAVING)):
+                deadline = max(deadline, time.time() + FLUSH_SECONDS + 5)
+                if time.time() > start + STOP_SECONDS and not said:
+                    print(f"waiting for {os.path.basename(folder)}, which is writing its checkpoint")
+                    said = True
+            elif time.time() > deadline:
                 proc.kill()
                 proc.wait()
-            elif time.time() > deadline and folder not in said:
-                said.add(folder)
-                print(f"waiting for {os.path.basename(folder)}, which is writing its checkpoint")
             time.sleep(0.1)
 
 

@@ -142,8 +142,10 @@ def test_a_peer_stopped_after_drawing_its_external_groups_resumes_as_if_never_st
 
 def test_the_launcher_waits_for_a_peer_that_says_it_is_saving(tmp_path, monkeypatch):
     """stop_all: a child that ignores SIGTERM is killed after STOP_SECONDS (0 here), unless its folder holds
-    SAVING, as a stopped peer's does while it writes its last checkpoint: that one is waited for."""
+    SAVING, as a stopped peer's does while it writes its last checkpoint: that one is waited for, and given
+    time to exit once it has saved."""
     monkeypatch.setattr(train, "STOP_SECONDS", 0)
+    monkeypatch.setattr(train, "FLUSH_SECONDS", 60)  # (after its save, a peer's last sends: time to exit)
     (tmp_path / "saver").mkdir()
     (tmp_path / "other").mkdir()
     script = textwrap.dedent("""

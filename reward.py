@@ -909,10 +909,21 @@ TASKS.update({task.name: task for task in [
 # -----------------------------------------------------------------------------
 # optional: the real ReasoningGym generators as tasks named "rg:NAME"
 
-try:
-    import reasoning_gym
-except ImportError:
-    reasoning_gym = None
+def _lazy(name):
+    """The installed package `name`, loaded at its first use (reasoning_gym takes seconds: matplotlib and
+    more, which a command that only reads its flags never needs), or None if it is not installed."""
+    import importlib.util
+    import sys
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        return None
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+reasoning_gym = _lazy("reasoning_gym")
 
 VERIFY_SECONDS = 5.0  # the most an rg: item may take to be made again (the nine take milliseconds)
 _RG_BUSY = threading.Lock()  # held while an rg: item is made again, by one thread at a time

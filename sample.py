@@ -194,11 +194,37 @@ class GraphedDecode:
 # Command line: python sample.py MODEL "a question" [--task NAME]: what a model or a checkpoint says
 
 
+def run_settings(path):
+    """The settings.json of the train.py peer that wrote `path` (its folder, or a checkpoint-N in it), or {}:
+    the system prompt, one-shot example, tasks and completion length it trained with."""
+    import json
+    import os
+    for folder in (path, os.path.dirname(os.path.normpath(path))):
+        found = os.path.join(os.path.expanduser(folder), "settings.json")
+        if os.path.isfile(found) and os.path.isfile(os.path.join(os.path.dirname(found), "metrics.jsonl")):
+            with open(found) as f:
+                return json.load(f)
+    return {}
+
+
+def find_item(question, tasks, seed):
+    """The item of one of `tasks` that asks `question` (each family's items of seeds seed to seed + 999), or
+    None: then, if there are tasks, a question with the first one's one-shot example."""
+    import reward
+    for task in tasks:
+        for k in range(seed, seed + 1000):
+            item = reward.get_task(task).generate(random.Random(k))
+            if question is None or item["question"] == question:
+                return item
+    return {"task": tasks[0] if tasks else None, "question": question, "answer": None}
+
+
 def main(argv=None):
     import argparse
     import reward  # the tasks and the prompt a peer trains with
-    p = argparse.ArgumentParser(description="Four completions of a question, "
-                                            "rewarded if it is a --task item.")
+    p = argparse.ArgumentParser(description="Four completions of a question, asked as the peer that trained "
+                                            "the model asked its own (its settings.json), rewarded if it is "
+                                            "an item of one of its tasks or of --task.")
     p.add_argument("model", help="a model folder or Hub id, RUN/PEER/checkpoint-N, "
                                  "or RUN/PEER (its newest checkpoint)")
     p.add_argument("question", nargs="?", help="the question (default: an item that --task makes)")
@@ -206,26 +232,32 @@ def main(argv=None):
                    help="a family: it makes the question, or is searched for it")
     p.add_argument("--seed", type=int, default=0,
                    help="the seed of the draw and of --task's items (default: 0)")
+    p.add_argument("--max-new-tokens", type=int,
+                   help="completion length limit (default: the run's --max-new-tokens, else 256)")
     a = p.parse_args(argv)
     if not (a.question or a.task):
         p.error("give a question, or --task to make one")
-    items = []
-    if a.task:
-        items = [reward.get_task(a.task).generate(random.Random(k)) for k in range(a.seed, a.seed + 1000)]
-    item = next((x for x in items if x["question"] == (a.question or items[0]["question"])), None)
+    run = run_settings(a.model)  # {} for a model that no peer trained: the chat template alone
+    item = find_item(a.question, [a.task] if a.task else run.get("task_list", []), a.seed)
     try:
         model, tok = load_model(a.model, "cuda" if torch.cuda.is_available() else "cpu")
     except (OSError, ValueError, RuntimeError) as e:
         raise SystemExit(f"sample.py: {e}") from None
-    prompt = reward.prompt_ids(tok, item or {"task": None, "question": a.question}, item is not None)
+    system, one_shot = run.get("system_prompt", "default"), run.get("one_shot", item["answer"] is not None)
+    prompt = reward.prompt_ids(tok, item, one_shot, system)
+    if run:
+        example = f"a one-shot example of {item['task']}" if one_shot and item["task"] else "no example"
+        print(f"asked as the run asked: its system prompt ({system}), {example}")
+    longest = a.max_new_tokens or run.get("max_new_tokens", 256)
     outs = generate(model, [prompt], num_samples=4, seed=a.seed,
-                    max_new_tokens=min(256, model.cfg.max_seq_len - len(prompt)),
+                    max_new_tokens=min(longest, model.cfg.max_seq_len - len(prompt)),
                     eos_token_ids=model.stop_ids or [tok.eos_token_id])
-    print(f"question: {item['question']}\nanswer: {item['answer']}" if item else f"question: {a.question}")
+    scored = item["answer"] is not None
+    print(f"question: {item['question']}" + (f"\nanswer: {item['answer']}" if scored else ""))
     for k, ids in enumerate(outs):
         text = tok.decode(ids, skip_special_tokens=True)
-        scored = f", reward {reward.score(item, text):g}" if item else ""
-        print(f"--- completion {k + 1}{scored}:\n{text}")
+        rewarded = f", reward {reward.score(item, text):g}" if scored else ""
+        print(f"--- completion {k + 1}{rewarded}:\n{text}")
 
 
 if __name__ == "__main__":

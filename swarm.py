@@ -467,7 +467,13 @@ class Limits:
     window_batches = 2          # a sampled read draws from each producer's newest this many batches,
     window_seconds = 600        # of the producers whose newest batch arrived within this many seconds
     seen_seqs = 4096            # client: the seqs it remembers, so it hands out none twice
-    batch_groups = 256          # Redis: groups one batch may hold (the server's rule for a POST)
+    batch_groups = 256          # groups one batch may hold (a POST's, and Redis's)
+    group_completions = 64      # completions one group may hold (train.py refuses a larger --generations)
+    completion_chars = 32_000   # characters of one completion
+    question_chars = 16_000     # characters of a group's question
+    metadata_bytes = 16_000     # bytes of its metadata as JSON
+    answer_chars = 4_000        # characters of its ground truth
+    name_chars = 256            # characters of its task's name, and of its model's
     reply_seconds = 86400       # Redis: how long a batch's reply is kept, so that a retry is stored once
     metrics_rows = 1 << 16      # Redis: metrics rows its stream keeps (XADD MAXLEN ~)
 
@@ -543,17 +549,21 @@ PEER = rule(lambda v: isinstance(v, str) and NAME.fullmatch(v), NAMES, lambda v,
 BATCH_ID = rule(lambda v: isinstance(v, str) and re.fullmatch(r"[A-Za-z0-9_.:-]{1,128}", v),
                 "an id of 1 to 128 characters from A-Z, a-z, 0-9 and '_.:-'")
 SEQ, ROUND, TIME = number(10**15), number(10**12), number(1e11, whole=False)
-GROUP = {  # field -> rule: a rollout group on the wire
-    "task": text(256, 1), "question": text(16_000), "answer": text(4_000),
-    "metadata": rule(lambda v: isinstance(v, dict) and not _too_deep(v, 8) and len(_dumps(v)) <= 16_000,
-                     "a JSON object nested at most 8 deep and at most 16000 bytes as JSON"),
-    "completions": items(64, text(32_000), 1),
-    "stopped": items(64, rule(lambda v: isinstance(v, bool), "true or false")),
-    "model": text(256),  # the last three, beyond the paper: optional, all or none (--shared-logprobs)
-    "token_ids": items(64, items(Limits.completion_tokens, rule(lambda v: type(v) is int and 0 <= v < 2**31,
-                                                                 "a token id from 0 to 2**31 - 1"))),
-    "logprobs": items(64, items(Limits.completion_tokens, rule(lambda v: _sane(v) and v <= 0,
-                                                                "a number <= 0"))),
+TOKEN_ID = rule(lambda v: type(v) is int and 0 <= v < 2**31, "a token id from 0 to 2**31 - 1")
+LOGPROB = rule(lambda v: _sane(v) and v <= 0, "a number <= 0")
+GROUP = {  # field -> rule: a rollout group on the wire, within Limits
+    "task": text(Limits.name_chars, 1), "question": text(Limits.question_chars),
+    "answer": text(Limits.answer_chars),
+    "metadata": rule(lambda v: isinstance(v, dict) and not _too_deep(v, 8)
+                     and len(_dumps(v)) <= Limits.metadata_bytes,
+                     f"a JSON object nested at most 8 deep and at most {Limits.metadata_bytes} bytes "
+                     "as JSON"),
+    "completions": items(Limits.group_completions, text(Limits.completion_chars), 1),
+    "stopped": items(Limits.group_completions, rule(lambda v: isinstance(v, bool), "true or false")),
+    "model": text(Limits.name_chars),
+    # the last three, beyond the paper: optional, all or none (--shared-logprobs)
+    "token_ids": items(Limits.group_completions, items(Limits.completion_tokens, TOKEN_ID)),
+    "logprobs": items(Limits.group_completions, items(Limits.completion_tokens, LOGPROB)),
     "tokenizer": text(64, 1)}
 OPTIONAL = {"metadata": {}, "model": "", "token_ids": None, "logprobs": None, "tokenizer": None}
 ALSO = [(lambda g: len(g["stopped"]) == len(g["completions"]),
@@ -580,9 +590,10 @@ def wire_group(task, question, answer, completions, stopped, metadata=None, mode
 
 STORED = fields({**GROUP, "peer": PEER, "round": ROUND, "seq": SEQ, "time": TIME}, OPTIONAL, ALSO)  # served
 WIRE = fields(GROUP, OPTIONAL, ALSO)  # as published
-PUBLISH = fields({"peer": PEER, "round": ROUND, "batch_id": BATCH_ID, "groups": items(256, WIRE)})
+PUBLISH = fields({"peer": PEER, "round": ROUND, "batch_id": BATCH_ID,
+                  "groups": items(Limits.batch_groups, WIRE)})
 BATCH = fields({"peer": PEER, "round": ROUND, "batch_id": BATCH_ID, "time": TIME,
-                "groups": items(256, STORED)})
+                "groups": items(Limits.batch_groups, STORED)})
 PRUNED = fields({"seq": SEQ, "replies": items(math.inf, fields(  # pruned.json
     {"peer": PEER, "batch_id": BATCH_ID, "accepted": number(256), "seq": SEQ}))})
 NUMBERS = rule(lambda v: isinstance(v, dict) and len(v) <= 64
@@ -1687,7 +1698,12 @@ def render_page(snap, groups=(), score=None):
         rows.append(f"<tr><td>{html.escape(peer)}</td><td>{html.escape(models.get(peer, ''))}</td>"
                     f"<td>{m.get('done', '')}</td><td>{info['groups']}</td>{cells}<td>{seen}</td></tr>")
     return f"""<!doctype html>
-<html><head><meta charset="utf-8"><meta http-equiv="refresh" content="5"><title>nanoSAPO swarm</title>
+<html><head><meta charset="utf-8"><title>nanoSAPO swarm</title>
+<script>setInterval(async () => {{  // every 5 s the page's body anew, where the reader has scrolled to
+  const page = await fetch(location.href, {{cache: "no-store"}}).catch(() => null);
+  if (page && page.ok) document.body.innerHTML = new DOMParser().parseFromString(
+    await page.text(), "text/html").body.innerHTML;
+}}, 5000);</script>
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}} h3{{font-size:1em}}
 td,th{{border:1px solid #ccc;padding:4px 10px;text-align:right}} td:first-child{{text-align:left}}
 pre{{white-space:pre-wrap;background:#f4f4f4;padding:4px;margin:2px 0}}</style>

@@ -60,14 +60,14 @@ import subprocess
 import sys
 import time
 
-import torch
-from tqdm import tqdm
-
-import grpo
-import model as M
 import reward
-import sample
 import swarm
+if __name__ != "__main__":  # python train.py reads its flags first, so that a wrong one is refused before
+    import grpo             # torch loads; then import_torch, below the marker line, imports these five
+    import model as M
+    import sample
+    import torch
+    from tqdm import tqdm
 
 # -----------------------------------------------------------------------------
 # random streams; rollouts: a group, another peer's group made this peer's; the selection rule
@@ -337,45 +337,64 @@ def mean(xs):
 
 
 def parse_args(argv=None):
-    """The run's settings: the flags, whose defaults are this machine's (parser), then the silo rule.
-    A bad flag gets one line (one_line) and exit status 2, before any model is loaded."""
+    """The run's settings: the flags, then the device's defaults (device_defaults) where a flag leaves
+    them, then the silo rule. A wrong flag gets one line (one_line) and exit status 2 before torch loads:
+    the flags are read and checked first, by a parser that needs no device (--help, which shows this
+    machine's defaults, loads torch first)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    first = one_line(device_flag())  # the device comes first: the other defaults and --help depend on it
-    value = first.parse_known_args(argv)[0].device
-    try:
-        device = torch.device(value)
-    except RuntimeError:  # torch's own sentence lists every device type it knows
-        first.error(f"argument --device: must be a device such as cuda, cuda:1, cpu or mps, not {value!r}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        first.error(f"--device {device} was asked for, but torch sees no CUDA GPU")
-    I, J = (2, 2) if small_defaults(device) else (4, 4)  # 4 and 4 groups a round: the paper's best
-    p = one_line(parser(device, I, J))
+    device = resolve_device(one_line(device_flag()), argv) if {"-h", "--help"} & set(argv) else None
+    p = one_line(parser(device, *device_defaults(device)["IJ"]))
     args = p.parse_args(argv)
-    args.device = device
     args.token = getattr(args, "token", None) or os.environ.get("SWARM_TOKEN")
-    if args.resume and not args.out:
-        p.error("--resume needs --out: the run folder to continue")
-    args.models = [args.model] if os.path.isdir(args.model) else args.model.split(",")  # a folder is one
-    if len(args.models) > 1 and not args.peers:
-        p.error("--model takes a comma list only with --peers N, whose peers take the models in turn")
+    check_flags(p, args)
+    check_resume(p, args)
+    device = device or resolve_device(p, argv)  # torch loads here
+    defaults = device_defaults(device)
+    I, J = defaults.pop("IJ")
+    for flag, value in dict(defaults, model=M.DEFAULT_MODEL).items():
+        if getattr(args, flag) is None:  # (left to the device's default)
+            setattr(args, flag, value)
+    args.device, args.models = device, [m or args.model for m in args.models]
     auto = "easy" if M.DEFAULT_MODEL in args.models else "paper"  # the easy mix for the 135M default
-    try:
-        args.task_list = reward.task_names(auto if args.tasks == "auto" else args.tasks)
-        swarm.check_token(args.token)
-    except ValueError as e:  # its sentence names the known tasks, or what a token may hold
-        p.error(str(e))
-    if args.external and not (args.swarm or args.peers):  # J > 0, and nothing to take groups from
-        p.error("--external needs --swarm URL or --peers N; "
-                "without a swarm leave it out (in silo I takes I + J)")
+    args.task_list = reward.task_names(auto if args.tasks == "auto" else args.tasks)
     # The silo rule: a peer with J = 0, or with no swarm to join, takes I + J as I (the paper's 8/0).
     if args.external is None:
         args.external = J if args.swarm or args.peers else 0
     if args.local is None:
         args.local = I if args.external else I + J
     apply_rule(p, args, argv)
-    check_resume(p, args)
     args.out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     return args
+
+
+def check_flags(p, args):
+    """parse_args' checks of what the flags say together, in one sentence each, before torch loads: the
+    token, the models, the tasks, J without a swarm, and what a swarm group may hold (swarm.Limits)."""
+    if args.resume and not args.out:
+        p.error("--resume needs --out: the run folder to continue")
+    args.models = [args.model]  # a folder is one model, even with a comma in its name
+    if args.model and not os.path.isdir(args.model):
+        args.models = args.model.split(",")
+    if len(args.models) > 1 and not args.peers:
+        p.error("--model takes a comma list only with --peers N, whose peers take the models in turn")
+    try:
+        if args.tasks != "auto":
+            reward.task_names(args.tasks)
+        swarm.check_token(args.token)
+    except ValueError as e:  # its sentence names the known tasks, or what a token may hold
+        p.error(str(e))
+    if args.external and not (args.swarm or args.peers):  # J > 0, and nothing to take groups from
+        p.error("--external needs --swarm URL or --peers N; "
+                "without a swarm leave it out (in silo I takes I + J)")
+    if not (args.swarm or args.peers):
+        return
+    caps = [("--generations", args.generations, swarm.Limits.group_completions, "completions a group"),
+            ("--local", args.local, swarm.Limits.batch_groups, "groups a batch"),
+            ("--max-new-tokens", args.max_new_tokens, swarm.Limits.completion_tokens, "tokens a completion")]
+    for flag, value, most, what in caps:  # what the server takes; a default is always within it
+        if (value or 0) > most:
+            p.error(f"{flag} {value} is more than the {most} {what} of a swarm may hold: "
+                    "give at most that, or train in silo (without --swarm or --peers)")
 
 
 def apply_rule(p, args, argv):
@@ -394,31 +413,71 @@ def one_line(p, prog="train.py"):
     return p
 
 
+def import_torch():
+    """The imports the top of this file leaves to python train.py until its flags are read."""
+    global grpo, M, sample, torch, tqdm
+    if "torch" in globals():  # (imported as a module: done at its top)
+        return
+    import grpo
+    import model as M
+    import sample
+    import torch
+    from tqdm import tqdm
+
+
+def resolve_device(p, argv):
+    """--device as a torch.device (by default cuda where torch sees a GPU, else cpu), or one line from p
+    if torch knows no such device, or sees no GPU for it. Torch loads here (import_torch)."""
+    import_torch()
+    value = one_line(device_flag()).parse_known_args(argv)[0].device
+    value = value or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(value)
+    except RuntimeError:  # torch's own sentence lists every device type it knows
+        p.error(f"argument --device: must be a device such as cuda, cuda:1, cpu or mps, not {value!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {device} was asked for, but torch sees no CUDA GPU")
+    return device
+
+
 def small_defaults(device):  # whether a torch.device gets the smaller defaults: a CPU, or anything but CUDA
     return device.type != "cuda"
 
 
-def device_flag():  # --device alone, which parse_args reads first; parser takes it over as a parent
+def device_defaults(device):
+    """The defaults that depend on the device (None: not yet known, all None): I and J (4 and 4, the
+    paper's best), G, completion length, micro-batch, recomputed activations and the sampler's dtype.
+    A CPU, or any device but a CUDA GPU, gets smaller ones (small_defaults): ~100x slower, it holds
+    several peers in its memory."""
+    if device is None:
+        return dict(IJ=(None, None), generations=None, max_new_tokens=None, micro_tokens=None,
+                    grad_checkpoint=None, dtype=None)
+    cpu = small_defaults(device)
+    return dict(IJ=(2, 2) if cpu else (4, 4), generations=4 if cpu else 8, max_new_tokens=64 if cpu else 256,
+                micro_tokens=1024 if cpu else 8192, grad_checkpoint=cpu,
+                dtype=str(M.default_dtype(device)).removeprefix("torch."))
+
+
+def device_flag():  # --device alone, which resolve_device reads first; parser takes it over as a parent
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cuda, cuda:1, cpu, mps, ... (any device but a CUDA GPU gets a CPU's smaller sizes)")
+    p.add_argument("--device", help="cuda, cuda:1, cpu, mps, ... (default: cuda where torch sees a GPU, "
+                                    "else cpu; any device but a CUDA GPU gets a CPU's smaller sizes)")
     return p
 
 
 def parser(device, I, J):
-    """Every flag, with its meaning and its default on `device`, I and J among them. The small defaults
-    (a CPU is ~100x slower, and holds several peers in its memory) are smaller I, J, G, completions and
-    micro-batches, with recomputed activations."""
-    cpu = small_defaults(device)
-    if cpu:
-        defaults = ("smaller than a GPU's (4, 4, 8, 256, 8192, off) for --local, --external, --generations, "
-                    "--max-new-tokens, --micro-tokens and --grad-checkpoint.")
+    """Every flag, with its meaning and its default on `device`, I and J among them (device_defaults).
+    With no device yet (None) those defaults are None, for parse_args to fill in."""
+    defaults = device_defaults(device)
+    if device is None or small_defaults(device):
+        said = ("smaller than a GPU's (4, 4, 8, 256, 8192, off) for --local, --external, --generations, "
+                "--max-new-tokens, --micro-tokens and --grad-checkpoint.")
     else:
-        defaults = "a CPU's are smaller, see the README."
+        said = "a CPU's are smaller, see the README."
     p = argparse.ArgumentParser(description="SAPO: swarm sampling policy optimization (arXiv 2509.08721)",
                                 formatter_class=Help, allow_abbrev=False, parents=[device_flag()],
                                 epilog=f"The defaults shown are this machine's ({device}): "
-                                       f"{defaults} {BAR_HELP}")
+                                       f"{said} {BAR_HELP}")
     a = p.add_argument
     # what to run
     a("--peers", type=at_least(0), nargs="?", const=4, default=0,
@@ -434,7 +493,7 @@ def parser(device, I, J):
            "(default: $SWARM_TOKEN, which ps does not show)")
     a("--plot", metavar="RUN_DIR", help="write RUN_DIR/reward.svg from its metrics and exit")
     # model and tasks
-    a("--model", default=M.DEFAULT_MODEL,
+    a("--model", default=M.DEFAULT_MODEL if device else None,
       help="model folder or Hub id (Llama, Qwen2, Qwen3); --peers: a comma list, in turn")
     a("--tasks", default="auto",
       help="comma list of reward.py tasks, or 'paper' (the nine), 'rg:paper' (the nine from reasoning_gym), "
@@ -443,22 +502,22 @@ def parser(device, I, J):
       help="the system prompt: ours, or 'rg', ReasoningGym's default one, which the paper used")
     a("--one-shot", action=argparse.BooleanOptionalAction, default=True,
       help="show one worked example of the task family as an earlier chat turn")
-    learning_flags(a, I, J, cpu)
-    machinery_flags(a, device)
+    learning_flags(a, I, J, defaults)
+    machinery_flags(a, defaults)
     return p
 
 
-def learning_flags(a, I, J, cpu):
+def learning_flags(a, I, J, defaults):
     """parser's flags of SAPO (the paper's best: I = 4, J = 4; its baseline in silo: I = 8, J = 0) and GRPO."""
     a("--local", type=at_least(1),
-      help=f"I: local questions per round (default: {I}; {I + J} in silo, with J = 0, "
+      help=f"I: local questions per round (default: {I}; {I and I + J} in silo, with J = 0, "
            "as in the paper's baseline)")
     a("--external", type=at_least(0),
       help=f"J: external groups trained on per round (default: {J} with --swarm or --peers, else 0: in silo)")
-    a("--generations", type=at_least(2), default=4 if cpu else 8,
+    a("--generations", type=at_least(2), default=defaults["generations"],
       help="G: completions per question, compared by GRPO")
     a("--rounds", type=at_least(1), default=2000, help="rounds to train")
-    a("--max-new-tokens", type=at_least(1), default=64 if cpu else 256,
+    a("--max-new-tokens", type=at_least(1), default=defaults["max_new_tokens"],
       help="completion length limit in tokens")
     a("--temperature", type=positive, default=1.0, help="sampling temperature")
     # GRPO
@@ -475,10 +534,10 @@ def learning_flags(a, I, J, cpu):
     a("--inner-steps", type=at_least(1), default=1,
       help="optimizer steps on each round's batch (1: one step per round)")
     a("--max-grad-norm", type=positive, default=1.0, help="gradient clipping norm")
-    a("--micro-tokens", type=at_least(1), default=1024 if cpu else 8192,
+    a("--micro-tokens", type=at_least(1), default=defaults["micro_tokens"],
       help="tokens per forward and backward pass: whole groups, each packed into one row "
            "(a longer group goes alone)")
-    a("--grad-checkpoint", action=argparse.BooleanOptionalAction, default=cpu,
+    a("--grad-checkpoint", action=argparse.BooleanOptionalAction, default=defaults["grad_checkpoint"],
       help="recompute activations in the backward pass")
     a("--shared-logprobs", action=argparse.BooleanOptionalAction, default=False,
       help="publish sampling log-probs, and train shared completions against their sender's "
@@ -487,13 +546,12 @@ def learning_flags(a, I, J, cpu):
       "(above train.py's marker): " + "; ".join(f"{name}, {rule.what}" for name, rule in RULES.items()))
 
 
-def machinery_flags(a, device):
+def machinery_flags(a, defaults):
     """parser's flags that set where and how a run goes, not what it learns."""
     a("--seed", type=int, default=0,
       help="this peer's seed (questions, sampling, external draws, init); "
            "peer k of --peers gets peer_seed(seed, k)")
-    a("--dtype", choices=["bfloat16", "float16", "float32"],
-      default=str(M.default_dtype(device)).removeprefix("torch."),
+    a("--dtype", choices=["bfloat16", "float16", "float32"], default=defaults["dtype"],
       help="sampling copy's dtype (bfloat16 on a CUDA GPU that has it natively, else float16; "
            "float32 off CUDA)")
     a("--out", type=writable_folder,
@@ -602,8 +660,10 @@ class Peer(Algorithm1):
         torch.manual_seed(args.seed)
         model, tok, ref_model = load_models(args, folder, ckpt, self.device, log)
         os.makedirs(folder, exist_ok=True)  # (a run that cannot start leaves nothing behind)
+        tidy(folder)
         model.grad_checkpoint = args.grad_checkpoint
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        opt.register_step_pre_hook(lambda *_: setattr(self, "busy", True))  # the weights change: see run()
         # Sampling runs from a --dtype copy (model.default_dtype's pick), refreshed after every step, or in
         # float32 from the model itself.
         sampler = model
@@ -614,16 +674,16 @@ class Peer(Algorithm1):
         self.start_round, seen = 0, []
         if ckpt:
             seen = self.load_state(ckpt)
-        elif args.resume:
-            log(f"{self.dir}: no checkpoint yet, starting from round 0")
-            open(os.path.join(self.dir, "metrics.jsonl"), "w").close()  # those rounds will run again
+        elif args.resume:  # (killed before its first checkpoint) the rows stay; a round's later row wins
+            log(f"{self.dir}: no checkpoint yet, so it starts again from round 0; metrics.jsonl keeps "
+                "its rows, and --plot and the dashboard show a round's newest")
         self.client = client
         if client is None and args.swarm:  # with J = 0 a peer still shares its rollouts
-            self.client = connect(args, self.name, self.start_round, seen)
+            self.client = connect(args, self.name, self.start_round, seen, log)
         with open(os.path.join(folder, "settings.json"), "w") as f:
             # never the token, nor a password in the URL: no secret goes to disk
-            shown = {k: re.sub(r"(://[^/@]*?):[^/@]*@", r"\1:***@", v) if k == "swarm" and v else v
-                     for k, v in vars(args).items() if k != "token"}
+            shown = {k: hide_password(v) if k == "swarm" and v else v for k, v in vars(args).items()
+                     if k != "token"}
             json.dump(shown, f, indent=2, default=str)  # str: the device
 
     def learn(self, r, collected):
@@ -639,7 +699,9 @@ class Peer(Algorithm1):
 
     def log_round(self, r, collected, external, counts, stats, seconds):
         """Algorithm1.log_round, then two completions of two local groups in samples.jsonl every
-        --sample-every rounds, and the metrics on the swarm's dashboard."""
+        --sample-every rounds, and the metrics on the swarm's dashboard. A stop waits for the round's end
+        from here (busy), as it does from an optimizer step on."""
+        self.busy = True
         m = super().log_round(r, collected, external, counts, stats, seconds)
         if self.args.sample_every and r % self.args.sample_every == 0:
             with open(os.path.join(self.dir, "samples.jsonl"), "a") as f:
@@ -656,11 +718,12 @@ class Peer(Algorithm1):
 
     def run(self):
         """Rounds start_round to --rounds - 1, then a checkpoint of the last. Ctrl-C or SIGTERM (the
-        launcher's stop) abandons a round still sampling (the model unchanged) and lets one changing the
-        model finish; either way the last completed round is saved, and --resume goes on at the next.
-        Returns whether it stopped."""
+        launcher's stop) abandons the round in progress if its weights are unchanged: until its first
+        optimizer step, which the optimizer's pre-hook marks (busy), or until it writes its metrics. A
+        round past that point is finished first. Either way the last completed round is saved at once,
+        with the state it ended with (kept), and --resume goes on at the next. Returns whether it stopped."""
         args, rows = self.args, []  # rows: the metrics of the rounds done
-        done = self.start_round - 1  # the last completed round
+        done, kept = self.start_round - 1, self.trainer_state()  # the last completed round, and its state
         self.busy = self.stopping = False
         handlers = {sig: signal.signal(sig, self.interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
         bar = tqdm(total=args.rounds, initial=self.start_round, desc=self.name, dynamic_ncols=True,
@@ -669,11 +732,10 @@ class Peer(Algorithm1):
             self.client.flush(FIRST_READ_SECONDS)  # (the read of round start_round, as an unstopped peer's)
         try:
             for r in range(self.start_round, args.rounds):
-                collected = self.collect(r)  # a stop up to here abandons round r
-                self.busy = True             # the model changes from here: a stop waits for the round's end
-                m, done = self.learn(r, collected), r
+                m = self.learn(r, self.collect(r))  # (a stop before its step abandons round r)
+                done, kept = r, self.trainer_state()
                 if args.save_every and (r + 1) % args.save_every == 0:
-                    self.save(r)
+                    self.save(r, kept)
                 self.busy = False
                 bar.update(1)
                 rows.append(m)
@@ -689,43 +751,58 @@ class Peer(Algorithm1):
             self.stopping = True
         self.busy = True  # the last checkpoint is written whatever arrives now
         bar.close()
-        if done >= self.start_round and not (args.save_every and (done + 1) % args.save_every == 0):
-            self.save(done)
-        if self.stopping:
-            self.log(f"stopped after round {done}, the last completed one, which is saved" if done >= 0
-                     else "stopped")
+        self.finish(done, kept)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-        if self.client is not None:  # what is queued may go, then one line says what could not
-            self.client.close(wait=FLUSH_SECONDS)
         return self.stopping
 
+    def finish(self, done, kept):
+        """The end of run(): the last completed round saved (unless --save-every just did), saying so after
+        a stop, and the swarm client closed. While a stopped peer saves, its folder holds SAVING, and the
+        launcher waits for it."""
+        args = self.args
+        if self.stopping:
+            say_saving(self.dir, True)
+        if done >= self.start_round and not (args.save_every and (done + 1) % args.save_every == 0):
+            self.save(done, kept)
+        say_saving(self.dir, False)
+        if self.stopping:
+            self.log(f"stopped after round {done}, the last completed one, which is saved" if done >= 0
+                     else "stopped before its first round ended: nothing to save")
+        if self.client is not None:  # what is queued may go, then one line says what could not
+            self.client.close(wait=FLUSH_SECONDS)
+
     def interrupt(self, signum, frame):
-        """Ctrl-C or SIGTERM in run(): stop now if the model is unchanged since the last round, else
-        after this one."""
+        """Ctrl-C or SIGTERM in run(): stop now if the weights are those of the last completed round, else
+        after this round, saying meanwhile that it saves (SAVING)."""
         self.stopping = True
         if not self.busy:
             raise KeyboardInterrupt
+        say_saving(self.dir, True)
 
-    def save(self, round_):
-        """checkpoint-<round>/: a Hugging Face folder transformers can load, plus optimizer and RNG state
-        and the undrawn external pool (model.save_model renames it into place whole). Then checkpoint.json,
-        the pointer resume reads, is replaced at once, and older checkpoints go: a stop at any moment
-        leaves the pointer naming a whole checkpoint, with the length metrics.jsonl had when it was taken."""
-        state = {"round": round_, "optimizer": self.opt.state_dict(), "torch_rng": torch.get_rng_state(),
-                 "external_rng": json.dumps(self.external_rng.getstate()),
-                 "pool": [dataclasses.asdict(x) for x in self.pool],
-                 "seen": list(getattr(self.client, "seen", []))}
-        name, metrics = f"checkpoint-{round_}", os.path.join(self.dir, "metrics.jsonl")
+    def trainer_state(self):
+        """What a checkpoint keeps beside the weights, as it is now: the optimizer, the random states, the
+        undrawn external pool, the swarm client's read state and the length of metrics.jsonl. The optimizer's
+        tensors are its own (not copies): they change only in a step, and a round that steps is finished."""
+        metrics = os.path.join(self.dir, "metrics.jsonl")
+        return {"optimizer": self.opt.state_dict(), "torch_rng": torch.get_rng_state(),
+                "external_rng": json.dumps(self.external_rng.getstate()), "pool": list(self.pool),
+                "seen": list(getattr(self.client, "seen", [])),
+                "metrics_bytes": os.path.getsize(metrics) if os.path.exists(metrics) else 0}
+
+    def save(self, round_, state=None):
+        """checkpoint-<round>/: a Hugging Face folder transformers can load, plus trainer_state.pt (state:
+        trainer_state() at the end of round_, by default now). model.save_model renames it into place whole; then
+        checkpoint.json, the pointer resume reads, is replaced at once, and older checkpoints go: a stop at
+        any moment leaves the pointer naming a whole checkpoint, with the length metrics.jsonl had then."""
+        name, state = f"checkpoint-{round_}", state or self.trainer_state()
+        extra = dict(state, round=round_, pool=[dataclasses.asdict(x) for x in state["pool"]])
         M.save_model(self.model, self.tok, os.path.join(self.dir, name),
-                     write_extra=lambda folder: torch.save(state, os.path.join(folder, "trainer_state.pt")))
-        metrics_bytes = os.path.getsize(metrics) if os.path.exists(metrics) else 0
+                     write_extra=lambda folder: torch.save(extra, os.path.join(folder, "trainer_state.pt")))
         with open(os.path.join(self.dir, "checkpoint.json.tmp"), "w") as f:
-            json.dump(dict(round=round_, checkpoint=name, metrics_bytes=metrics_bytes), f)
+            json.dump(dict(round=round_, checkpoint=name, metrics_bytes=state["metrics_bytes"]), f)
         os.replace(os.path.join(self.dir, "checkpoint.json.tmp"), os.path.join(self.dir, "checkpoint.json"))
-        for old in os.listdir(self.dir):  # older checkpoints, and what a save cut short left (a .tmp- folder)
-            if re.fullmatch(r"checkpoint-.*|\.tmp-.*", old) and old != name:
-                shutil.rmtree(os.path.join(self.dir, old), ignore_errors=True)
+        tidy(self.dir)
 
     def load_state(self, ckpt):
         """A checkpoint's (last_checkpoint's dict) optimizer, random state and pool; returns the client's
@@ -765,22 +842,76 @@ def load_models(args, folder, ckpt, device, log):
     return model, tok, ref_model
 
 
-def connect(args, name, round_, seen):
+def connect(args, name, round_, seen, log=print):
     """The client of --swarm, reading 4J groups a round whatever the swarm's size, with the read state
-    (round_, seen) of a resumed peer: as if it had never stopped."""
+    (round_, seen) of a resumed peer: as if it had never stopped. A server's first line says whether it
+    answers (health)."""
     sample = max(1, min(4 * args.external, swarm.Limits.sample_groups))
     seed = stream(args.seed, "external", "reads").getrandbits(63)
     try:
-        return swarm.connect(args.swarm, name, token=args.token, sample=sample, seed=seed,
-                             round=round_, seen=seen)
+        client = swarm.connect(args.swarm, name, token=args.token, sample=sample, seed=seed,
+                               round=round_, seen=seen)
     except ValueError as e:  # a URL it cannot use, or redis:// without the redis package
         raise SystemExit(f"train.py: --swarm: {e}") from None
+    if args.swarm.startswith(("http://", "https://")):
+        log(health(args.swarm, args.token))
+    return client
+
+
+def health(url, token=None):
+    """One line on the swarm server at url, from its /health: its dashboard if it answers, else why not, and
+    that the peer trains alone until it does (the client keeps trying)."""
+    import requests
+    shown = hide_password(url.rstrip("/"))
+    try:
+        reply = requests.get(f"{url.rstrip('/')}/health", timeout=5,
+                             headers={"Authorization": f"Bearer {token}"} if token else {})
+        if reply.ok:
+            return f"swarm: {shown} answers; its dashboard: {shown}/"
+        why = f"it answers HTTP {reply.status_code}"
+    except requests.RequestException as e:
+        found = re.search(r"\[Errno -?\d+\] [^'\")]+", str(e))
+        why = found.group(0) if found else type(e).__name__
+    return (f"swarm: {shown} does not answer ({why}): this peer trains on its own groups alone, and keeps "
+            "trying to share them, until it does")
+
+
+def hide_password(url):  # a URL as it may be shown or written: no password
+    return re.sub(r"(://[^/@]*?):[^/@]*@", r"\1:***@", url)
+
+
+SAVING = ".saving"  # a peer folder's file while a stopped peer writes its last checkpoint: wait for it
+
+
+def say_saving(folder, on):
+    """Whether the peer in folder is saving after a stop, said by SAVING (its pid) for the launcher."""
+    path = os.path.join(folder, SAVING)
+    if on:
+        with open(path, "w") as f:
+            f.write(str(os.getpid()))
+    elif os.path.exists(path):
+        os.remove(path)
+
+
+def tidy(folder):
+    """Remove from a peer folder what its checkpoint pointer does not name: older checkpoints, and what a
+    save cut short left (a .tmp- folder, a checkpoint.json.tmp), or a stale SAVING. At a start, a resume
+    and after every save: nothing half written stays on disk."""
+    kept = (last_checkpoint(folder) or {}).get("checkpoint")
+    for name in os.listdir(folder):
+        if re.fullmatch(r"checkpoint-.*|\.tmp-.*", name) and name != kept:
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+        elif name in ("checkpoint.json.tmp", SAVING):
+            os.remove(os.path.join(folder, name))
 
 
 def last_checkpoint(folder):
     """folder/checkpoint.json (Peer.save) as a dict: round, checkpoint, metrics_bytes, path; None before any."""
     path = os.path.join(folder, "checkpoint.json")  # replaced whole (os.replace), never removed
-    pointer = M.read_json(path) if os.path.exists(path) else None
+    pointer = None
+    if os.path.exists(path):
+        with open(path) as f:
+            pointer = json.load(f)
     return dict(pointer, path=os.path.join(folder, pointer["checkpoint"])) if pointer else None
 
 
@@ -820,12 +951,6 @@ BAR_HELP = ("A peer's progress bar: reward, its local reward; batch, its batch r
 # -----------------------------------------------------------------------------
 # the launcher: a server and N peers on one machine
 
-# One peer's peak memory per model parameter, measured for SmolLM2-135M with the CPU defaults (3.2-3.3 GB,
-# docs/performance.md) plus a margin: 16 bytes are float32 weights, gradients and AdamW state, the rest runtime
-# and activations. On CUDA and for other models a rough guide, scaled by size.
-PEER_BYTES_PER_PARAM = 26
-
-
 def launch(args, argv):
     """A swarm server on a free loopback port, in this process, and args.peers peer processes, each with a
     credential of its own (so each writes only as itself; reads need none unless --token); their progress
@@ -833,17 +958,18 @@ def launch(args, argv):
     that dies is reported and the others go on; the launcher then exits non-zero, saying why."""
     if not args.resume and glob.glob(os.path.join(args.out, "*", "metrics.jsonl")):
         raise SystemExit(f"{args.out} already holds a run: pass --resume to continue it, or another --out")
+    models = [args.models[k % len(args.models)] for k in range(args.peers)]  # peer k takes them in turn
     try:  # each model once, here: a first download or GGUF dequantisation must not run in every peer at once
-        models = [args.models[k % len(args.models)] for k in range(args.peers)]  # peer k takes them in turn
-        sizes = {m: count_params(M.resolve(m)) for m in models}
-        check_memory(args.device, [sizes[m] for m in models])
+        sizes = {m: model_size(M.resolve(m)) for m in dict.fromkeys(models)}
+        check_memory(args, [sizes[m] for m in models])
+        print(run_line(args, [sizes[m][1] for m in models]))
         os.makedirs(args.out, exist_ok=True)
         tokens = {f"peer{k}": secrets.token_urlsafe(24) for k in range(args.peers)}  # one credential per peer
         server, url = swarm.start_server(os.path.join(args.out, "swarm"), token=args.token, peers=tokens,
                                          public_reads=not args.token, score=reward.score)  # in this process
     except (OSError, ValueError, RuntimeError) as e:
         raise SystemExit(f"train.py: {e}") from None
-    children, failed, stopped = [], {}, False
+    children, failed, bars, stopped = [], {}, {}, False
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as Ctrl-C does
     signal.signal(signal.SIGHUP, signal.default_int_handler)  # the terminal closed: stop the children too
     try:
@@ -851,34 +977,56 @@ def launch(args, argv):
         procs = {n: start_peer(args, argv, k, url, children, tokens[n]) for k, n in enumerate(tokens)}
         # a bar a peer; in a mixed swarm each bar names its peer's model
         desc = {n: f"{n} ({label(models[k])})" if len(sizes) > 1 else n for k, n in enumerate(procs)}
-        bars = {n: tqdm(total=args.rounds, desc=desc[n], position=k, dynamic_ncols=True, bar_format=BAR)
-                for k, n in enumerate(procs)}
-        seen, got = 0, {}  # the peers' metrics rows as the server got them
-        while len(failed) < len(procs) and any(p.poll() is None for p in procs.values()):
-            time.sleep(1.0)
-            rows, seen, _ = server.store.read_metrics(seen)
-            for row in map(json.loads, rows):
-                got.setdefault(row["peer"], []).append(row["metrics"])
-            for n, proc in procs.items():
-                if n in got:
-                    bars[n].n = int(got[n][-1]["round"]) + 1
-                    bars[n].set_postfix(progress(got[n], args.rounds))  # and redraw
-                if proc.poll() not in (None, 0) and n not in failed:
-                    failed[n] = f"{n} {why_stopped(proc.returncode)}: see {args.out}/{n}/log.txt"
-                    tqdm.write(failed[n] + "; the others go on")
-        for b in bars.values():
-            b.close()
+        bars.update({n: tqdm(total=args.rounds, desc=desc[n], position=k, dynamic_ncols=True, bar_format=BAR)
+                     for k, n in enumerate(procs)})
+        watch(args, server, procs, bars, failed)
         print(f"{len(procs) - len(failed)} of {len(procs)} peers finished")
     except KeyboardInterrupt:
-        print(f"\nstopping every peer (each saves its last completed round, up to {STOP_SECONDS} s) "
-              "and the server...")
         stopped = True
     finally:
+        for b in bars.values():  # each redrawn whole (over a ^C the terminal echoed), and never again
+            b.close()
+        if stopped:
+            print("stopping every peer (each saves its last completed round) and the server...")
         stop_all(children)
         server.shutdown()
     print(next_steps(args, argv, stopped or bool(failed)))
     if stopped or failed:
         raise SystemExit(130 if stopped else "\n".join(failed.values()))
+
+
+def watch(args, server, procs, bars, failed):
+    """The launcher's loop until every peer has exited: each one's bar from the metrics it posts to the
+    server, and a line for each that fails (failed: its name -> why, filled in here)."""
+    seen, got = 0, {}  # the peers' metrics rows as the server got them
+    while len(failed) < len(procs) and any(p.poll() is None for p in procs.values()):
+        time.sleep(1.0)
+        rows, seen, _ = server.store.read_metrics(seen)
+        for row in map(json.loads, rows):
+            got.setdefault(row["peer"], []).append(row["metrics"])
+        for n, proc in procs.items():
+            if n in got:
+                bars[n].n = int(got[n][-1]["round"]) + 1
+                bars[n].set_postfix(progress(got[n], args.rounds))  # and redraw
+            if proc.poll() not in (None, 0) and n not in failed:
+                failed[n] = f"{n} {why_stopped(proc.returncode)}: see {args.out}/{n}/log.txt"
+                tqdm.write(failed[n] + "; the others go on")
+
+
+def run_line(args, params):
+    """What a run is, in a line: its folder, I, J, G, the completions' length, its rounds and device; and in
+    another the disk its checkpoints take (params: each peer's parameter count). A peer keeps its newest
+    checkpoint only: float32 weights and AdamW's two moments, 12 bytes a parameter (two checkpoints for a
+    moment, while it writes the next)."""
+    silo = " (in silo)" if not args.external else f", selection rule {args.rule}"
+    each = sorted(12 * n / 1e9 for n in params)
+    size = f"{each[0]:.2g} GB" if each[0] == each[-1] else f"{each[0]:.2g} to {each[-1]:.2g} GB"
+    run = f"one a peer, about {sum(each):.2g} GB in all" if len(each) > 1 else "its newest only"
+    return (f"run folder: {args.out}; I = {args.local}, J = {args.external}{silo}, G = {args.generations}, "
+            f"{args.max_new_tokens} new tokens, {args.rounds} rounds on {args.device} "
+            "(--help shows the defaults)\n"
+            f"disk: a checkpoint takes about {size} (a third of it weights, the rest the optimizer's state); "
+            f"the run keeps {run}, and twice that while it writes them")
 
 
 def next_steps(args, argv, stopped):
@@ -913,13 +1061,14 @@ def start_peer(args, argv, k, url, children, token=None):
              "--seed", str(peer_seed(args.seed, k)), "--model", args.models[k % len(args.models)],
              "--out", args.out]
     os.makedirs(os.path.join(args.out, name), exist_ok=True)
-    env = dict(os.environ, **({"SWARM_TOKEN": token or args.token} if token or args.token else {}))
+    env = dict(os.environ, SAPO_LAUNCHED="1", **({"SWARM_TOKEN": token or args.token} if token or args.token
+                                                  else {}))
     if args.device.type == "cpu":  # share the cores instead of every peer fighting for all of them
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.peers)))
     log = open(os.path.join(args.out, name, "log.txt"), "a")
     proc = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), *flags],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    children.append(proc)
+    children.append((proc, os.path.join(args.out, name)))  # (its folder says whether it saves: stop_all)
     return proc
 
 
@@ -927,40 +1076,60 @@ def label(model):  # a model in a legend or a table: its folder or Hub name, wit
     return os.path.basename(str(model).rstrip("/"))
 
 
-STOP_SECONDS = 120  # a stopped peer finishes a GRPO step and writes its checkpoint before it is killed
+STOP_SECONDS = 120  # how long a stopped peer may take to abandon or end its round before it is killed
 FLUSH_SECONDS = 10  # at the end of a run, the longest a peer waits for the swarm to take what is still queued
 FIRST_READ_SECONDS = 2  # at its start, the longest a peer waits for its first read of the swarm
 
 
 def stop_all(children):
-    """Stop every child: SIGTERM, then SIGKILL after STOP_SECONDS."""
+    """Stop every child (a process and its folder): SIGTERM, then SIGKILL after STOP_SECONDS. A peer whose
+    folder holds SAVING writes its last checkpoint: it is waited for, however long the machine's load makes
+    that, and then given the time its swarm client's last sends take (FLUSH_SECONDS, and a little)."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second Ctrl-C must not cut this short
         signal.signal(sig, signal.SIG_IGN)
-    for proc in children:
+    for proc, _ in children:
         proc.terminate()  # a no-op on one that has exited
-    deadline = time.time() + STOP_SECONDS
-    for proc in children:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    start = time.time()
+    for proc, folder in children:
+        deadline, said = start + STOP_SECONDS, False
+        while proc.poll() is None:
+            if os.path.exists(os.path.join(folder, SAVING)):
+                deadline = max(deadline, time.time() + FLUSH_SECONDS + 5)
+                if time.time() > start + STOP_SECONDS and not said:
+                    print(f"waiting for {os.path.basename(folder)}, which is writing its checkpoint")
+                    said = True
+            elif time.time() > deadline:
+                proc.kill()
+                proc.wait()
+            time.sleep(0.1)
+
+
+OUT_OF_MEMORY = 3  # a peer's exit status when CUDA ran out of memory (main)
+FEWER = "try fewer --peers, a lower --micro-tokens or --grad-checkpoint"
 
 
 def why_stopped(code):
     """A peer's exit status in words, with the likely cause where one is known."""
     if code == -signal.SIGKILL:
         return "was killed by signal 9 (SIGKILL), probably out of memory; try fewer --peers"
+    if code == OUT_OF_MEMORY:
+        return f"ran out of GPU memory; {FEWER}"
     if code < 0:
         return f"was killed by signal {-code} ({signal.Signals(-code).name})"
     return f"stopped with exit code {code}"
 
 
-def count_params(folder):
-    """Parameters of a model folder, from its config.json: the model built on the meta device, no tensor read."""
+def model_size(folder):
+    """A model folder's Config (from config.json) and parameter count: the model built on the meta device."""
+    cfg = M.config_from_hf(M.read_json(os.path.join(folder, "config.json")))
     with torch.device("meta"):
-        model = M.Transformer(M.config_from_hf(M.read_json(os.path.join(folder, "config.json"))))
-    return sum(p.numel() for p in model.parameters())
+        model = M.Transformer(cfg)
+    return cfg, sum(p.numel() for p in model.parameters())
+
+
+def count_params(folder):
+    """Parameters of a model folder, from its config.json: no tensor read."""
+    return model_size(folder)[1]
 
 
 def free_memory(device):
@@ -974,31 +1143,69 @@ def free_memory(device):
         return None
 
 
-def check_memory(device, params):
-    """Refuse, in one sentence, peers that do not fit in free memory (params: each peer's model's parameter
-    count): better than the kernel's OOM killer taking a peer in round 3."""
-    need, free = [n * PEER_BYTES_PER_PARAM for n in params], free_memory(device)
+# A peer's peak memory (peer_memory), from its model's config and the run's flags. The constants were measured
+# on the CPU with the SmolLM2-135M shape in float32 (docs/performance.md); on CUDA the runtime, and the share
+# of the activations that bfloat16 autocast keeps, are estimates, not yet measured.
+RUNTIME_BYTES = {"cpu": 0.31e9, "cuda": 0.5e9}  # Python, torch and transformers; on a GPU its CUDA context
+LAYER_FLOATS = (14, 4)  # floats a token keeps for the backward pass, per layer: 14 a dim, 4 a hidden_dim
+MASK_BYTES = 5          # and bytes per layer, per query head of a key head, per position of its packed row
+CHECKPOINTED_LAYERS = 10  # with --grad-checkpoint, a token keeps as much as this many layers do without
+AUTOCAST_SHARE = 0.6    # the share of them a bfloat16 autocast keeps (counted from the tensors' dtypes)
+PROMPT_TOKENS = (120, 900)  # the longest prompt, one-shot example included: of the easy tasks, of the others
+
+
+def peer_memory(cfg, params, args):
+    """A peer's peak bytes on args.device: float32 weights and AdamW's two moments (12 bytes a parameter),
+    the sampling copy (--dtype, none in float32) and the KL's reference (--beta); on top, the larger of
+    sampling (the KV cache of I * G rows of prompt and --max-new-tokens) and training: the gradients, then
+    the activations of a micro-batch (--micro-tokens, whole groups; --grad-checkpoint) or the optimizer
+    step's temporaries (4 bytes a parameter), whichever is more."""
+    prompt = PROMPT_TOKENS[not set(args.task_list) <= set(reward.EASY_TASKS)]
+    row = prompt + args.generations * args.max_new_tokens  # a packed group
+    tokens = max(1, args.micro_tokens // row) * row  # micro-batches hold whole groups, at least one
+    tokens = min(tokens, (args.local + args.external) * row)
+    rep = cfg.n_heads // cfg.n_kv_heads
+    per_layer = 4 * (LAYER_FLOATS[0] * cfg.dim + LAYER_FLOATS[1] * cfg.hidden_dim) + MASK_BYTES * rep * row
+    layers = CHECKPOINTED_LAYERS if args.grad_checkpoint else cfg.n_layers
+    amp = AUTOCAST_SHARE if M.autocast_dtype(args.device) is not None else 1.0
+    logits = 12 * min(tokens, 512) * cfg.vocab_size  # a chunk of the log-probs' logits, three times over
+    activations = tokens * per_layer * layers * amp + logits
+    sampler = 0 if args.dtype == "float32" else params * torch.finfo(getattr(torch, args.dtype)).bits // 8
+    kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * args.local * args.generations \
+        * (prompt + args.max_new_tokens) * (4 if args.dtype == "float32" else 2)
+    training = 4 * params + max(activations, 4 * params)
+    return (RUNTIME_BYTES.get(args.device.type, RUNTIME_BYTES["cpu"]) + 12 * params + sampler
+            + 4 * params * (args.beta > 0) + max(kv, training))
+
+
+def check_memory(args, sizes):
+    """Refuse, in one sentence, peers that do not fit in free memory (sizes: each peer's (Config, parameter
+    count)), by peer_memory: better than the kernel's OOM killer taking a peer in round 3, or CUDA's."""
+    need, free = [peer_memory(cfg, n, args) for cfg, n in sizes], free_memory(args.device)
     if free is None or sum(need) <= free:
         return
     fits = next(k for k in range(len(need)) if sum(need[:k + 1]) > free)  # peers 0, 1, ... in turn
-    where = "GPU memory" if device.type == "cuda" else "memory"
+    where = "GPU memory" if args.device.type == "cuda" else "memory"
     raise SystemExit(f"train.py: {len(need)} peers need about {sum(need) / 1e9:.1f} GB of {where} "
                      f"(up to {max(need) / 1e9:.1f} GB each) but {free / 1e9:.1f} GB is free: "
                      + (f"try --peers {fits}." if fits else
-                        "not even one peer fits; free some memory first."))
+                        "not even one peer fits; free some memory first, or lower --micro-tokens or add "
+                        "--grad-checkpoint."))
 
 
 def plot(run_dir):
     """RUN_DIR/reward.svg, every peer's reward per round (a dot a round, a line through the running mean
     of the last 5): on top the local reward, the peer's skill; below it the batch reward, the paper's figure,
     which also counts the external groups trained on (always of mixed reward, so it reads higher). A run in
-    silo trains on its local groups only, where the two are the same: it gets the top chart alone. In a
-    swarm of several models each line is named by its peer and its model (settings.json). The charts are
-    drawn by swarm.render_svg (swarm.py, the dashboard's, below its marker line)."""
+    silo trains on its local groups only, where the two are the same: it gets the top chart alone. A round
+    run twice (a resume that found no checkpoint) is drawn from its last row. In a swarm of several models
+    each line is named by its peer and its model (settings.json). The charts are drawn by swarm.render_svg
+    (swarm.py, the dashboard's, below its marker line)."""
     runs = {}
     for path in sorted(glob.glob(os.path.join(glob.escape(run_dir), "*", "metrics.jsonl"))):
         with open(path) as f:
-            runs[os.path.basename(os.path.dirname(path))] = [json.loads(line) for line in f if line.strip()]
+            rows = {row["round"]: row for row in map(json.loads, filter(str.strip, f))}  # a round's last row
+        runs[os.path.basename(os.path.dirname(path))] = [rows[r] for r in sorted(rows)]
     runs = {n: rows for n, rows in runs.items() if rows and "local_reward" in rows[0]}  # not swarm/'s
     if not runs:
         raise SystemExit(f"no <peer>/metrics.jsonl under {run_dir}: give the folder of a run")
@@ -1008,7 +1215,7 @@ def plot(run_dir):
     if len(set(ran.values())) > 1:  # a mixed swarm: each line says its peer's model
         runs = {f"{n} {ran[n]}": rows for n, rows in runs.items()}
     kinds = [("local_reward", "local reward (the skill)"),
-             ("batch_reward", "batch reward (the paper's figure: the training batch, external groups too)")]
+             ("batch_reward", "batch reward (the paper's figure)")]  # (a long title is cut at the left)
     if all(row["batch_reward"] == row["local_reward"] for rows in runs.values() for row in rows):
         kinds = kinds[:1]
     charts = []
@@ -1028,19 +1235,22 @@ def main(argv=None):
     args = parse_args(argv)
     if args.plot:
         return plot(args.plot)
-    dashboard = f"; dashboard: {args.swarm.rstrip('/')}/" if args.swarm else ""
-    silo = " (in silo)" if not args.external else f", selection rule {args.rule}"
-    print(f"run folder: {args.out}{dashboard}; I = {args.local}, J = {args.external}{silo}, "
-          f"G = {args.generations}, {args.max_new_tokens} new tokens, {args.rounds} rounds on {args.device} "
-          "(--help shows the defaults)")
     if args.peers:
         return launch(args, argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # the launcher's stop: as Ctrl-C
     try:
-        stopped = Peer(args).run()
+        peer = Peer(args)
+        print(run_line(args, [sum(p.numel() for p in peer.model.parameters())]))
+        stopped = peer.run()
     except KeyboardInterrupt:  # while the model loads
         stopped = True
-    print(next_steps(args, argv, stopped))
+    except torch.OutOfMemoryError as e:  # one sentence, and a status the launcher names (why_stopped)
+        print(f"train.py: out of GPU memory ({str(e).splitlines()[0][:200]}); {FEWER}", file=sys.stderr)
+        sys.exit(OUT_OF_MEMORY)
+    if os.environ.get("SAPO_LAUNCHED"):  # a launched peer: the launcher's last lines say what to do next
+        print("this peer was started by python train.py --peers N, whose last lines say how to go on")
+    else:
+        print(next_steps(args, argv, stopped))
     if stopped:
         sys.exit(130)
 

@@ -191,15 +191,17 @@ def test_train_launcher_runs_a_swarm_of_two_models_and_says_which_peer_runs_whic
     with pytest.raises(SystemExit) as e:
         train.parse_args(["--model", models])
     assert e.value.code == 2
-    sizes = {str(tmp_path / "words"): train.count_params(str(tmp_path / "words")),
-             str(tmp_path / "chars"): train.count_params(str(tmp_path / "chars"))}
-    assert len(set(sizes.values())) == 2
-    free = (2 * sizes[str(tmp_path / "words")] + sizes[str(tmp_path / "chars")]) * train.PEER_BYTES_PER_PARAM
+    argv = ["--peers", "4", "--model", models, "--out", str(tmp_path / "too-many")]
+    args = train.parse_args(argv)
+    sizes = {m: train.model_size(str(tmp_path / m)) for m in ("words", "chars")}
+    need = {m: train.peer_memory(*size, args) for m, size in sizes.items()}
+    assert len(set(need.values())) == 2
+    free = 2 * need["words"] + need["chars"]
     monkeypatch.setattr(train, "free_memory", lambda device: free)  # room for words, chars, words: not a 2nd chars
     with pytest.raises(SystemExit) as e:
-        train.main(["--peers", "4", "--model", models, "--out", str(tmp_path / "too-many")])
+        train.main(argv)
     assert "4 peers need about" in str(e.value) and "try --peers 3." in str(e.value) and "up to " in str(e.value)
-    train.check_memory(torch.device("cpu"), [sizes[str(tmp_path / m)] for m in ("words", "chars", "words")])
+    train.check_memory(args, [sizes[m] for m in ("words", "chars", "words")])
 
 
 def test_train_launcher_gives_each_peer_its_model_in_turn_and_one_task_mix(monkeypatch):
@@ -269,9 +271,11 @@ def test_train_cpu_defaults_save_memory_and_the_launcher_refuses_what_does_not_f
     ours, _ = M.load_model(str(tiny))
     params = sum(p.numel() for p in ours.parameters())
     assert train.count_params(str(tiny)) == params
-    monkeypatch.setattr(train, "free_memory", lambda device: 2.5 * params * train.PEER_BYTES_PER_PARAM)
+    argv = ["--peers", "4", "--model", str(tiny), "--out", str(tmp_path / "run")]
+    need = train.peer_memory(*train.model_size(str(tiny)), train.parse_args(argv))
+    monkeypatch.setattr(train, "free_memory", lambda device: 2.5 * need)
     with pytest.raises(SystemExit) as e:
-        train.main(["--peers", "4", "--model", str(tiny), "--out", str(tmp_path / "run")])
+        train.main(argv)
     assert "try --peers 2." in str(e.value) and len(str(e.value).splitlines()) == 1
     assert not (tmp_path / "run").exists()  # refused before anything started
     assert "out of memory" in train.why_stopped(-9) and "fewer --peers" in train.why_stopped(-9)
@@ -298,7 +302,7 @@ def test_train_launcher_gives_each_peer_a_credential_of_its_own(tmp_path, monkey
     """train.py --peers N starts its server with one credential per peer, each in that peer's SWARM_TOKEN:
     peer k's token writes as peer k only (403 as another), and reads need none (the dashboard)."""
     monkeypatch.setattr(train, "check_memory", lambda *args: None)
-    monkeypatch.setattr(train, "count_params", lambda folder: 0)
+    monkeypatch.setattr(train, "model_size", lambda folder: (None, 0))
     monkeypatch.setattr(train.M, "resolve", lambda name: name)
     seen, real_start_peer = {}, train.start_peer
 

@@ -59,7 +59,7 @@ def test_swarm_dashboard_shows_each_peers_newest_completions_escaped(_sw_server,
     ann.post_metrics(0, {"local_reward": 0.5, "round": 0})                   # round 0 done
     assert eve.flush(10) and ann.flush(10)
     page = requests.get(url + "/", timeout=5).text
-    assert "<script>" not in page and "<img" not in page and "<b>bold" not in page
+    assert "<script>alert" not in page and "<img" not in page and "<b>bold" not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;?" in page and "&lt;b&gt;bold&lt;/b&gt; &amp; &lt;img src=x&gt;" in page
     assert "ann says 2" in page and ">old<" not in page  # the newest group of each peer
     assert re.search(r"<td>ann</td><td>ann&#x27;s &lt;i&gt;model&lt;/i&gt;</td><td>1</td>", page)  # its model, escaped

@@ -21,7 +21,8 @@ student changing a component file runs test_all.py; these guard what a change ca
   test_glossary.py     docs/glossary.md is what docs/glossary.py writes from the code
 
 This file puts the repository on the path, hands the test files the specification's fixtures (tiny,
-_sw_server, _sw_clients) and the swarm server as a process of its own (_sw_spawn, _sw_stop).
+_sw_server, _sw_clients), the swarm server as a process of its own (_sw_spawn, _sw_stop), and the
+processes whose command line holds some text (_processes_mentioning).
 """
 
 import os
@@ -54,3 +55,17 @@ def _sw_stop(proc):
     if proc.poll() is None:
         proc.kill()
     proc.wait()
+
+
+def _processes_mentioning(*texts):
+    """The ids of the processes whose command line holds every one of texts."""
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+            if all(text.encode() in cmdline for text in texts):
+                found.append(int(pid))
+        except (OSError, ValueError):
+            pass
+    return found

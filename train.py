@@ -142,29 +142,23 @@ class Rule:  # a receiver's selection rule (step 5), named in RULES; a run says 
     draw: object = draw_uniform  # draw(rng, pool, J): the indices of the pool's groups it draws
     pool_rounds: int = 2         # the rounds an undrawn shared group stays in the pool after it came
     flags: tuple = ()            # the settings it changes, as (flag, value) pairs
-    judge: object = None         # judge(peer, groups): those of the kept groups the receiver's own model keeps
+    judge: object = None         # judge(peer, groups): the kept groups that the receiver's own model keeps
 
 
-def per_char_logprobs(peer, groups):
-    """Each group's completions' log-probs under the peer's own model, per character of the text they say
-    (a stop token counts as one): how likely the peer is to write a text, whatever tokenizer wrote it."""
-    out, device = [], peer.model.lm_head.weight.device
-    for g in groups:
-        packed = grpo.pack([(g.prompt, g.completions)], peer.pad_id, peer.stop_ids, device)
-        with torch.no_grad():
-            logp = grpo.completion_logprobs(peer.model, packed, peer.args.temperature, peer.amp_dtype).sum(1)
-        out.append([lp / max(len(t) + s, 1) for lp, t, s in zip(logp.tolist(), g.texts, g.stopped)])
-    return out
+def surprisal(peer, g):
+    """Its completions' -log-probs per character (a stop token is one) under the peer's own model."""
+    batch = grpo.pack([(g.prompt, g.completions)], peer.pad_id, peer.stop_ids, peer.args.device)
+    with torch.no_grad():
+        logp = grpo.completion_logprobs(peer.model, batch, peer.args.temperature, peer.amp_dtype).sum(1)
+    return [-lp / max(len(t) + s, 1) for lp, t, s in zip(logp.tolist(), g.texts, g.stopped)]
 
 
 def plausible(peer, groups):
-    """The shared groups the receiver could have written: at least half of their completions no less likely
-    per character, under its own model, than the least likely of its own completions this round."""
-    floor = min((x for xs in per_char_logprobs(peer, peer.own) for x in xs), default=None)
-    if floor is None:
-        return groups
-    judged = zip(groups, per_char_logprobs(peer, groups))
-    return [g for g, xs in judged if 2 * sum(x >= floor for x in xs) >= len(xs)]
+    """The shared groups the receiver could have written: half or more of their completions no more surprising
+    per character to its own model than the median of its own this round, whatever tokenizer wrote them."""
+    own = sorted(x for g in peer.own for x in surprisal(peer, g))
+    median = own[len(own) // 2] if own else float("inf")
+    return [g for g in groups if 2 * sum(x <= median for x in surprisal(peer, g)) >= len(g.completions)]
 
 
 RULES = {  # the paper's rule first, the default; a variant is a line here (reproduce.py: I/J+NAME)

@@ -6,13 +6,13 @@ own small language model. Every round a peer generates G completions for each of
 shares those decoded rollouts (text; never rewards or weights) and trains on its I local groups plus J groups
 drawn from what the others shared. No peer waits for another. Above the marker line, in memory: Store, the
 rules of the shared pool, and Client, a peer's side, whose queues and thread keep training from waiting for
-the network. Below it: RolloutStore (the Store on disk), the HTTP server (`python swarm.py --dir DIR`),
-connect(url) and its transports, the dashboard and the command line.
+the network. Below it: RolloutStore (the Store on disk), RedisStore (in Redis, which several servers share),
+the HTTP server (`python swarm.py --dir DIR` or `--redis URL`), connect(url), the dashboard, the command line.
 
 Deviations from the paper, and why:
-- The paper's peers exchange rollouts over a peer-to-peer network (Gensyn's RL Swarm); here one server (or
-  Redis) holds them, enough for a handful of peers on one machine or one LAN, and a single point of failure:
-  with the store down a peer trains alone (the paper's baseline) and catches up later.
+- The paper's peers exchange rollouts over a peer-to-peer network (Gensyn's RL Swarm); here one server holds
+  them (or several over one Redis, which only the servers reach), a single point of failure: with the store
+  down a peer trains alone (the paper's baseline) and catches up later.
 - A peer does not receive everything shared: once a round it reads K = 4J groups drawn from the writers'
   newest batches, each writer alike, so a read costs the same in a swarm of 10 or 10,000; the receiver
   (train.py) drops zero-advantage groups and draws J of the rest, as in the paper. Reads are prefetched, so
@@ -1186,8 +1186,8 @@ class RedisStore:
             if texts and size + len(text) > Limits.page_bytes:
                 break
             next_n = max(next_n, min(int(n), 10**15))
-            if len(text) <= 65536 and _servable(text):
-                texts.append(text)
+            with contextlib.suppress(BadRequest, ValueError):  # (a row no server wrote is skipped)
+                texts.append(_dumps(ROW(parse_json(text))))
                 size += len(text) + 1
         newest = self._call(self.redis.hget, "sapo:mstat", "n")
         return texts, next_n, int(newest) if newest and newest.isdigit() else next_n
@@ -1997,8 +1997,8 @@ def main(argv=None):
     parser.add_argument("--public-reads", action="store_true", help="with credentials: let anyone GET "
                         "(dashboard, rollouts, metrics); writes still need one")
     parser.add_argument("--keep-bytes", type=_size, default=f"{Limits.keep_bytes >> 20}M", help="what kept "
-                        "batches may cost, on disk and in memory; the writer holding most loses its oldest "
-                        "(default: %(default)s)")
+                        "batches may cost, on disk and in memory (or in Redis); the writer holding most loses "
+                        "its oldest (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="log every request on stderr")
     args = parser.parse_args(argv)
     if args.token_file:  # (a token that is not printable ASCII fails in start_server)

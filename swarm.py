@@ -1214,8 +1214,9 @@ class RedisStore:
             if after >= newest or not texts:
                 break
         number = (lambda x: int(x) if x and x.isdigit() and int(x) <= 10**15 else 0)
-        return {"groups": number(groups), "first_seq": number(first[0].split(b" ")[1]) if first else 0,
-                "last_seq": number(last), "peers": peers, "metrics": rows}
+        oldest = (first[0].split(b" ") if first else []) + [b"", b""]  # "LAST FIRST NAME" of the oldest batch
+        return {"groups": number(groups), "first_seq": number(oldest[1]), "last_seq": number(last),
+                "peers": peers, "metrics": rows}
 
     def close(self):
         self.redis.close()

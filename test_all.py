@@ -2128,11 +2128,12 @@ def test_swarm_client_never_stalls_and_delivers_once_the_server_is_back(tmp_path
 def tiny_args(tmp_path, *extra, model=None):
     """A tiny peer's settings, parsed as a swarm peer's (J = 2), but with no --swarm unless extra gives one:
     the test injects its client (FakeClient) or runs the peer without one."""
-    swarm_url = [] if "--swarm" in extra else ["--swarm", "http://127.0.0.1:9"]
+    fixed = [] if "--swarm" in extra else ["--swarm", "http://127.0.0.1:9"]
+    fixed += [] if "--device" in extra else ["--device", "cpu"]  # the CPU's defaults, on a GPU machine too
     args = train.parse_args(["--model", str(model or tmp_path / "tiny"), "--tasks", "repeat_number", "--no-one-shot",
                              "--out", str(tmp_path / "run"), "--local", "2", "--external", "2", "--generations", "4",
                              "--max-new-tokens", "6", "--lr", "1e-3", "--quiet", "--save-every", "0",
-                             "--micro-tokens", "4096", "--no-grad-checkpoint", *swarm_url, *extra])
+                             "--micro-tokens", "4096", "--no-grad-checkpoint", *fixed, *extra])
     args.swarm = args.swarm if "--swarm" in extra else None
     return args
 

@@ -248,11 +248,11 @@ class Refused(Exception):
 
 class Client:
     """One peer's view of the swarm. The training loop's calls only touch two queues, bounded in bytes
-    (past a bound the oldest entry goes: SAPO wants fresh rollouts); a daemon thread does all the talking
-    through a transport, whose four calls are publish, post_metrics, sample and close (LocalTransport's).
+    (past a bound the oldest entry goes: SAPO wants fresh rollouts); a writer thread and a reader thread,
+    neither waiting for the other, talk to the store through a transport (LocalTransport's four calls).
 
-        publish(round, groups) -> outbox --(oldest first, until acknowledged)--> store
-        fetch() <- inbox <--(a sampled read of K groups, once per fetch() or flush())-- store
+        publish(round, groups) -> outbox --(the writer: oldest first, until acknowledged)--> store
+        fetch() <- inbox <--(the reader: a sampled read of K groups, once per fetch() or flush())-- store
 
     A retried batch is stored once (it carries a batch_id); no group is handed out twice."""
 
@@ -264,29 +264,23 @@ class Client:
         self.inbox_cap = inbox_cap    # bytes of received groups the inbox holds; past it the oldest go
         self.outbox_cap = outbox_cap  # bytes of unsent entries the outbox holds; past it the oldest go
         self.body_cap = body_cap      # the largest request a store takes: a larger entry is dropped at once
-        self.poll_seconds = 1.0       # the longest the thread idles before it looks at its queues again
         self.seed = seed    # the k-th read asked for in round r draws with (seed, r, k): kept over a restart
         self.round = round  # the round the next read is for (kept over a restart too)
         self.count = 0      # the reads asked for in that round so far
         self.seen = collections.deque(map(tuple, seen), maxlen=seen_cap)  # (seq, time) of groups handed out
-        self.cond = threading.Condition()  # guards all that follows; notified when the thread gets somewhere
+        self.cond = threading.Condition()  # guards all that follows; notified when a thread gets somewhere
         self.outbox = collections.deque()  # entries to send, oldest first: (what, send, its arguments, bytes)
         self.outbox_bytes = 0              # their bytes
         self.inbox = collections.deque()   # groups received and not fetched yet, oldest first: (group, bytes)
         self.inbox_bytes = 0               # their bytes
         self.asked = collections.deque(maxlen=2)  # (round, k) of the reads asked for and not done; 2 at most
         self.reads_begun = self.reads_done = 0  # reads are numbered as they begin: the last begun, last done
-        self.wake = self.closing = False  # whether the thread has something to do; whether it is to stop
+        self.closing, self.troubled = False, set()  # whether the threads are to stop; the steps in trouble
         self.down, self.dropped = None, 0  # why the store does not answer (None if it does); entries dropped
-        self.thread = threading.Thread(target=self._run, name=f"swarm-client-{peer}", daemon=True)
-        self.thread.start()
-
-    @staticmethod
-    def check(peer, sample, most):  # connect()'s check of its arguments, before it makes a transport
-        if not isinstance(peer, str) or not NAME.fullmatch(peer):
-            raise ValueError(f"peer must be a name of {NAMES}.")
-        if type(sample) is not int or not 1 <= sample <= most:
-            raise ValueError(f"sample must be a whole number from 1 to {most}.")
+        self.threads = [threading.Thread(target=self._run, args=job, name=f"swarm-{peer}", daemon=True)
+                        for job in ((lambda: self.outbox, self._send), (lambda: self.asked, self._read))]
+        for thread in self.threads:  # the writer and the reader
+            thread.start()
 
     def publish(self, round, groups):
         """Queue this round's groups for the swarm; returns at once."""
@@ -313,25 +307,30 @@ class Client:
             return list(fresh.values())
 
     def flush(self, timeout=10.0):
-        """Wait until the outbox is empty and a read begun now is done -> True, or False after `timeout` s."""
+        """Wait until the outbox is empty, then for a read begun after that, which sees what this peer sent
+        -> True, or False after `timeout` s."""
+        end = time.monotonic() + timeout
         with self.cond:
+            if not self.cond.wait_for(lambda: not self.outbox, timeout):
+                return False
             begun = self.reads_begun
             self._ask()
-            return self.cond.wait_for(lambda: not self.outbox and self.reads_done > begun, timeout)
+            return self.cond.wait_for(lambda: self.reads_done > begun, end - time.monotonic())
 
     def close(self, wait=0.0):
-        """Stop the thread once the outbox is empty or after `wait` seconds; a line says what was not sent."""
+        """Stop the threads once the outbox is empty or after `wait` seconds; a line says what was not sent."""
         with self.cond:
             self.cond.wait_for(lambda: not self.outbox, wait)
             self.closing = True
             self.cond.notify_all()
         self.transport.close()
-        self.thread.join(5)
+        for thread in self.threads:
+            thread.join(5)
         self._say_undelivered(wait)
 
-    def _ask(self):  # (self.cond held) wake the thread for one more read of this round
+    def _ask(self):  # (self.cond held) wake the reader for one more read of this round
         self.asked.append((self.round, self.count))
-        self.count, self.wake = self.count + 1, True
+        self.count += 1
         self.cond.notify_all()
 
     def _enqueue(self, what, send, make):
@@ -350,43 +349,48 @@ class Client:
             while self.outbox_bytes > self.outbox_cap and len(self.outbox) > 1:
                 self.outbox_bytes -= self.outbox.popleft()[3]
                 self.dropped += 1
-            self.wake = True
             self.cond.notify_all()
 
-    def _run(self):
-        """The thread: the oldest outbox entry first, else the read asked for, else idle until a publish,
-        fetch or flush. Trouble is said once, however long it lasts, and waited out (0.25 s to 5 s)."""
+    def _run(self, work, step):
+        """A thread: step() whenever work() says there is some (the writer's: an outbox entry; the reader's:
+        a read asked for), else wait for it. Trouble is waited out (0.25 s to 5 s), a bug's too."""
         backoff = 0.0
-        while not self.closing:
+        while True:
             with self.cond:
-                entry = self.outbox[0] if self.outbox else None
+                self.cond.wait_for(lambda: self.closing or work())
+                if self.closing:
+                    return
             try:
-                if entry is not None:
-                    self._send(entry)
-                elif self._read():
-                    self._idle(self.poll_seconds)
-                if self.down:
-                    lost = f"; {self.dropped} older entries did not fit the outbox" if self.dropped else ""
-                    waited = ", sending what waited" * (entry is not None)
-                    _log(f"the server answers again{waited}{lost}", self.peer)
-                    self.down, self.dropped = None, 0
-                backoff = 0.0
+                step()
+                error, backoff = None, 0.0
             except Exception as e:  # (a bug must not end the thread either)
-                if not self.down and not self.closing:
-                    cause = e if isinstance(e, (OSError, BadRequest)) else f"unexpected error {e!r:.200}"
-                    _log(f"{cause}; training goes on, and what is unsent waits in the outbox (up to "
-                         f"{self.outbox_cap >> 20} MB) until the server answers", self.peer)
-                self.down, backoff = str(e) or type(e).__name__, min(5.0, max(0.25, 2 * backoff))
-                self._idle(backoff)
+                error, backoff = e, min(5.0, max(0.25, 2 * backoff))
+            self._said(step, error)
+            with self.cond:  # (no wait after a step that went through)
+                self.cond.wait_for(lambda: self.closing, backoff)
 
-    def _idle(self, seconds):  # until a publish, fetch or flush wakes the thread, unless it waits out trouble
+    def _said(self, step, e):
+        """A step went through (e None) or met trouble (e). Trouble is said once however long it lasts: from
+        the first thread that meets it until neither thread is in it."""
         with self.cond:
-            self.cond.wait_for(lambda: self.closing or (self.wake and not self.down), seconds)
-            self.wake = False
+            if e is None and self.troubled == {step}:
+                lost = f"; {self.dropped} older entries did not fit the outbox" * bool(self.dropped)
+                waited = ", sending what waited" * (step == self._send)
+                _log(f"the server answers again{waited}{lost}", self.peer)
+                self.down, self.dropped = None, 0
+            elif e is not None and not self.troubled and not self.closing:
+                cause = e if isinstance(e, (OSError, BadRequest)) else f"unexpected error {e!r:.200}"
+                _log(f"{cause}; training goes on, and what is unsent waits in the outbox (up to "
+                     f"{self.outbox_cap >> 20} MB) until the server answers", self.peer)
+            if e is not None:
+                self.down = str(e) or type(e).__name__
+            (self.troubled.discard if e is None else self.troubled.add)(step)
 
-    def _send(self, entry):
+    def _send(self):
         """Deliver the oldest outbox entry. It leaves the outbox once the store acknowledged it, or refused
         it as malformed (Refused: the same bytes would be refused again); other trouble keeps it for later."""
+        with self.cond:
+            entry = self.outbox[0]
         what, send, args, size = entry
         try:
             send(*args)
@@ -399,11 +403,8 @@ class Client:
                 self.cond.notify_all()
 
     def _read(self):
-        """The oldest read fetch() or flush() asked for, into the inbox -> True if no read is asked for now.
-        The transport hands back the groups it could check; none of this peer's."""
+        """The oldest read fetch() or flush() asked for, into the inbox: the checked groups, none of ours."""
         with self.cond:
-            if not self.asked:
-                return True
             self.reads_begun += 1
             read, asked = self.reads_begun, self.asked[0]
         seed = random.Random("/".join(map(str, (self.seed, *asked)))).getrandbits(63)
@@ -418,7 +419,6 @@ class Client:
                 self.asked.popleft()
             self.reads_done = read
             self.cond.notify_all()
-            return not self.asked
 
     def _say_undelivered(self, wait):  # close()'s line on what never reached the store, and why
         batches = sum(send == self.transport.publish for _, send, _, _ in self.outbox)
@@ -1237,7 +1237,10 @@ def connect(url, peer, sample, token=None, **state):
     """A started Client of the store a URL names: a Redis server for redis:// or rediss://, else a swarm.py
     server. sample: K; token: the store's credential (None: $SWARM_TOKEN); state: the read state (seed,
     round, seen). The client's bounds are Limits'."""
-    Client.check(peer, sample, Limits.sample_groups)
+    if not isinstance(peer, str) or not NAME.fullmatch(peer):
+        raise ValueError(f"peer must be a name of {NAMES}.")
+    if type(sample) is not int or not 1 <= sample <= Limits.sample_groups:
+        raise ValueError(f"sample must be a whole number from 1 to {Limits.sample_groups}.")
     kind = RedisTransport if str(url).lower().startswith(("redis://", "rediss://")) else HttpTransport
     transport = kind(str(url), peer, os.environ.get("SWARM_TOKEN") if token is None else token)
     return Client(peer, transport, sample, **state, seen_cap=Limits.seen_seqs, inbox_cap=Limits.inbox_bytes,
@@ -1302,7 +1305,7 @@ class HttpTransport(_Transport):
         u = urlsplit(url)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError(f"the swarm URL must look like http://HOST:PORT, not {url[:80]!r}.")
-        token, self.sockets = check_token(token), []
+        token, self.sockets = check_token(token), {}  # thread -> the sockets of its exchange (writer, reader)
         self.url, self.session = u.geturl().rstrip("/"), requests.Session()
         self.session.trust_env, self.session.proxies = False, requests.utils.get_environ_proxies(self.url)
         self.session.verify = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
@@ -1327,7 +1330,8 @@ class HttpTransport(_Transport):
 
     def close(self):
         self.closed = True
-        _shut(self.sockets)
+        for sockets in list(self.sockets.values()):
+            _shut(sockets)
         self.session.close()
 
     def _call(self, path, body=None):
@@ -1338,8 +1342,9 @@ class HttpTransport(_Transport):
         Limits.reply_bytes and json_values values: parsing holds the interpreter lock, and with it training."""
         if self.closed:
             raise ConnectionError("the client is closing")
-        deadline, reply, self.sockets = time.monotonic() + Limits.request_seconds, bytearray(), []
-        timer = threading.Timer(Limits.request_seconds, _shut, [self.sockets])
+        deadline, reply = time.monotonic() + Limits.request_seconds, bytearray()
+        sockets = self.sockets[threading.get_ident()] = []  # (the client's two threads call at once)
+        timer = threading.Timer(Limits.request_seconds, _shut, [sockets])
         timer.start()
         try:
             method = "GET" if body is None else "POST"
@@ -1353,7 +1358,7 @@ class HttpTransport(_Transport):
             reply = e
         finally:
             timer.cancel()
-            for sock in self.sockets:  # the duplicates _Adapter made
+            for sock in sockets:  # the duplicates _Adapter made
                 sock.close()
         late = time.monotonic() > deadline  # (cut short by the timer?)
         if late or self.closed or isinstance(reply, Exception):
@@ -1379,7 +1384,8 @@ class HttpTransport(_Transport):
 
 
 class _Adapter(requests.adapters.HTTPAdapter):
-    """requests' own, but each connection it opens joins transport.sockets, which the deadline and close() shut."""
+    """requests' own, but each connection it opens joins its thread's transport.sockets, which the deadline and
+    close() shut."""
     def __init__(self, transport):
         super().__init__()
         self.transport = transport
@@ -1390,9 +1396,10 @@ class _Adapter(requests.adapters.HTTPAdapter):
             class Connection(pool.ConnectionCls):
                 def _new_conn(self):  # the TCP socket before any TLS handshake (which takes the object over,
                     sock = super()._new_conn()  # so a duplicate descriptor): a stalled handshake is cut too
-                    transport.sockets.append(sock.dup())
+                    sockets = transport.sockets[threading.get_ident()]
+                    sockets.append(sock.dup())
                     if transport.closed:
-                        _shut(transport.sockets)
+                        _shut(sockets)
                     return sock
             pool.ConnectionCls = Connection
         return pool

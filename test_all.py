@@ -1712,7 +1712,7 @@ def test_swarm_client_queues_and_thread_work_against_a_transport_in_memory():
         assert client.flush(30) and client.fetch() == []
     finally:
         client.close()
-    assert fake.closed and not client.thread.is_alive()
+    assert fake.closed and not any(t.is_alive() for t in client.threads)
 
 
 def test_swarm_client_keeps_its_outbox_while_the_store_is_down_bounded_in_bytes(capsys):
@@ -1736,6 +1736,37 @@ def test_swarm_client_keeps_its_outbox_while_the_store_is_down_bounded_in_bytes(
     finally:
         client.close()
     assert "swarm client alice: 1 batches and 0 metrics rows were not delivered" in capsys.readouterr().err
+
+
+def test_swarm_client_reads_and_writes_do_not_wait_on_each_other():
+    """Reads and writes do not wait on each other: while a send hangs (a large batch on a slow link), the
+    reader still fills the inbox, and the batch goes once the link is back. (One thread did both, reading
+    only with an empty outbox: a 6 MB batch on a slow link held every read, and of two peers whose rounds
+    took 0.01 to 0.1 s one received no group in 60 rounds.)"""
+    class SlowLink(_SwFakeTransport):
+        def __init__(self, groups):
+            super().__init__(groups)
+            self.sending, self.link = threading.Event(), threading.Event()
+
+        def publish(self, *args):
+            self.sending.set()
+            self.link.wait(60)
+            return super().publish(*args)
+
+    fake = SlowLink([_sw_stored(1), _sw_stored(2)])
+    client = swarm.Client("alice", fake, 4)
+    try:
+        client.publish(0, [_sw_group(0, completions=["x" * 6000])])
+        assert fake.sending.wait(30)  # the writer is in its send, which hangs
+        client.fetch()  # asks for a read
+        with client.cond:
+            assert client.cond.wait_for(lambda: client.reads_done == 1, 30)
+        assert sorted(g["seq"] for g in client.fetch()) == [1, 2] and len(client.outbox) == 1
+        fake.link.set()
+        assert client.flush(30) and [r for r, *_ in fake.sent] == [0]
+    finally:
+        fake.link.set()
+        client.close()
 
 
 def test_swarm_clients_share_rollouts_through_a_store_in_memory():
@@ -2002,11 +2033,12 @@ def test_swarm_client_queues_are_bounded_in_bytes(tmp_path, monkeypatch, _sw_cli
     port = s.getsockname()[1]
     s.close()  # nobody listens there yet
     alice = _sw_clients(f"http://127.0.0.1:{port}", "alice")
-    alice.fetch()  # a read that fails: the thread waits out the trouble, and sends nothing while it is queued
+    alice.fetch()  # a read and a send that fail: both threads wait out the trouble, and the writer sends
+    alice.publish(0, [_sw_group(0, completions=["x" * 1000] * 2)])  # nothing while the rest is queued
     deadline = time.time() + 10
-    while not alice.down and time.time() < deadline:
+    while len(alice.troubled) < 2 and time.time() < deadline:
         time.sleep(0.01)
-    for r in range(40):
+    for r in range(1, 40):
         alice.publish(r, [_sw_group(r, completions=["x" * 1000] * 2)])
         assert alice.outbox_bytes <= 20_000
     monkeypatch.setattr(swarm.Limits, "inbox_bytes", 8_000)
@@ -2853,9 +2885,9 @@ def test_train_a_resumed_swarm_peer_trains_as_an_uninterrupted_one(tiny, tmp_pat
     and a read depends on its round, so the one prefetched before the stop is made again identically."""
     fetch = swarm.Client.fetch
 
-    def settled(client):  # the read asked for a round is done before that round takes it: no race
-        with client.cond:
-            client.cond.wait_for(lambda: not client.asked, 30)
+    def settled(client):  # the read asked for a round is done before that round takes it, and begins once
+        with client.cond:  # the peer's batch is stored (reads do not wait for writes): no race
+            client.cond.wait_for(lambda: not client.asked and not client.outbox, 30)
         return fetch(client)
     monkeypatch.setattr(swarm.Client, "fetch", settled)
     monkeypatch.setattr(train, "FIRST_READ_SECONDS", 60, raising=False)

@@ -575,7 +575,7 @@ def attack_large_reply(mb=32, seconds=10, closes=5):
             client = swarm.connect(url, "victim", 16)
             stall = _longest_stall(seconds, client)
             client.close()
-            slowest_close, closed = 0.0, not client.thread.is_alive()
+            slowest_close, closed = 0.0, not any(t.is_alive() for t in client.threads)
             for k in range(closes):  # at 0.05, 0.3, 0.55, ... s after a reply went out
                 sent.clear()
                 client = swarm.connect(url, "victim", 16)
@@ -585,7 +585,7 @@ def attack_large_reply(mb=32, seconds=10, closes=5):
                 t = time.perf_counter()
                 client.close()
                 slowest_close = max(slowest_close, time.perf_counter() - t)
-                closed = closed and not client.thread.is_alive()
+                closed = closed and not any(t.is_alive() for t in client.threads)
         return {"reply_mb": mb, "training_thread_longest_stall_ms": round(1000 * stall, 1),
                 "same_without_a_client_ms": round(1000 * alone, 1), "slowest_close_ms": round(1000 * slowest_close, 1),
                 "log_lines": log.getvalue().count("swarm client"), "refused": "a reply of more than" in log.getvalue(),

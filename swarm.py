@@ -904,6 +904,28 @@ def _unsent(sock):  # bytes written to a socket that its peer has not acknowledg
         return 0
 
 
+def _listed(head, texts, tail):  # a reply's pieces: head, the texts (of a JSON list) comma by comma, tail
+    pieces = [head]
+    for k, text in enumerate(texts):
+        pieces += [b",", text] if k else [text]
+    return pieces + [tail]
+
+
+def _chunks(pieces, size=1 << 16):  # byte strings -> their bytes in chunks of `size` (the last one shorter)
+    chunk = bytearray()
+    for piece in pieces:
+        view = memoryview(piece)
+        while view:
+            take = size - len(chunk)
+            chunk += view[:take]
+            view = view[take:]
+            if len(chunk) == size:
+                yield bytes(chunk)
+                chunk.clear()
+    if chunk:
+        yield bytes(chunk)
+
+
 def _int_param(query, name, default, lowest, highest):
     value = query.get(name, [str(default)])[-1]
     _want(re.fullmatch(r"[0-9]{1,19}", value) and lowest <= int(value) <= highest,
@@ -914,7 +936,10 @@ def _int_param(query, name, default, lowest, highest):
 class SwarmServer:
     """The HTTP side of the store. One asyncio loop (in a thread) reads each request whole under a deadline,
     so a slow or idle connection costs a buffer, not a thread; worker threads answer whole requests. A
-    request's way: _accept, _connection (_read_request, _in_turn, _send, _hang_up). credentials: credentials()'s."""
+    request's way: _accept, _connection (_read_request, _answered, _send, _hang_up). credentials:
+    credentials()'s. What requests hold is bounded apart for writers and readers: request bodies count in
+    self.in_flight (one at a time per per-peer credential), replies made for a request in self.replying,
+    and a page of groups is sent from the texts the store holds, 64 KB at a time (_chunks)."""
 
     def __init__(self, store, host, port, credentials=None, public_reads=False, verbose=False, score=None):
         self.store, self.credentials = store, credentials
@@ -928,11 +953,12 @@ class SwarmServer:
         self.max_connections = max(4, min(Limits.connections, soft - 64)) if soft > 0 else Limits.connections
         self.open, self.waiting = set(), {}  # every connection; those that may be closed for a new one ->
                                              # 0 if idle or sending a head, 1 if sending a body (in order)
-        self.in_flight = 0                   # bytes of request bodies and replies held right now
+        self.in_flight = 0                   # bytes of request bodies held right now (Limits.in_flight_bytes)
+        self.replying = 0                    # bytes of replies made for a request and held (the same bound)
         self.pools = {method: ThreadPoolExecutor(Limits.workers, thread_name_prefix=f"swarm-{method}")
                       for method in ("GET", "POST")}
         self.large = threading.Lock()        # held while a large body is answered: see Limits.body_bytes
-        self.turns = weakref.WeakValueDictionary()  # writer -> the lock its waiting POSTs take turns on
+        self.turns = weakref.WeakValueDictionary()  # writer -> the lock its POSTs take turns on, body and all
         self.posting = asyncio.Semaphore(Limits.workers)  # POSTs being answered; its waiters: one per writer
         self.loop = asyncio.new_event_loop()
         self.loop.set_exception_handler(_loop_error)
@@ -978,24 +1004,24 @@ class SwarmServer:
 
     async def _connection(self, reader, writer):
         """One request per connection (nothing rides behind a body), read whole under the deadline, answered,
-        closed. The body counts in self.in_flight until it is answered."""
+        closed. The body counts in self.in_flight, and a POST holds its writer's turn, until it is answered."""
         writer.transport.set_write_buffer_limits(0)  # so that drain() returns once the reply has left
-        self.waiting[writer], body = 0, bytearray()
+        self.waiting[writer], body, turn, reply = 0, bytearray(), [], []  # turn: the writer's lock, once held
         try:
             try:
                 seconds = Limits.request_seconds
-                request = await asyncio.wait_for(self._read_request(reader, writer, body), seconds)
+                request = await asyncio.wait_for(self._read_request(reader, writer, body, turn), seconds)
             except asyncio.TimeoutError:
                 raise BadRequest(f"The request did not arrive whole within {seconds:g} s.", 408) from None
-            reply = await self._in_turn(request)
+            reply += await self._answered(request)  # status, content type, body, headers
+            self._give_back(body, turn)
             await self._send(writer, *reply, head_only=request.method == "HEAD")
             if self.verbose:
                 who = writer.get_extra_info("peername")
                 _log(f"{who} {request.method} {request.target[:200]} {reply[0]}")
         except BadRequest as e:  # the rest of the request is unread: answer, then close
             self.waiting[writer] = 0  # first to go while it lingers, holding no body
-            self.in_flight -= len(body)
-            body.clear()
+            self._give_back(body, turn)
             with contextlib.suppress(OSError, asyncio.TimeoutError):
                 await self._send(writer, *e.reply)
                 writer.write_eof()  # and read what the client still sends for a moment, so that
@@ -1003,8 +1029,8 @@ class SwarmServer:
         except (OSError, EOFError, asyncio.TimeoutError):
             pass  # a client that hangs up, idles or stops reading its reply is not news
         finally:
-            self.in_flight -= len(body)
-            body.clear()
+            self._give_back(body, turn)
+            reply.clear()  # (a page of groups holds texts that retention may prune meanwhile)
             if writer in self.open:
                 self.waiting[writer] = 0  # while its reply drains: first to go at the cap
                 await self._hang_up(writer)
@@ -1012,16 +1038,27 @@ class SwarmServer:
             self.waiting.pop(writer, None)
             writer.transport.abort()
 
-    async def _in_turn(self, request):
-        """A request's answer from a worker thread, a POST's in its writer's turn: one POST of each per-peer
-        credential at a time, so one writer's many connections delay another's post by one of its own at most.
-        Without one, writers cannot be told apart (an address may be a proxy's): first come, first served."""
+    async def _answered(self, request):
+        """A request's answer from a worker thread: Limits.workers GETs and as many POSTs at a time."""
         if request.method != "POST":
             return await self.loop.run_in_executor(self.pools["GET"], self._answer, request)
-        peer = request.peer
-        turn = self.turns.setdefault(peer, asyncio.Lock()) if peer else contextlib.nullcontext()
-        async with turn, self.posting:
+        async with self.posting:
             return await self.loop.run_in_executor(self.pools["POST"], self._answer, request)
+
+    async def _take_turn(self, peer, turn):
+        """A POST of a per-peer credential waits for its writer's turn before its body is read: one POST of
+        each at a time, so one writer's many or slow bodies cost that writer alone, never the bodies' shared
+        budget nor another's turn. Without one, writers cannot be told apart (an address may be a proxy's):
+        first come, first served."""
+        lock = self.turns.setdefault(peer, asyncio.Lock())
+        await lock.acquire()
+        turn.append(lock)  # (no await between: a deadline that cancels the wait leaves nothing held)
+
+    def _give_back(self, body, turn):  # what a request holds, once answered: its body's bytes, its turn
+        self.in_flight -= len(body)
+        body.clear()
+        while turn:
+            turn.pop().release()
 
     async def _hang_up(self, writer):
         """Close once the kernel has delivered the reply, or at the deadline with a reset (SO_LINGER 0), so no
@@ -1033,10 +1070,11 @@ class SwarmServer:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
-    async def _read_request(self, reader, writer, body):
+    async def _read_request(self, reader, writer, body, turn):
         """The request line, the headers and the body (into `body`) -> Request. Strict: no request reads
-        differently in a proxy in front. The credential is checked before the body is read, which counts in
-        self.in_flight as it arrives: a sender who only declares a length costs nothing."""
+        differently in a proxy in front. The credential is checked, and a POST takes its writer's turn, before
+        the body is read, which counts in self.in_flight as it arrives: a sender who only declares a length
+        costs nothing, and a GET, which may need no credential (--public-reads), has none."""
         if (first := await reader.read(1)) in (b"", b"\x16"):  # gone, or TLS (this server speaks plain HTTP)
             raise EOFError("no request")
         line = first.decode("latin-1") + await _readline(reader, 414, "The request line")
@@ -1065,7 +1103,10 @@ class SwarmServer:
         _want(re.fullmatch(r"[0-9]{1,12}", length), "Content-Length must be a whole number.")
         most = Limits.body_bytes
         _want(int(length) <= most, f"The body is {length} bytes; the limit is {most}.", 413)
+        _want(method not in ("GET", "HEAD") or int(length) == 0, f"A {method} has no body here.")
         self.waiting[writer] = 1  # sending its body: evicted after those that sent no head yet
+        if method == "POST" and peer:
+            await self._take_turn(peer, turn)
         if int(length) and headers.get("expect", "").lower() == "100-continue":
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         while len(body) < int(length):
@@ -1074,25 +1115,31 @@ class SwarmServer:
                 raise EOFError("the client hung up")
             if self.in_flight + len(chunk) > Limits.in_flight_bytes:
                 raise BadRequest(BUSY, 503, {"Retry-After": "1"})
-            self.in_flight += len(chunk)  # given back by _connection once the reply has gone
+            self.in_flight += len(chunk)  # given back by _connection once it is answered
             body += chunk
         self.waiting.pop(writer, None)
         return Request(method, target, body, peer)
 
     async def _send(self, writer, status, content_type, body, headers=None, head_only=False):
-        if len(body) > 65536 and self.in_flight + len(body) > Limits.in_flight_bytes:  # bound what waits
+        """A reply within the deadline (a reader too slow is cut off), 64 KB at a time. body: bytes made for
+        it, which count in self.replying (a 503 past Limits.in_flight_bytes), or a list of texts the store
+        holds (a page of groups), sent as they are: a reader that does not read holds 128 KB here at most."""
+        made = len(body) if isinstance(body, bytes) else 0
+        if made > 65536 and self.replying + made > Limits.in_flight_bytes:
             busy = BadRequest("The server is busy; ask again in a moment.", 503, {"Retry-After": "1"})
-            status, content_type, body, headers = busy.reply
+            (status, content_type, body, headers), made = busy.reply, 0
+        pieces = [body] if isinstance(body, bytes) else body
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         head = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: {content_type}\r\n" \
-               f"Content-Length: {len(body)}\r\n{extra}"
-        data = (head + "Connection: close\r\n\r\n").encode() + (b"" if head_only else body)
-        self.in_flight += len(data)
+               f"Content-Length: {sum(map(len, pieces))}\r\n{extra}Connection: close\r\n\r\n"
+        self.replying += made
         try:
-            writer.write(data)
-            await asyncio.wait_for(writer.drain(), Limits.request_seconds)  # a reader too slow is cut off
+            deadline = time.monotonic() + Limits.request_seconds
+            for chunk in _chunks([head.encode()] + ([] if head_only else pieces)):
+                writer.write(chunk)
+                await asyncio.wait_for(writer.drain(), deadline - time.monotonic())
         finally:
-            self.in_flight -= len(data)
+            self.replying -= made
 
     def _answer(self, request):  # (in a worker thread) a request -> (status, content type, body, headers)
         try:
@@ -1120,8 +1167,8 @@ class SwarmServer:
                               "serving.", 500).reply
 
     def _route(self, method, path, q, body, peer):
-        """A request for one of ROUTES (a write: by `peer`'s credential) -> the reply's bytes. Groups are kept as
-        JSON text: a page of them is joined, not encoded again."""
+        """A request for one of ROUTES (a write: by `peer`'s credential) -> the reply's bytes, or for a page of
+        groups or metrics rows, the list of its pieces (_listed): they are kept as JSON text, never copied."""
         if method == "POST":
             b = (PUBLISH if path == "/rollouts" else METRICS)(parse_json(body))
             _want(peer in (None, b["peer"]),
@@ -1132,17 +1179,17 @@ class SwarmServer:
             return _dumps(self.store.publish(b["peer"], b["round"], b["batch_id"], b["groups"]))
         if path == "/metrics":
             texts, next_n, last_n = self.store.read_metrics(_int_param(q, "after", 0, 0, 10**15))
-            return b'{"metrics":[' + b",".join(texts) + b'],"next":%d,"last":%d}' % (next_n, last_n)
+            return _listed(b'{"metrics":[', texts, b'],"next":%d,"last":%d}' % (next_n, last_n))
         if path == "/rollouts":
             exclude = q.get("exclude", [""])[-1].lower()
             _want(not exclude or NAME.fullmatch(exclude), f"exclude must be a peer name: {NAMES}.")
             if "sample" in q:  # a sampled read: K groups of the recent window
                 k = _int_param(q, "sample", 1, 1, Limits.sample_groups)
                 texts, last_seq = self.store.sample(k, exclude, _int_param(q, "seed", 0, 0, 2**63 - 1))
-                return b'{"groups":[' + b",".join(texts) + b'],"last":%d}' % last_seq
+                return _listed(b'{"groups":[', texts, b'],"last":%d}' % last_seq)
             texts, next_seq, last_seq = self.store.read(_int_param(q, "after", 0, 0, 10**15), exclude,
                                                         _int_param(q, "limit", 256, 1, Limits.page_groups))
-            return b'{"groups":[' + b",".join(texts) + b'],"next":%d,"last":%d}' % (next_seq, last_seq)
+            return _listed(b'{"groups":[', texts, b'],"next":%d,"last":%d}' % (next_seq, last_seq))
         snap = self.store.snapshot(metrics=path == "/")
         if path == "/health":
             return _dumps({"ok": True, "groups": snap["groups"], "peers": len(snap["peers"]),

@@ -611,14 +611,14 @@ def _finite(text):  # JSON may spell numbers that cannot be served back as JSON:
     return x
 
 
-def parse_json(raw, surrogates=False):
+def parse_json(raw, surrogates=False, most=None):
     """Strict UTF-8 JSON -> a Python value, or BadRequest: no NaN or Infinity, no lone surrogate ("\\ud800":
-    no UTF-8 can store or serve it), nothing nested too deeply, at most Limits.json_values values (each
-    costs memory far beyond its bytes: an 8 MB body of {},{},... is 230 MB as Python objects).
+    no UTF-8 can store or serve it), nothing nested too deeply, at most `most` values (Limits.json_values:
+    each costs memory far beyond its bytes, an 8 MB body of {},{},... is 230 MB as Python objects).
     surrogates=True keeps lone surrogates: a client drops the one group that holds one, not its page."""
     try:
         text = raw.decode() if isinstance(raw, (bytes, bytearray)) else raw  # strict: no encoded surrogates
-        most = Limits.json_values
+        most = most or Limits.json_values
         if text.count(",") + text.count("{") + text.count("[") > most:  # then count them outside strings
             _want(_values(text) <= most, f"The JSON holds more than {most} values; send fewer at once.", 413)
         value = json.loads(text, parse_float=_finite, parse_constant=_finite)
@@ -744,7 +744,8 @@ class RolloutStore(Store):
                 data = f.read(4 * Limits.body_bytes + 1)  # more than this server ever writes in one file
                 size = max(len(data), os.fstat(f.fileno()).st_blocks * 512)
             _want(len(data) <= 4 * Limits.body_bytes, "it is larger than any file this server writes")
-            return (rule(parse_json(data), name), size) if rule else data
+            most = Limits.json_values + 8 * Limits.batch_groups  # a batch's, and what the server adds to it
+            return (rule(parse_json(data, most=most), name), size) if rule else data
         except FileNotFoundError:
             return None
         except (OSError, BadRequest) as e:

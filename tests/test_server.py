@@ -1346,3 +1346,35 @@ def test_swarm_the_bodies_budget_is_given_back_when_a_request_ends(tmp_path, mon
     finally:
         server.shutdown()
 
+
+@pytest.mark.slow
+def test_swarm_an_acknowledged_batch_at_the_parse_limit_reads_back_after_a_restart(tmp_path):
+    """A batch of nearly Limits.json_values values is acknowledged, and stored with what the server adds to
+    each group (its writer, round, seq and time, and the metadata and model it left out): the server reads
+    its own files allowing for that, so the batch is there after a restart. (The files were read under a
+    POST's limit: such a batch was acknowledged, then skipped at the next start as too large: lost.)"""
+    ids = [[0] * 8192 for _ in range(16)]  # 2^17 token ids a group, Limits.group_tokens
+    groups = [{"task": "t", "question": f"q{k}", "answer": "a", "completions": ["c"] * 16, "stopped": [True] * 16,
+               "token_ids": [list(c) for c in ids], "logprobs": [list(c) for c in ids], "tokenizer": "v"}
+              for k in range(4)]
+    body = {"peer": "alice", "round": 0, "batch_id": "full", "groups": groups}
+    over = swarm._values(json.dumps(body)) - (swarm.Limits.json_values - 4)
+    cut = (over + 1) // 2  # each token id dropped takes a value from token_ids and one from logprobs
+    del groups[-1]["token_ids"][-1][-cut:], groups[-1]["logprobs"][-1][-cut:]
+    data = json.dumps(body).encode()
+    assert swarm.Limits.json_values - 6 < swarm._values(data.decode()) <= swarm.Limits.json_values
+    folder = str(tmp_path / "s")
+    server, url = swarm.start_server(folder)
+    try:
+        r = requests.post(url + "/rollouts", data=data, headers={"Content-Type": "application/json"}, timeout=60)
+        assert r.json() == {"accepted": 4, "seq": 4}
+    finally:
+        server.shutdown()
+    stored = open(os.path.join(folder, _sw_files(folder)[0]), encoding="utf-8").read()
+    assert swarm._values(stored) > swarm.Limits.json_values  # what the server adds passes the POST's limit
+    server, url = swarm.start_server(folder)
+    try:
+        assert [seq for seq, *_ in server.store.index] == [1, 2, 3, 4]
+        assert _sw_post(url, "alice", 0, groups, batch_id="full").json() == {"accepted": 4, "seq": 4}  # stored once
+    finally:
+        server.shutdown()

@@ -450,7 +450,8 @@ class Limits:
     keep_bytes = 256 << 20      # default --keep-bytes: kept batches' cost (7/8 of it) and pruned.json (1/8)
     batch_overhead = 2048       # a kept batch's cost beyond its disk blocks: its memory (~2.3 KB, measured)
     metrics_bytes = 8 << 20     # metrics rows kept, in memory and in metrics.jsonl
-    replies = 20_000            # idempotency records of pruned batches (those of kept batches are all kept)
+    replies = 20_000            # idempotency records of pruned batches in memory (those of kept batches are
+                                # all kept), whatever --keep-bytes; pruned.json keeps one per 4 KB of it
     peers = 1024                # peers in the table; the one seen least recently goes first
     connections = 1000          # open connections, fewer under a low descriptor limit (at the cap: _evict)
     in_flight_bytes = 64 << 20  # request bodies and replies held at once, all connections together
@@ -644,10 +645,11 @@ class RolloutStore(Store):
 
     def __init__(self, folder, keep_bytes=Limits.keep_bytes):
         # The batches get keep_bytes less an eighth and 8 KB; pruned.json's two copies take the rest, at most
-        # 512 bytes a reply, so they keep one reply for each 4 KB of keep_bytes.
+        # 512 bytes a reply, so they keep the newest replies, one for each 4 KB of keep_bytes. In memory the
+        # store keeps those of the last Limits.replies pruned batches, whatever keep_bytes (each ~0.45 KB).
         super().__init__(keep_bytes - keep_bytes // 8 - 8192, Limits.window_batches, Limits.window_seconds,
-                         Limits.page_bytes, min(Limits.replies, max(16, keep_bytes // 4096)), Limits.peers,
-                         Limits.scan_groups)
+                         Limits.page_bytes, Limits.replies, Limits.peers, Limits.scan_groups)
+        self.replies_on_disk = min(Limits.replies, max(16, keep_bytes // 4096))  # what pruned.json keeps
         self.folder = os.path.abspath(folder)     # the folder this server alone writes
         self.pruned = 0                           # seq of the newest group retention deleted
         self.metrics, self.metrics_bytes = [], 0  # (n, peer, row as a JSON line, row) per kept metrics row
@@ -686,7 +688,8 @@ class RolloutStore(Store):
         self.doomed += [_batch_file(batch.seq) for batch in pruned]
         if not self.doomed:
             return
-        replies = [{"peer": p, "batch_id": b, **self.replies[(p, b)]} for p, b in self.gone]
+        gone = list(self.gone)[-self.replies_on_disk:]
+        replies = [{"peer": p, "batch_id": b, **self.replies[(p, b)]} for p, b in gone]
         try:
             for name in self.copies:
                 self._write_atomic(name, _dumps({"seq": self.pruned, "replies": replies}))

@@ -1952,6 +1952,20 @@ def test_swarm_a_late_retry_is_stored_once_while_its_batch_is_kept(tmp_path, mon
         store.close()
 
 
+def test_swarm_a_retry_is_stored_once_at_any_keep_bytes(tmp_path, monkeypatch):
+    """A retry is stored once at any --keep-bytes: the replies of the last Limits.replies pruned batches are
+    kept whatever keep_bytes (they kept one per 4 KB of it, 16 at 64K: there 100 of 100 late re-posts were
+    stored again, each pruning another batch and forgetting another reply)."""
+    monkeypatch.setattr(os, "fsync", lambda fd: None)
+    store = swarm.RolloutStore(str(tmp_path / "s"), 64 << 10)
+    try:
+        first = [_sw_tiny(store, f"w{k % 4}", k) for k in range(100)]
+        assert len(store.gone) > 80 and store.last_seq == 100  # most were pruned
+        assert [_sw_tiny(store, f"w{k % 4}", k) for k in range(100)] == first and store.last_seq == 100
+    finally:
+        store.close()
+
+
 def _sw_disk(folder):
     """What a store's folder takes on disk (every file's blocks), once its pruned files are deleted."""
     paths = [os.path.join(folder, name) for name in os.listdir(folder)]

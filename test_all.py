@@ -1666,6 +1666,38 @@ def test_swarm_store_in_memory_retains_by_cost_within_its_budget():
     assert store.publish("flood", 0, newest_pruned, [_sw_group(99)]) == reply and store.last_seq == 7
 
 
+def _sw_batch(store, writer, k, size):  # a batch of one group costing about `size` bytes, into a Store
+    return store.publish(writer, k, f"{writer}-{k}", [_sw_group(k, question="q" * (size - 400))])
+
+
+def test_swarm_store_retention_prunes_the_writer_holding_most_first():
+    """Retention's water level is found from the writer holding most down: an honest writer holding 40% of
+    the budget keeps every batch while a flood is cut (the mutation sorting holdings from the least, in
+    Store._prune, cut every writer to a third of the budget, so a flood evicted a large honest writer)."""
+    store = swarm.Store(budget=100_000)
+    _sw_batch(store, "small", 0, 5_000)
+    for k in range(4):
+        _sw_batch(store, "honest", k, 10_000)
+    for k in range(20):
+        _sw_batch(store, "flood", k, 10_000)
+        assert len(store.batches["honest"]) == 4 and len(store.batches["small"]) == 1
+    assert store.kept_bytes <= store.budget and len(store.batches["flood"]) < 20
+
+
+def test_swarm_store_retention_prunes_to_90_percent_of_its_budget_no_further():
+    """Each pruned batch's cost leaves its writer's holding as it goes, so retention stops at the level it
+    aimed for: the store stays within one batch of 90% of its budget (the mutation that leaves the holding
+    as it was, in Store._prune, emptied every writer above the level: the store shrank to about 40%)."""
+    store, published = swarm.Store(budget=100_000), 0
+    for writer, k, size in [("small", 0, 5_000)] + [("honest", k, 10_000) for k in range(4)] + [
+            ("flood", k, 10_000) for k in range(20)]:
+        _sw_batch(store, writer, k, size)
+        published += store.batches[writer][-1].cost
+        largest = max(b.cost for kept in store.batches.values() for b in kept)
+        assert min(published, 0.9 * store.budget - largest) <= store.kept_bytes <= store.budget
+    assert published > 2 * store.budget
+
+
 class _SwFakeTransport:
     """A transport in memory: it records what a Client sends, hands out `groups` to reads, and while `down`
     fails every call as an unreachable store would."""

@@ -454,7 +454,8 @@ class Limits:
                                 # all kept), whatever --keep-bytes; pruned.json keeps one per 4 KB of it
     peers = 1024                # peers in the table; the one seen least recently goes first
     connections = 1000          # open connections, fewer under a low descriptor limit (at the cap: _evict)
-    in_flight_bytes = 64 << 20  # request bodies and replies held at once, all connections together
+    in_flight_bytes = 64 << 20  # request bodies held at once, all connections together (503 beyond)
+    made_bytes = 16 << 20       # replies made for a request (the dashboard, /peers) held at once (503 beyond)
     send_buffer = 128 << 10     # a connection's kernel send buffer (SO_SNDBUF, which the kernel doubles)
     request_seconds = 10.0      # whole-request deadline: the server's to read one, the client's per call
     line_bytes = 8192           # the request line (414 beyond it) and each header line (431)
@@ -915,19 +916,19 @@ def _listed(head, texts, tail):  # a reply's pieces: head, the texts (of a JSON 
     return pieces + [tail]
 
 
-def _chunks(pieces, size=1 << 16):  # byte strings -> their bytes in chunks of `size` (the last one shorter)
-    chunk = bytearray()
+def _chunks(pieces, size=1 << 16):
+    """Byte strings -> their bytes in chunks of `size` (the last one shorter), each copied once, when made."""
+    views, have = [], 0  # the parts of the next chunk: views of the pieces, no copies
     for piece in pieces:
         view = memoryview(piece)
         while view:
-            take = size - len(chunk)
-            chunk += view[:take]
-            view = view[take:]
-            if len(chunk) == size:
-                yield bytes(chunk)
-                chunk.clear()
-    if chunk:
-        yield bytes(chunk)
+            views.append(view[:size - have])
+            have, view = have + len(views[-1]), view[len(views[-1]):]
+            if have == size:
+                yield b"".join(views)
+                views, have = [], 0
+    if views:
+        yield b"".join(views)
 
 
 def _int_param(query, name, default, lowest, highest):
@@ -958,7 +959,7 @@ class SwarmServer:
         self.open, self.waiting = set(), {}  # every connection; those that may be closed for a new one ->
                                              # 0 if idle or sending a head, 1 if sending a body (in order)
         self.in_flight = 0                   # bytes of request bodies held right now (Limits.in_flight_bytes)
-        self.replying = 0                    # bytes of replies made for a request and held (the same bound)
+        self.replying = 0                    # bytes of replies made for a request, held (Limits.made_bytes)
         self.pools = {method: ThreadPoolExecutor(Limits.workers, thread_name_prefix=f"swarm-{method}")
                       for method in ("GET", "POST")}
         self.large = threading.Lock()        # held while a large body is answered: see Limits.body_bytes
@@ -1126,10 +1127,10 @@ class SwarmServer:
 
     async def _send(self, writer, status, content_type, body, headers=None, head_only=False):
         """A reply within the deadline (a reader too slow is cut off), 64 KB at a time. body: bytes made for
-        it, which count in self.replying (a 503 past Limits.in_flight_bytes), or a list of texts the store
-        holds (a page of groups), sent as they are: a reader that does not read holds 128 KB here at most."""
+        it, which count in self.replying (a 503 past Limits.made_bytes), or a list of texts the store
+        holds (a page of groups), sent as they are: a reader that does not read holds 64 KB here at most."""
         made = len(body) if isinstance(body, bytes) else 0
-        if made > 65536 and self.replying + made > Limits.in_flight_bytes:
+        if made > 65536 and self.replying + made > Limits.made_bytes:
             busy = BadRequest("The server is busy; ask again in a moment.", 503, {"Retry-After": "1"})
             (status, content_type, body, headers), made = busy.reply, 0
         pieces = [body] if isinstance(body, bytes) else body
@@ -1141,6 +1142,7 @@ class SwarmServer:
             deadline = time.monotonic() + Limits.request_seconds
             for chunk in _chunks([head.encode()] + ([] if head_only else pieces)):
                 writer.write(chunk)
+                chunk = None  # (what the kernel did not take waits in the transport's buffer alone)
                 await asyncio.wait_for(writer.drain(), deadline - time.monotonic())
         finally:
             self.replying -= made

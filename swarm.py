@@ -5,7 +5,7 @@ SAPO ("Sharing is Caring", arXiv 2509.08721, Sec. 3 and Algorithm 1) trains a sw
 own small language model. Every round a peer generates G completions for each of its I local questions,
 shares those decoded rollouts (text; never rewards or weights) and trains on its I local groups plus J groups
 drawn from what the others shared. No peer waits for another. Above the marker line, in memory: Store, the
-rules of the shared pool, and Client, a peer's side, whose queues and thread keep training from waiting for
+rules of the shared pool, and Client, a peer's side, whose queues and threads keep training from waiting for
 the network. Below it: RolloutStore (the Store on disk), RedisStore (in Redis, which several servers share),
 the HTTP server (`python swarm.py --dir DIR` or `--redis URL`), connect(url), the dashboard, the command line.
 
@@ -248,11 +248,11 @@ class Refused(Exception):
 
 class Client:
     """One peer's view of the swarm. The training loop's calls only touch two queues, bounded in bytes
-    (past a bound the oldest entry goes: SAPO wants fresh rollouts); a daemon thread does all the talking
-    through a transport, whose four calls are publish, post_metrics, sample and close (LocalTransport's).
+    (past a bound the oldest entry goes: SAPO wants fresh rollouts); a writer thread and a reader thread,
+    neither waiting for the other, talk to the store through a transport (LocalTransport's four calls).
 
-        publish(round, groups) -> outbox --(oldest first, until acknowledged)--> store
-        fetch() <- inbox <--(a sampled read of K groups, once per fetch() or flush())-- store
+        publish(round, groups) -> outbox --(the writer: oldest first, until acknowledged)--> store
+        fetch() <- inbox <--(the reader: a sampled read of K groups, once per fetch() or flush())-- store
 
     A retried batch is stored once (it carries a batch_id); no group is handed out twice."""
 
@@ -264,29 +264,23 @@ class Client:
         self.inbox_cap = inbox_cap    # bytes of received groups the inbox holds; past it the oldest go
         self.outbox_cap = outbox_cap  # bytes of unsent entries the outbox holds; past it the oldest go
         self.body_cap = body_cap      # the largest request a store takes: a larger entry is dropped at once
-        self.poll_seconds = 1.0       # the longest the thread idles before it looks at its queues again
         self.seed = seed    # the k-th read asked for in round r draws with (seed, r, k): kept over a restart
         self.round = round  # the round the next read is for (kept over a restart too)
         self.count = 0      # the reads asked for in that round so far
         self.seen = collections.deque(map(tuple, seen), maxlen=seen_cap)  # (seq, time) of groups handed out
-        self.cond = threading.Condition()  # guards all that follows; notified when the thread gets somewhere
+        self.cond = threading.Condition()  # guards all that follows; notified when a thread gets somewhere
         self.outbox = collections.deque()  # entries to send, oldest first: (what, send, its arguments, bytes)
         self.outbox_bytes = 0              # their bytes
         self.inbox = collections.deque()   # groups received and not fetched yet, oldest first: (group, bytes)
         self.inbox_bytes = 0               # their bytes
         self.asked = collections.deque(maxlen=2)  # (round, k) of the reads asked for and not done; 2 at most
         self.reads_begun = self.reads_done = 0  # reads are numbered as they begin: the last begun, last done
-        self.wake = self.closing = False  # whether the thread has something to do; whether it is to stop
+        self.closing, self.troubled = False, set()  # whether the threads are to stop; the steps in trouble
         self.down, self.dropped = None, 0  # why the store does not answer (None if it does); entries dropped
-        self.thread = threading.Thread(target=self._run, name=f"swarm-client-{peer}", daemon=True)
-        self.thread.start()
-
-    @staticmethod
-    def check(peer, sample, most):  # connect()'s check of its arguments, before it makes a transport
-        if not isinstance(peer, str) or not NAME.fullmatch(peer):
-            raise ValueError(f"peer must be a name of {NAMES}.")
-        if type(sample) is not int or not 1 <= sample <= most:
-            raise ValueError(f"sample must be a whole number from 1 to {most}.")
+        self.threads = [threading.Thread(target=self._run, args=job, name=f"swarm-{peer}", daemon=True)
+                        for job in ((lambda: self.outbox, self._send), (lambda: self.asked, self._read))]
+        for thread in self.threads:  # the writer and the reader
+            thread.start()
 
     def publish(self, round, groups):
         """Queue this round's groups for the swarm; returns at once."""
@@ -313,25 +307,30 @@ class Client:
             return list(fresh.values())
 
     def flush(self, timeout=10.0):
-        """Wait until the outbox is empty and a read begun now is done -> True, or False after `timeout` s."""
+        """Wait until the outbox is empty, then for a read begun after that, which sees what this peer sent
+        -> True, or False after `timeout` s."""
+        end = time.monotonic() + timeout
         with self.cond:
+            if not self.cond.wait_for(lambda: not self.outbox, timeout):
+                return False
             begun = self.reads_begun
             self._ask()
-            return self.cond.wait_for(lambda: not self.outbox and self.reads_done > begun, timeout)
+            return self.cond.wait_for(lambda: self.reads_done > begun, end - time.monotonic())
 
     def close(self, wait=0.0):
-        """Stop the thread once the outbox is empty or after `wait` seconds; a line says what was not sent."""
+        """Stop the threads once the outbox is empty or after `wait` seconds; a line says what was not sent."""
         with self.cond:
             self.cond.wait_for(lambda: not self.outbox, wait)
             self.closing = True
             self.cond.notify_all()
         self.transport.close()
-        self.thread.join(5)
+        for thread in self.threads:
+            thread.join(5)
         self._say_undelivered(wait)
 
-    def _ask(self):  # (self.cond held) wake the thread for one more read of this round
+    def _ask(self):  # (self.cond held) wake the reader for one more read of this round
         self.asked.append((self.round, self.count))
-        self.count, self.wake = self.count + 1, True
+        self.count += 1
         self.cond.notify_all()
 
     def _enqueue(self, what, send, make):
@@ -350,43 +349,48 @@ class Client:
             while self.outbox_bytes > self.outbox_cap and len(self.outbox) > 1:
                 self.outbox_bytes -= self.outbox.popleft()[3]
                 self.dropped += 1
-            self.wake = True
             self.cond.notify_all()
 
-    def _run(self):
-        """The thread: the oldest outbox entry first, else the read asked for, else idle until a publish,
-        fetch or flush. Trouble is said once, however long it lasts, and waited out (0.25 s to 5 s)."""
+    def _run(self, work, step):
+        """A thread: step() whenever work() says there is some (the writer's: an outbox entry; the reader's:
+        a read asked for), else wait for it. Trouble is waited out (0.25 s to 5 s), a bug's too."""
         backoff = 0.0
-        while not self.closing:
+        while True:
             with self.cond:
-                entry = self.outbox[0] if self.outbox else None
+                self.cond.wait_for(lambda: self.closing or work())
+                if self.closing:
+                    return
             try:
-                if entry is not None:
-                    self._send(entry)
-                elif self._read():
-                    self._idle(self.poll_seconds)
-                if self.down:
-                    lost = f"; {self.dropped} older entries did not fit the outbox" if self.dropped else ""
-                    waited = ", sending what waited" * (entry is not None)
-                    _log(f"the server answers again{waited}{lost}", self.peer)
-                    self.down, self.dropped = None, 0
-                backoff = 0.0
+                step()
+                error, backoff = None, 0.0
             except Exception as e:  # (a bug must not end the thread either)
-                if not self.down and not self.closing:
-                    cause = e if isinstance(e, (OSError, BadRequest)) else f"unexpected error {e!r:.200}"
-                    _log(f"{cause}; training goes on, and what is unsent waits in the outbox (up to "
-                         f"{self.outbox_cap >> 20} MB) until the server answers", self.peer)
-                self.down, backoff = str(e) or type(e).__name__, min(5.0, max(0.25, 2 * backoff))
-                self._idle(backoff)
+                error, backoff = e, min(5.0, max(0.25, 2 * backoff))
+            self._said(step, error)
+            with self.cond:  # (no wait after a step that went through)
+                self.cond.wait_for(lambda: self.closing, backoff)
 
-    def _idle(self, seconds):  # until a publish, fetch or flush wakes the thread, unless it waits out trouble
+    def _said(self, step, e):
+        """A step went through (e None) or met trouble (e). Trouble is said once however long it lasts: from
+        the first thread that meets it until neither thread is in it."""
         with self.cond:
-            self.cond.wait_for(lambda: self.closing or (self.wake and not self.down), seconds)
-            self.wake = False
+            if e is None and self.troubled == {step}:
+                lost = f"; {self.dropped} older entries did not fit the outbox" * bool(self.dropped)
+                waited = ", sending what waited" * (step == self._send)
+                _log(f"the server answers again{waited}{lost}", self.peer)
+                self.down, self.dropped = None, 0
+            elif e is not None and not self.troubled and not self.closing:
+                cause = e if isinstance(e, (OSError, BadRequest)) else f"unexpected error {e!r:.200}"
+                _log(f"{cause}; training goes on, and what is unsent waits in the outbox (up to "
+                     f"{self.outbox_cap >> 20} MB) until the server answers", self.peer)
+            if e is not None:
+                self.down = str(e) or type(e).__name__
+            (self.troubled.discard if e is None else self.troubled.add)(step)
 
-    def _send(self, entry):
+    def _send(self):
         """Deliver the oldest outbox entry. It leaves the outbox once the store acknowledged it, or refused
         it as malformed (Refused: the same bytes would be refused again); other trouble keeps it for later."""
+        with self.cond:
+            entry = self.outbox[0]
         what, send, args, size = entry
         try:
             send(*args)
@@ -399,11 +403,8 @@ class Client:
                 self.cond.notify_all()
 
     def _read(self):
-        """The oldest read fetch() or flush() asked for, into the inbox -> True if no read is asked for now.
-        The transport hands back the groups it could check; none of this peer's."""
+        """The oldest read fetch() or flush() asked for, into the inbox: the checked groups, none of ours."""
         with self.cond:
-            if not self.asked:
-                return True
             self.reads_begun += 1
             read, asked = self.reads_begun, self.asked[0]
         seed = random.Random("/".join(map(str, (self.seed, *asked)))).getrandbits(63)
@@ -418,7 +419,6 @@ class Client:
                 self.asked.popleft()
             self.reads_done = read
             self.cond.notify_all()
-            return not self.asked
 
     def _say_undelivered(self, wait):  # close()'s line on what never reached the store, and why
         batches = sum(send == self.transport.publish for _, send, _, _ in self.outbox)
@@ -450,10 +450,12 @@ class Limits:
     keep_bytes = 256 << 20      # default --keep-bytes: kept batches' cost (7/8 of it) and pruned.json (1/8)
     batch_overhead = 2048       # a kept batch's cost beyond its disk blocks: its memory (~2.3 KB, measured)
     metrics_bytes = 8 << 20     # metrics rows kept, in memory and in metrics.jsonl
-    replies = 20_000            # idempotency records of pruned batches (those of kept batches are all kept)
+    replies = 20_000            # idempotency records of pruned batches in memory (those of kept batches are
+                                # all kept), whatever --keep-bytes; pruned.json keeps one per 4 KB of it
     peers = 1024                # peers in the table; the one seen least recently goes first
     connections = 1000          # open connections, fewer under a low descriptor limit (at the cap: _evict)
-    in_flight_bytes = 64 << 20  # request bodies and replies held at once, all connections together
+    in_flight_bytes = 64 << 20  # request bodies held at once, all connections together (503 beyond)
+    made_bytes = 16 << 20       # replies made for a request (the dashboard, /peers) held at once (503 beyond)
     send_buffer = 128 << 10     # a connection's kernel send buffer (SO_SNDBUF, which the kernel doubles)
     request_seconds = 10.0      # whole-request deadline: the server's to read one, the client's per call
     line_bytes = 8192           # the request line (414 beyond it) and each header line (431)
@@ -610,14 +612,14 @@ def _finite(text):  # JSON may spell numbers that cannot be served back as JSON:
     return x
 
 
-def parse_json(raw, surrogates=False):
+def parse_json(raw, surrogates=False, most=None):
     """Strict UTF-8 JSON -> a Python value, or BadRequest: no NaN or Infinity, no lone surrogate ("\\ud800":
-    no UTF-8 can store or serve it), nothing nested too deeply, at most Limits.json_values values (each
-    costs memory far beyond its bytes: an 8 MB body of {},{},... is 230 MB as Python objects).
+    no UTF-8 can store or serve it), nothing nested too deeply, at most `most` values (Limits.json_values:
+    each costs memory far beyond its bytes, an 8 MB body of {},{},... is 230 MB as Python objects).
     surrogates=True keeps lone surrogates: a client drops the one group that holds one, not its page."""
     try:
         text = raw.decode() if isinstance(raw, (bytes, bytearray)) else raw  # strict: no encoded surrogates
-        most = Limits.json_values
+        most = most or Limits.json_values
         if text.count(",") + text.count("{") + text.count("[") > most:  # then count them outside strings
             _want(_values(text) <= most, f"The JSON holds more than {most} values; send fewer at once.", 413)
         value = json.loads(text, parse_float=_finite, parse_constant=_finite)
@@ -643,10 +645,11 @@ class RolloutStore(Store):
 
     def __init__(self, folder, keep_bytes=Limits.keep_bytes):
         # The batches get keep_bytes less an eighth and 8 KB; pruned.json's two copies take the rest, at most
-        # 512 bytes a reply, so they keep one reply for each 4 KB of keep_bytes.
+        # 512 bytes a reply, so they keep the newest replies, one for each 4 KB of keep_bytes. In memory the
+        # store keeps those of the last Limits.replies pruned batches, whatever keep_bytes (each ~0.45 KB).
         super().__init__(keep_bytes - keep_bytes // 8 - 8192, Limits.window_batches, Limits.window_seconds,
-                         Limits.page_bytes, min(Limits.replies, max(16, keep_bytes // 4096)), Limits.peers,
-                         Limits.scan_groups)
+                         Limits.page_bytes, Limits.replies, Limits.peers, Limits.scan_groups)
+        self.replies_on_disk = min(Limits.replies, max(16, keep_bytes // 4096))  # what pruned.json keeps
         self.folder = os.path.abspath(folder)     # the folder this server alone writes
         self.pruned = 0                           # seq of the newest group retention deleted
         self.metrics, self.metrics_bytes = [], 0  # (n, peer, row as a JSON line, row) per kept metrics row
@@ -685,7 +688,8 @@ class RolloutStore(Store):
         self.doomed += [_batch_file(batch.seq) for batch in pruned]
         if not self.doomed:
             return
-        replies = [{"peer": p, "batch_id": b, **self.replies[(p, b)]} for p, b in self.gone]
+        gone = list(self.gone)[-self.replies_on_disk:]
+        replies = [{"peer": p, "batch_id": b, **self.replies[(p, b)]} for p, b in gone]
         try:
             for name in self.copies:
                 self._write_atomic(name, _dumps({"seq": self.pruned, "replies": replies}))
@@ -743,7 +747,8 @@ class RolloutStore(Store):
                 data = f.read(4 * Limits.body_bytes + 1)  # more than this server ever writes in one file
                 size = max(len(data), os.fstat(f.fileno()).st_blocks * 512)
             _want(len(data) <= 4 * Limits.body_bytes, "it is larger than any file this server writes")
-            return (rule(parse_json(data), name), size) if rule else data
+            most = Limits.json_values + 8 * Limits.batch_groups  # a batch's, and what the server adds to it
+            return (rule(parse_json(data, most=most), name), size) if rule else data
         except FileNotFoundError:
             return None
         except (OSError, BadRequest) as e:
@@ -1312,6 +1317,28 @@ def _unsent(sock):  # bytes written to a socket that its peer has not acknowledg
         return 0
 
 
+def _listed(head, texts, tail):  # a reply's pieces: head, the texts (of a JSON list) comma by comma, tail
+    pieces = [head]
+    for k, text in enumerate(texts):
+        pieces += [b",", text] if k else [text]
+    return pieces + [tail]
+
+
+def _chunks(pieces, size=1 << 16):
+    """Byte strings -> their bytes in chunks of `size` (the last one shorter), each copied once, when made."""
+    views, have = [], 0  # the parts of the next chunk: views of the pieces, no copies
+    for piece in pieces:
+        view = memoryview(piece)
+        while view:
+            views.append(view[:size - have])
+            have, view = have + len(views[-1]), view[len(views[-1]):]
+            if have == size:
+                yield b"".join(views)
+                views, have = [], 0
+    if views:
+        yield b"".join(views)
+
+
 def _int_param(query, name, default, lowest, highest):
     value = query.get(name, [str(default)])[-1]
     _want(re.fullmatch(r"[0-9]{1,19}", value) and lowest <= int(value) <= highest,
@@ -1322,7 +1349,10 @@ def _int_param(query, name, default, lowest, highest):
 class SwarmServer:
     """The HTTP side of the store. One asyncio loop (in a thread) reads each request whole under a deadline,
     so a slow or idle connection costs a buffer, not a thread; worker threads answer whole requests. A
-    request's way: _accept, _connection (_read_request, _in_turn, _send, _hang_up). credentials: credentials()'s."""
+    request's way: _accept, _connection (_read_request, _answered, _send, _hang_up). credentials:
+    credentials()'s. What requests hold is bounded apart for writers and readers: request bodies count in
+    self.in_flight (one at a time per per-peer credential), replies made for a request in self.replying,
+    and a page of groups is sent from the texts the store holds, 64 KB at a time (_chunks)."""
 
     def __init__(self, store, host, port, credentials=None, public_reads=False, verbose=False, score=None):
         self.store, self.credentials = store, credentials
@@ -1336,11 +1366,12 @@ class SwarmServer:
         self.max_connections = max(4, min(Limits.connections, soft - 64)) if soft > 0 else Limits.connections
         self.open, self.waiting = set(), {}  # every connection; those that may be closed for a new one ->
                                              # 0 if idle or sending a head, 1 if sending a body (in order)
-        self.in_flight = 0                   # bytes of request bodies and replies held right now
+        self.in_flight = 0                   # bytes of request bodies held right now (Limits.in_flight_bytes)
+        self.replying = 0                    # bytes of replies made for a request, held (Limits.made_bytes)
         self.pools = {method: ThreadPoolExecutor(Limits.workers, thread_name_prefix=f"swarm-{method}")
                       for method in ("GET", "POST")}
         self.large = threading.Lock()        # held while a large body is answered: see Limits.body_bytes
-        self.turns = weakref.WeakValueDictionary()  # writer -> the lock its waiting POSTs take turns on
+        self.turns = weakref.WeakValueDictionary()  # writer -> the lock its POSTs take turns on, body and all
         self.posting = asyncio.Semaphore(Limits.workers)  # POSTs being answered; its waiters: one per writer
         self.loop = asyncio.new_event_loop()
         self.loop.set_exception_handler(_loop_error)
@@ -1386,24 +1417,24 @@ class SwarmServer:
 
     async def _connection(self, reader, writer):
         """One request per connection (nothing rides behind a body), read whole under the deadline, answered,
-        closed. The body counts in self.in_flight until it is answered."""
+        closed. The body counts in self.in_flight, and a POST holds its writer's turn, until it is answered."""
         writer.transport.set_write_buffer_limits(0)  # so that drain() returns once the reply has left
-        self.waiting[writer], body = 0, bytearray()
+        self.waiting[writer], body, turn, reply = 0, bytearray(), [], []  # turn: the writer's lock, once held
         try:
             try:
                 seconds = Limits.request_seconds
-                request = await asyncio.wait_for(self._read_request(reader, writer, body), seconds)
+                request = await asyncio.wait_for(self._read_request(reader, writer, body, turn), seconds)
             except asyncio.TimeoutError:
                 raise BadRequest(f"The request did not arrive whole within {seconds:g} s.", 408) from None
-            reply = await self._in_turn(request)
+            reply += await self._answered(request)  # status, content type, body, headers
+            self._give_back(body, turn)
             await self._send(writer, *reply, head_only=request.method == "HEAD")
             if self.verbose:
                 who = writer.get_extra_info("peername")
                 _log(f"{who} {request.method} {request.target[:200]} {reply[0]}")
         except BadRequest as e:  # the rest of the request is unread: answer, then close
             self.waiting[writer] = 0  # first to go while it lingers, holding no body
-            self.in_flight -= len(body)
-            body.clear()
+            self._give_back(body, turn)
             with contextlib.suppress(OSError, asyncio.TimeoutError):
                 await self._send(writer, *e.reply)
                 writer.write_eof()  # and read what the client still sends for a moment, so that
@@ -1411,8 +1442,8 @@ class SwarmServer:
         except (OSError, EOFError, asyncio.TimeoutError):
             pass  # a client that hangs up, idles or stops reading its reply is not news
         finally:
-            self.in_flight -= len(body)
-            body.clear()
+            self._give_back(body, turn)
+            reply.clear()  # (a page of groups holds texts that retention may prune meanwhile)
             if writer in self.open:
                 self.waiting[writer] = 0  # while its reply drains: first to go at the cap
                 await self._hang_up(writer)
@@ -1420,16 +1451,27 @@ class SwarmServer:
             self.waiting.pop(writer, None)
             writer.transport.abort()
 
-    async def _in_turn(self, request):
-        """A request's answer from a worker thread, a POST's in its writer's turn: one POST of each per-peer
-        credential at a time, so one writer's many connections delay another's post by one of its own at most.
-        Without one, writers cannot be told apart (an address may be a proxy's): first come, first served."""
+    async def _answered(self, request):
+        """A request's answer from a worker thread: Limits.workers GETs and as many POSTs at a time."""
         if request.method != "POST":
             return await self.loop.run_in_executor(self.pools["GET"], self._answer, request)
-        peer = request.peer
-        turn = self.turns.setdefault(peer, asyncio.Lock()) if peer else contextlib.nullcontext()
-        async with turn, self.posting:
+        async with self.posting:
             return await self.loop.run_in_executor(self.pools["POST"], self._answer, request)
+
+    async def _take_turn(self, peer, turn):
+        """A POST of a per-peer credential waits for its writer's turn before its body is read: one POST of
+        each at a time, so one writer's many or slow bodies cost that writer alone, never the bodies' shared
+        budget nor another's turn. Without one, writers cannot be told apart (an address may be a proxy's):
+        first come, first served."""
+        lock = self.turns.setdefault(peer, asyncio.Lock())
+        await lock.acquire()
+        turn.append(lock)  # (no await between: a deadline that cancels the wait leaves nothing held)
+
+    def _give_back(self, body, turn):  # what a request holds, once answered: its body's bytes, its turn
+        self.in_flight -= len(body)
+        body.clear()
+        while turn:
+            turn.pop().release()
 
     async def _hang_up(self, writer):
         """Close once the kernel has delivered the reply, or at the deadline with a reset (SO_LINGER 0), so no
@@ -1441,10 +1483,11 @@ class SwarmServer:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
-    async def _read_request(self, reader, writer, body):
+    async def _read_request(self, reader, writer, body, turn):
         """The request line, the headers and the body (into `body`) -> Request. Strict: no request reads
-        differently in a proxy in front. The credential is checked before the body is read, which counts in
-        self.in_flight as it arrives: a sender who only declares a length costs nothing."""
+        differently in a proxy in front. The credential is checked, and a POST takes its writer's turn, before
+        the body is read, which counts in self.in_flight as it arrives: a sender who only declares a length
+        costs nothing, and a GET, which may need no credential (--public-reads), has none."""
         if (first := await reader.read(1)) in (b"", b"\x16"):  # gone, or TLS (this server speaks plain HTTP)
             raise EOFError("no request")
         line = first.decode("latin-1") + await _readline(reader, 414, "The request line")
@@ -1473,7 +1516,10 @@ class SwarmServer:
         _want(re.fullmatch(r"[0-9]{1,12}", length), "Content-Length must be a whole number.")
         most = Limits.body_bytes
         _want(int(length) <= most, f"The body is {length} bytes; the limit is {most}.", 413)
+        _want(method not in ("GET", "HEAD") or int(length) == 0, f"A {method} has no body here.")
         self.waiting[writer] = 1  # sending its body: evicted after those that sent no head yet
+        if method == "POST" and peer:
+            await self._take_turn(peer, turn)
         if int(length) and headers.get("expect", "").lower() == "100-continue":
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         while len(body) < int(length):
@@ -1482,25 +1528,32 @@ class SwarmServer:
                 raise EOFError("the client hung up")
             if self.in_flight + len(chunk) > Limits.in_flight_bytes:
                 raise BadRequest(BUSY, 503, {"Retry-After": "1"})
-            self.in_flight += len(chunk)  # given back by _connection once the reply has gone
+            self.in_flight += len(chunk)  # given back by _connection once it is answered
             body += chunk
         self.waiting.pop(writer, None)
         return Request(method, target, body, peer)
 
     async def _send(self, writer, status, content_type, body, headers=None, head_only=False):
-        if len(body) > 65536 and self.in_flight + len(body) > Limits.in_flight_bytes:  # bound what waits
+        """A reply within the deadline (a reader too slow is cut off), 64 KB at a time. body: bytes made for
+        it, which count in self.replying (a 503 past Limits.made_bytes), or a list of texts the store
+        holds (a page of groups), sent as they are: a reader that does not read holds 64 KB here at most."""
+        made = len(body) if isinstance(body, bytes) else 0
+        if made > 65536 and self.replying + made > Limits.made_bytes:
             busy = BadRequest("The server is busy; ask again in a moment.", 503, {"Retry-After": "1"})
-            status, content_type, body, headers = busy.reply
+            (status, content_type, body, headers), made = busy.reply, 0
+        pieces = [body] if isinstance(body, bytes) else body
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         head = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: {content_type}\r\n" \
-               f"Content-Length: {len(body)}\r\n{extra}"
-        data = (head + "Connection: close\r\n\r\n").encode() + (b"" if head_only else body)
-        self.in_flight += len(data)
+               f"Content-Length: {sum(map(len, pieces))}\r\n{extra}Connection: close\r\n\r\n"
+        self.replying += made
         try:
-            writer.write(data)
-            await asyncio.wait_for(writer.drain(), Limits.request_seconds)  # a reader too slow is cut off
+            deadline = time.monotonic() + Limits.request_seconds
+            for chunk in _chunks([head.encode()] + ([] if head_only else pieces)):
+                writer.write(chunk)
+                chunk = None  # (what the kernel did not take waits in the transport's buffer alone)
+                await asyncio.wait_for(writer.drain(), deadline - time.monotonic())
         finally:
-            self.in_flight -= len(data)
+            self.replying -= made
 
     def _answer(self, request):  # (in a worker thread) a request -> (status, content type, body, headers)
         try:
@@ -1528,8 +1581,8 @@ class SwarmServer:
                               "serving.", 500).reply
 
     def _route(self, method, path, q, body, peer):
-        """A request for one of ROUTES (a write: by `peer`'s credential) -> the reply's bytes. Groups are kept as
-        JSON text: a page of them is joined, not encoded again."""
+        """A request for one of ROUTES (a write: by `peer`'s credential) -> the reply's bytes, or for a page of
+        groups or metrics rows, the list of its pieces (_listed): they are kept as JSON text, never copied."""
         if method == "POST":
             b = (PUBLISH if path == "/rollouts" else METRICS)(parse_json(body))
             _want(peer in (None, b["peer"]),
@@ -1540,17 +1593,17 @@ class SwarmServer:
             return _dumps(self.store.publish(b["peer"], b["round"], b["batch_id"], b["groups"]))
         if path == "/metrics":
             texts, next_n, last_n = self.store.read_metrics(_int_param(q, "after", 0, 0, 10**15))
-            return b'{"metrics":[' + b",".join(texts) + b'],"next":%d,"last":%d}' % (next_n, last_n)
+            return _listed(b'{"metrics":[', texts, b'],"next":%d,"last":%d}' % (next_n, last_n))
         if path == "/rollouts":
             exclude = q.get("exclude", [""])[-1].lower()
             _want(not exclude or NAME.fullmatch(exclude), f"exclude must be a peer name: {NAMES}.")
             if "sample" in q:  # a sampled read: K groups of the recent window
                 k = _int_param(q, "sample", 1, 1, Limits.sample_groups)
                 texts, last_seq = self.store.sample(k, exclude, _int_param(q, "seed", 0, 0, 2**63 - 1))
-                return b'{"groups":[' + b",".join(texts) + b'],"last":%d}' % last_seq
+                return _listed(b'{"groups":[', texts, b'],"last":%d}' % last_seq)
             texts, next_seq, last_seq = self.store.read(_int_param(q, "after", 0, 0, 10**15), exclude,
                                                         _int_param(q, "limit", 256, 1, Limits.page_groups))
-            return b'{"groups":[' + b",".join(texts) + b'],"next":%d,"last":%d}' % (next_seq, last_seq)
+            return _listed(b'{"groups":[', texts, b'],"next":%d,"last":%d}' % (next_seq, last_seq))
         snap = self.store.snapshot(metrics=path == "/")
         if path == "/health":
             return _dumps({"ok": True, "groups": snap["groups"], "peers": len(snap["peers"]),
@@ -1645,7 +1698,10 @@ def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.ke
 def connect(url, peer, sample, token=None, **state):
     """A started Client of the swarm.py server at url (http:// or https://). sample: K; token: the server's
     credential (None: $SWARM_TOKEN); state: the read state (seed, round, seen). The client's bounds are Limits'."""
-    Client.check(peer, sample, Limits.sample_groups)
+    if not isinstance(peer, str) or not NAME.fullmatch(peer):
+        raise ValueError(f"peer must be a name of {NAMES}.")
+    if type(sample) is not int or not 1 <= sample <= Limits.sample_groups:
+        raise ValueError(f"sample must be a whole number from 1 to {Limits.sample_groups}.")
     if re.match(r"rediss?://", str(url), re.I):  # (the URL itself is not repeated: it may hold a password)
         raise ValueError(REDIS_PEER)
     transport = HttpTransport(str(url), peer, os.environ.get("SWARM_TOKEN") if token is None else token)
@@ -1715,7 +1771,7 @@ class HttpTransport(_Transport):
         u = urlsplit(url)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError(f"the swarm URL must look like http://HOST:PORT, not {url[:80]!r}.")
-        token, self.sockets = check_token(token), []
+        token, self.sockets = check_token(token), {}  # thread -> the sockets of its exchange (writer, reader)
         self.url, self.session = u.geturl().rstrip("/"), requests.Session()
         self.session.trust_env, self.session.proxies = False, requests.utils.get_environ_proxies(self.url)
         self.session.verify = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
@@ -1740,7 +1796,8 @@ class HttpTransport(_Transport):
 
     def close(self):
         self.closed = True
-        _shut(self.sockets)
+        for sockets in list(self.sockets.values()):
+            _shut(sockets)
         self.session.close()
 
     def _call(self, path, body=None):
@@ -1751,8 +1808,9 @@ class HttpTransport(_Transport):
         Limits.reply_bytes and json_values values: parsing holds the interpreter lock, and with it training."""
         if self.closed:
             raise ConnectionError("the client is closing")
-        deadline, reply, self.sockets = time.monotonic() + Limits.request_seconds, bytearray(), []
-        timer = threading.Timer(Limits.request_seconds, _shut, [self.sockets])
+        deadline, reply = time.monotonic() + Limits.request_seconds, bytearray()
+        sockets = self.sockets[threading.get_ident()] = []  # (the client's two threads call at once)
+        timer = threading.Timer(Limits.request_seconds, _shut, [sockets])
         timer.start()
         try:
             method = "GET" if body is None else "POST"
@@ -1766,7 +1824,7 @@ class HttpTransport(_Transport):
             reply = e
         finally:
             timer.cancel()
-            for sock in self.sockets:  # the duplicates _Adapter made
+            for sock in sockets:  # the duplicates _Adapter made
                 sock.close()
         late = time.monotonic() > deadline  # (cut short by the timer?)
         if late or self.closed or isinstance(reply, Exception):
@@ -1792,7 +1850,8 @@ class HttpTransport(_Transport):
 
 
 class _Adapter(requests.adapters.HTTPAdapter):
-    """requests' own, but each connection it opens joins transport.sockets, which the deadline and close() shut."""
+    """requests' own, but each connection it opens joins its thread's transport.sockets, which the deadline and
+    close() shut."""
     def __init__(self, transport):
         super().__init__()
         self.transport = transport
@@ -1803,9 +1862,10 @@ class _Adapter(requests.adapters.HTTPAdapter):
             class Connection(pool.ConnectionCls):
                 def _new_conn(self):  # the TCP socket before any TLS handshake (which takes the object over,
                     sock = super()._new_conn()  # so a duplicate descriptor): a stalled handshake is cut too
-                    transport.sockets.append(sock.dup())
+                    sockets = transport.sockets[threading.get_ident()]
+                    sockets.append(sock.dup())
                     if transport.closed:
-                        _shut(transport.sockets)
+                        _shut(sockets)
                     return sock
             pool.ConnectionCls = Connection
         return pool

@@ -138,7 +138,7 @@ def _sw_store(request, tmp_path):
 
 
 def _sw_publish(client, round_, groups, batch_id=None):
-    """One exchange of the client's thread, as the thread does it -> the server's acknowledgement."""
+    """One exchange of the client's writer thread, as it does it -> the server's acknowledgement."""
     return client.transport.publish(round_, [swarm._dumps(g) for g in groups], batch_id or f"{client.peer}-{round_}")
 
 

@@ -5,14 +5,14 @@ SAPO ("Sharing is Caring", arXiv 2509.08721, Sec. 3 and Algorithm 1) trains a sw
 own small language model. Every round a peer generates G completions for each of its I local questions,
 shares those decoded rollouts (text; never rewards or weights) and trains on its I local groups plus J groups
 drawn from what the others shared. No peer waits for another. Above the marker line, in memory: Store, the
-rules of the shared pool, and Client, a peer's side, whose queues and thread keep training from waiting for
-the network. Below it: RolloutStore (the Store on disk), the HTTP server (`python swarm.py --dir DIR`),
-connect(url) and its transports, the dashboard and the command line.
+rules of the shared pool, and Client, a peer's side, whose queues and threads keep training from waiting for
+the network. Below it: RolloutStore (the Store on disk), RedisStore (in Redis, which several servers share),
+the HTTP server (`python swarm.py --dir DIR` or `--redis URL`), connect(url), the dashboard, the command line.
 
 Deviations from the paper, and why:
-- The paper's peers exchange rollouts over a peer-to-peer network (Gensyn's RL Swarm); here one server (or
-  Redis) holds them, enough for a handful of peers on one machine or one LAN, and a single point of failure:
-  with the store down a peer trains alone (the paper's baseline) and catches up later.
+- The paper's peers exchange rollouts over a peer-to-peer network (Gensyn's RL Swarm); here one server holds
+  them (or several over one Redis, which only the servers reach), a single point of failure: with the store
+  down a peer trains alone (the paper's baseline) and catches up later.
 - A peer does not receive everything shared: once a round it reads K = 4J groups drawn from the writers'
   newest batches, each writer alike, so a read costs the same in a swarm of 10 or 10,000; the receiver
   (train.py) drops zero-advantage groups and draws J of the rest, as in the paper. Reads are prefetched, so
@@ -469,15 +469,14 @@ class Limits:
     window_batches = 2          # a sampled read draws from each producer's newest this many batches,
     window_seconds = 600        # of the producers whose newest batch arrived within this many seconds
     seen_seqs = 4096            # client: the seqs it remembers, so it hands out none twice
-    batch_groups = 256          # groups one batch may hold (a POST's, and Redis's)
+    batch_groups = 256          # groups one batch may hold (a POST's)
     group_completions = 64      # completions one group may hold (train.py refuses a larger --generations)
     completion_chars = 32_000   # characters of one completion
     question_chars = 16_000     # characters of a group's question
     metadata_bytes = 16_000     # bytes of its metadata as JSON
     answer_chars = 4_000        # characters of its ground truth
     name_chars = 256            # characters of its task's name, and of its model's
-    reply_seconds = 86400       # Redis: how long a batch's reply is kept, so that a retry is stored once
-    metrics_rows = 1 << 16      # Redis: metrics rows its stream keeps (XADD MAXLEN ~)
+    redis_seconds = 5.0         # --redis: a Redis exchange's deadline (past it a 503), within the client's
 
 
 # -----------------------------------------------------------------------------
@@ -877,6 +876,415 @@ def _page(entries, after, limit, exclude, page_bytes, scan_groups):
 
 
 # -----------------------------------------------------------------------------
+# Storage in Redis, for several servers serving one swarm: the Store's rules run inside Redis as Lua scripts,
+# each one atomic. Only servers hold the password, and every request passed the server's checks before a
+# script runs. The keys (NAME: a writer's name, lower-case):
+#   sapo:seq              the newest seq handed out (one counter for every server)
+#   sapo:log              each kept batch as "LAST FIRST NAME", scored by its last seq (the cursor reads)
+#   sapo:w:NAME:batches   the writer's kept batches, oldest first, as "LAST FIRST TIME COST BATCH_ID"
+#   sapo:w:NAME:groups    seq -> the group's JSON as served; two more fields, held and count: the writer's
+#                         bytes and groups
+#   sapo:fresh            the writers by their newest batch's time: those within the window are drawn
+#   sapo:held             the writers by the bytes they hold: retention cuts the one holding most
+#   sapo:kept             the kept batches' bytes and groups, all writers together
+#   sapo:replies          "NAME BATCH_ID" -> the reply of each kept batch and of the newest pruned ones,
+#   sapo:gone             whose ids it lists, oldest first (Limits.replies of them)
+#   sapo:peers, sapo:seen the peers table ("LAST_SEEN LAST_ROUND GROUPS" a name) and its recency
+#   sapo:metrics          the dashboard's rows as JSON, scored by their n; sapo:mstat: their count n and bytes
+# sapo:fresh and sapo:held hold the member "" at -inf: where it is missing (a new Redis, or one cleared by
+# hand), RedisStore._rebuild makes them again from each writer's own keys. Every loop has a bound whatever
+# Redis holds, and a number goes into text only through int(), never Lua's `..`, which writes 1e14 as "1e+14".
+_LUA = """local function int(x) return string.format('%d', x) end
+local function clock()  -- Redis's clock, the same for every server: as exact text, and as a number
+  local t = redis.call('TIME')
+  return t[1] .. '.' .. string.format('%06d', tonumber(t[2])), t[1] + t[2] / 1e6
+end
+local function seen(w, now, round, published, keep)  -- Store._seen: the peers table, its oldest row out
+  local _, r, g = (redis.call('HGET', 'sapo:peers', w) or ''):match('^(%S+) (%d+) (%d+)$')
+  if r and tonumber(r) > tonumber(round) then round = r end
+  redis.call('HSET', 'sapo:peers', w, now .. ' ' .. round .. ' ' .. int((tonumber(g) or 0) + published))
+  redis.call('ZADD', 'sapo:seen', now, w)
+  local extra = math.max(0, math.min(64, redis.call('ZCARD', 'sapo:seen') - keep))
+  local gone = extra > 0 and redis.call('ZPOPMIN', 'sapo:seen', extra) or {}
+  for i = 1, #gone, 2 do redis.call('HDEL', 'sapo:peers', gone[i]) end
+end
+"""
+# Retention by cost (Store._retain): past the budget, the writer holding most loses its oldest batch, and so
+# on to 90% of it (Store._prune's water-filling, one batch at a time), at most 256 batches a publish. The
+# batch stored last stays; a writer left with none leaves every index; what is no batch is dropped.
+_PRUNE = """local function prune(target, newest, replies)
+  local kept, skip = tonumber(redis.call('HGET', 'sapo:kept', 'bytes')) or 0, 0
+  for _ = 1, 256 do
+    local w = redis.call('ZREVRANGE', 'sapo:held', skip, skip)[1]
+    if kept <= target or not w or w == '' then return end
+    local batches, groups = 'sapo:w:' .. w .. ':batches', 'sapo:w:' .. w .. ':groups'
+    local d = redis.pcall('LINDEX', batches, 0)
+    local last, first, cost, id = (type(d) == 'string' and d or ''):match('^(%d+) (%d+) %S+ (%d+) (%S+)$')
+    if last == newest then skip = 1 else redis.pcall('LPOP', batches) end  -- (the next writer's turn)
+    if last and last ~= newest then
+      local seqs = {}
+      for s = tonumber(first), math.min(tonumber(last), first + 255) do seqs[#seqs + 1] = int(s) end
+      if #seqs > 0 then redis.call('HDEL', groups, unpack(seqs)) end
+      redis.call('ZREM', 'sapo:log', last .. ' ' .. first .. ' ' .. w)
+      redis.call('HINCRBY', groups, 'count', -#seqs)
+      redis.call('HINCRBY', 'sapo:kept', 'groups', -#seqs)
+      kept = redis.call('HINCRBY', 'sapo:kept', 'bytes', int(-cost))
+      redis.call('ZADD', 'sapo:held', redis.call('HINCRBY', groups, 'held', int(-cost)), w)
+      redis.call('RPUSH', 'sapo:gone', w .. ' ' .. id)
+      if redis.call('LLEN', 'sapo:gone') > replies then
+        redis.call('HDEL', 'sapo:replies', redis.call('LPOP', 'sapo:gone'))
+      end
+    end
+    if type(d) ~= 'string' or redis.pcall('LLEN', batches) == 0 then
+      redis.call('DEL', batches, groups)
+      redis.call('ZREM', 'sapo:held', w)
+      redis.call('ZREM', 'sapo:fresh', w)
+    end
+  end
+end
+"""
+# Store.publish. ARGV: name, round, batch id, budget, replies kept, peers kept, a batch's overhead, window
+# seconds, then each group's JSON less its closing brace, to which the script adds seq and time.
+PUBLISH_LUA = _LUA + _PRUNE + """local w, id, n = ARGV[1], ARGV[1] .. ' ' .. ARGV[3], #ARGV - 8
+local reply = redis.call('HGET', 'sapo:replies', id)
+if reply then return reply end  -- a retry gets the first reply: stored once
+if not (redis.call('ZSCORE', 'sapo:fresh', '') and redis.call('ZSCORE', 'sapo:held', '')
+        and redis.call('EXISTS', 'sapo:kept') == 1) then return 'rebuild' end
+local seq = tonumber(redis.call('GET', 'sapo:seq'))  -- and never below the newest kept batch
+if not seq or seq < 0 or seq % 1 ~= 0 then seq = 0 end
+seq = math.max(seq, tonumber(redis.call('ZRANGE', 'sapo:log', -1, -1, 'WITHSCORES')[2]) or 0)
+if seq + n > 1e15 then return redis.error_reply('sapo:seq is past 10^15, the highest seq a group carries') end
+if n == 0 then return '{"accepted":0,"seq":' .. int(seq) .. '}' end
+local now, clock_now = clock()
+local groups, cost, first, last = 'sapo:w:' .. w .. ':groups', tonumber(ARGV[7]), int(seq + 1), int(seq + n)
+for i = 1, n do
+  local text = ARGV[8 + i] .. ',"seq":' .. int(seq + i) .. ',"time":' .. now .. '}'
+  redis.call('HSET', groups, int(seq + i), text)
+  cost = cost + #text
+end
+redis.call('SET', 'sapo:seq', last)
+local batch = table.concat({last, first, now, int(cost), ARGV[3]}, ' ')
+redis.call('RPUSH', 'sapo:w:' .. w .. ':batches', batch)
+redis.call('ZADD', 'sapo:log', last, last .. ' ' .. first .. ' ' .. w)
+redis.call('HINCRBY', groups, 'count', n)
+redis.call('ZADD', 'sapo:held', redis.call('HINCRBY', groups, 'held', int(cost)), w)
+redis.call('ZADD', 'sapo:fresh', now, w)
+redis.call('HINCRBY', 'sapo:kept', 'groups', n)
+local kept = redis.call('HINCRBY', 'sapo:kept', 'bytes', int(cost))
+reply = '{"accepted":' .. int(n) .. ',"seq":' .. last .. '}'
+redis.call('HSET', 'sapo:replies', id, reply)
+seen(w, now, ARGV[2], n, tonumber(ARGV[6]))
+local cutoff = '(' .. string.format('%.6f', clock_now - ARGV[8])  -- Store._expire: the silent leave the draw
+local old = redis.call('ZRANGEBYSCORE', 'sapo:fresh', '(-inf', cutoff, 'LIMIT', 0, 1024)
+if #old > 0 then redis.call('ZREM', 'sapo:fresh', unpack(old)) end
+if kept > tonumber(ARGV[4]) then prune(0.9 * ARGV[4], last, tonumber(ARGV[5])) end
+return reply"""
+# Store.sample, its lazy Fisher-Yates shuffle over the ranks of the writers within the window, with its own
+# generator (Park-Miller's, seeded by the seed's digits). ARGV: K, the name left out, seed, page bytes, a
+# group's most bytes, window batches, window seconds, batch groups, steps, then "NAME SEQ" of groups to skip.
+# A name with no batches is skipped, costing a step and not a draw, and removed from sapo:fresh. A group over
+# the most bytes, or one that would take a page past the page bytes (unless it is the first), is skipped.
+# -> {stale names removed, the newest seq, then the name, seq and JSON text of each group drawn}
+SAMPLE_LUA = _LUA + """if not redis.call('ZSCORE', 'sapo:fresh', '') then return 'rebuild' end
+local k, page, most = tonumber(ARGV[1]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local wb, bg = tonumber(ARGV[6]), tonumber(ARGV[8])
+local x = 0
+for d in ARGV[3]:gmatch('%d') do x = (x * 10 + d) % 2147483647 end
+x = x % 2147483646 + 1
+local function rand(m) x = x * 16807 % 2147483647 return x % m end
+local _, clock_now = clock()
+local total = redis.call('ZCARD', 'sapo:fresh')
+local n = redis.call('ZCOUNT', 'sapo:fresh', string.format('%.6f', clock_now - ARGV[7]), '+inf')
+local base, out, size, left, moved, stale, skip = total - n, {}, 0, {}, {}, {}, {}  -- (the window: base on)
+for i = 10, #ARGV do skip[ARGV[i]] = true end
+local function window(p)  -- the seqs of p's newest window batches, or false if p has no batches
+  local ds = redis.pcall('LRANGE', 'sapo:w:' .. p .. ':batches', -wb, -1)
+  if type(ds) ~= 'table' or ds.err or #ds == 0 then return false end
+  local seqs = {}
+  for _, d in ipairs(p ~= ARGV[2] and ds or {}) do
+    local last, first = d:match('^(%d+) (%d+) ')
+    last, first = tonumber(last), tonumber(first)
+    if last and first <= last and last - first < bg then for s = first, last do seqs[#seqs + 1] = s end end
+  end
+  return seqs
+end
+for _ = 1, tonumber(ARGV[9]) do
+  if #out == 3 * k or n == 0 or size >= page then break end
+  local i = rand(n)
+  local p = redis.call('ZRANGE', 'sapo:fresh', base + (moved[i] or i), base + (moved[i] or i))[1]
+  if not p then break end
+  if left[p] == nil then
+    left[p] = window(p)
+    if not left[p] then stale[#stale + 1], left[p] = p, {} end
+  end
+  local seqs = left[p]
+  if #seqs > 0 then
+    local j = rand(#seqs) + 1
+    local s, key = int(seqs[j]), 'sapo:w:' .. p .. ':groups'
+    seqs[j] = seqs[#seqs]
+    seqs[#seqs] = nil
+    local len = not skip[p .. ' ' .. s] and redis.pcall('HSTRLEN', key, s)
+    if type(len) == 'number' and 0 < len and len <= most and (#out == 0 or size + len <= page) then
+      out[#out + 1], out[#out + 2], out[#out + 3], size = p, s, redis.call('HGET', key, s), size + len
+    end
+  end
+  if #seqs == 0 then  -- drawn dry: the writer in place n - 1 takes place i
+    n = n - 1
+    moved[i] = moved[n] or n
+  end
+end
+for i = 1, #stale, 1000 do redis.call('ZREM', 'sapo:fresh', unpack(stale, i, math.min(i + 999, #stale))) end
+local newest = tonumber(redis.call('GET', 'sapo:seq')) or 0
+return {int(#stale), int(math.min(math.max(newest, 0), 1e15)), unpack(out)}"""
+# Store.read (_page's rule): the groups after a seq, in seq order. ARGV: after, the name left out, limit,
+# page bytes, steps (batches and groups stepped over), a group's most bytes. -> {next, newest seq, texts...}
+READ_LUA = _LUA + """local out, size, nxt, steps = {}, 0, tonumber(ARGV[1]), tonumber(ARGV[5])
+local limit, page, most, cursor = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[6]), ARGV[1]
+local function walk()
+  while steps > 0 do
+    local found = redis.call('ZRANGEBYSCORE', 'sapo:log', '(' .. cursor, '+inf', 'WITHSCORES', 'LIMIT', 0, 64)
+    if #found == 0 then return end
+    for i = 1, #found, 2 do
+      local last, first, w = found[i]:match('^(%d+) (%d+) (%S+)$')
+      last, first, cursor, steps = tonumber(last), tonumber(first), found[i + 1], steps - 1
+      if not last or first > last or last - first > 255 then  -- no batch: stepped over
+        nxt = math.max(nxt, math.min(tonumber(cursor) or nxt, 1e15))
+      else
+        local key = 'sapo:w:' .. w .. ':groups'
+        for s = math.max(first, nxt + 1), last do
+          local len = w ~= ARGV[2] and redis.pcall('HSTRLEN', key, int(s)) or 0
+          len = type(len) == 'number' and len <= most and len or 0
+          if #out == limit or steps <= 0 or (#out > 0 and len > 0 and size + len > page) then return end
+          if len > 0 then out[#out + 1], size = redis.call('HGET', key, int(s)), size + len + 1 end
+          nxt, steps = s, steps - 1
+        end
+      end
+    end
+  end
+end
+walk()
+local newest = tonumber(redis.call('GET', 'sapo:seq')) or 0
+return {int(nxt), int(math.min(math.max(newest, 0), 1e15)), unpack(out)}"""
+# A dashboard row (RolloutStore.add_metrics). ARGV: name, round, the metrics as JSON, metrics bytes, peers
+# kept. Past the bytes the oldest rows go, at most 256 a call.
+METRICS_LUA = _LUA + """local now = clock()
+local n = redis.call('HINCRBY', 'sapo:mstat', 'n', 1)
+local row = '{"n":' .. int(n) .. ',"peer":"' .. ARGV[1] .. '","round":' .. ARGV[2] .. ',"time":' .. now
+            .. ',"metrics":' .. ARGV[3] .. '}'
+redis.call('ZADD', 'sapo:metrics', int(n), row)
+local bytes = redis.call('HINCRBY', 'sapo:mstat', 'bytes', #row)
+for _ = 1, 256 do
+  if bytes <= tonumber(ARGV[4]) then break end
+  local gone = redis.call('ZPOPMIN', 'sapo:metrics')
+  if #gone == 0 then break end
+  bytes = redis.call('HINCRBY', 'sapo:mstat', 'bytes', -#gone[1])
+end
+seen(ARGV[1], now, ARGV[2], 0, tonumber(ARGV[5]))
+return int(n)"""
+# RedisStore._rebuild's steps. REBUILD_LUA puts the writers named in ARGV back into sapo:fresh and sapo:held
+# from their own keys -> {their bytes, their groups}; SEAL_LUA then sets the totals (ARGV: bytes, groups) and
+# the two markers, unless another server has already.
+REBUILD_LUA = _LUA + """local bytes, groups = 0, 0
+for _, w in ipairs(ARGV) do
+  local d = redis.pcall('LINDEX', 'sapo:w:' .. w .. ':batches', -1)
+  local now = type(d) == 'string' and d:match('^%d+ %d+ (%S+) ')
+  local held = tonumber(redis.pcall('HGET', 'sapo:w:' .. w .. ':groups', 'held'))
+  local count = tonumber(redis.pcall('HGET', 'sapo:w:' .. w .. ':groups', 'count'))
+  if now and tonumber(now) and held and count then
+    redis.call('ZADD', 'sapo:fresh', now, w)
+    redis.call('ZADD', 'sapo:held', int(held), w)
+    bytes, groups = bytes + held, groups + count
+  end
+end
+return {int(bytes), int(groups)}"""
+SEAL_LUA = """if redis.call('ZSCORE', 'sapo:fresh', '') and redis.call('ZSCORE', 'sapo:held', '')
+   and redis.call('EXISTS', 'sapo:kept') == 1 then return 0 end
+if #ARGV == 0 then return 1 end
+redis.call('HSET', 'sapo:kept', 'bytes', ARGV[1], 'groups', ARGV[2])
+redis.call('ZADD', 'sapo:fresh', '-inf', '')
+redis.call('ZADD', 'sapo:held', '-inf', '')
+return 0"""
+
+
+class RedisStore:
+    """The Store's interface (publish, read, sample, add_metrics, read_metrics, snapshot, close) over Redis,
+    so that SwarmServer serves it unchanged and several servers serve one swarm: redis://[USER@]HOST:PORT/DB,
+    rediss:// for TLS with one option, ?ssl_ca_certs=FILE; the password in the URL or $SWARM_REDIS_PASSWORD.
+    keep_bytes bounds what the kept batches cost (their groups' bytes and Limits.batch_overhead each; give
+    every server of a swarm the same). Redis not answering within Limits.redis_seconds, or refusing, is one
+    log line while it lasts and a 503 with Retry-After (507 where Redis is out of memory)."""
+
+    def __init__(self, url, keep_bytes=Limits.keep_bytes):
+        try:
+            import redis
+        except ImportError:
+            raise ValueError("--redis needs the redis package: pip install redis") from None
+        u, shape = urlsplit(url), "--redis must look like redis://HOST:6379/0 (rediss:// for TLS)"
+        try:  # (u.port raises ValueError on a port that is no number)
+            tls, port, options = u.scheme.lower() == "rediss", u.port, parse_qs(u.query, True)
+            _want(u.scheme.lower() in ("redis", "rediss") and u.hostname, shape)
+            _want(re.fullmatch(r"/?[0-9]{0,5}", u.path), shape)
+        except (ValueError, BadRequest):
+            raise ValueError(shape + ".") from None
+        if set(options) - {"ssl_ca_certs"} or (options and not tls):
+            raise ValueError(f"{shape}: it takes one option, ?ssl_ca_certs=FILE with rediss://, not "
+                             f"{', '.join(sorted(options))[:80]}.")
+        password = os.environ.get("SWARM_REDIS_PASSWORD") or None
+        if u.password is not None and password:
+            raise ValueError("give the Redis password in the --redis URL or in $SWARM_REDIS_PASSWORD, "
+                             "not both.")
+        self.redis = redis.Redis(  # (no retries: a request waits Limits.redis_seconds at most)
+            host=u.hostname, port=port or 6379, db=int(u.path.strip("/") or 0), ssl=tls,
+            username=unquote(u.username) if u.username else None, protocol=2,
+            password=unquote(u.password) if u.password is not None else password,
+            socket_timeout=Limits.redis_seconds, socket_connect_timeout=Limits.redis_seconds,
+            retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0),
+            **({"ssl_ca_certs": options["ssl_ca_certs"][-1]} if options else {}))
+        self.budget, self.where = keep_bytes, f"{u.hostname}:{port or 6379}"
+        self.errors, self.refusal = (redis.RedisError, OSError, ValueError), redis.ResponseError
+        self.down = None  # why Redis does not answer, while it does not
+        self.rebuilding = threading.Lock()  # one rebuild at a time in this server
+        try:
+            self.redis.ping()
+        except self.errors as e:
+            self.redis.close()
+            raise ValueError(f"cannot use Redis at {self.where} ({str(e)[:200]}); check --redis, "
+                             "$SWARM_REDIS_PASSWORD and that Redis runs.") from None
+        self._rebuild()
+
+    def publish(self, peer, round_, batch_id, groups):
+        texts = [_dumps({**g, "peer": peer, "round": round_})[:-1] for g in groups]  # the script ends each
+        reply = self._script(PUBLISH_LUA, peer, round_, batch_id, self.budget, Limits.replies, Limits.peers,
+                             Limits.batch_overhead, Limits.window_seconds, *texts)
+        return json.loads(reply)
+
+    def read(self, after, exclude, limit):
+        reply = self._script(READ_LUA, after, exclude or "", limit, Limits.page_bytes, Limits.scan_groups,
+                             Limits.body_bytes)
+        return [text for text in reply[2:] if _servable(text)], int(reply[0]), int(reply[1])
+
+    def sample(self, k, exclude, seed):
+        """Store.sample's draw. A group no client could take (_servable) is skipped: the read is drawn again
+        (the same seed) passing it over, and so is a read that found stale names before K groups (on the
+        cleaner index), while Limits.redis_seconds allow."""
+        deadline, skip = time.monotonic() + Limits.redis_seconds, []
+        while True:
+            reply = self._script(SAMPLE_LUA, k, exclude or "", seed, Limits.page_bytes, Limits.body_bytes,
+                                 Limits.window_batches, Limits.window_seconds, Limits.batch_groups,
+                                 Limits.scan_groups, *skip)
+            drawn = [(b"%s %s" % (name, seq), text, _servable(text)) for name, seq, text in
+                     zip(reply[2::3], reply[3::3], reply[4::3])]
+            skip += [group for group, _, good in drawn if not good]
+            if all(good for *_, good in drawn) and (reply[0] == b"0" or len(drawn) >= k) or \
+                    time.monotonic() > deadline:
+                return [text for _, text, good in drawn if good], int(reply[1])
+
+    def add_metrics(self, peer, round_, metrics):
+        self._script(METRICS_LUA, peer, round_, _dumps(metrics), Limits.metrics_bytes, Limits.peers)
+
+    def read_metrics(self, after):
+        """The rows with n > after, a page -> (their JSON texts, the n to go on after, the newest n)."""
+        found = self._call(self.redis.zrangebyscore, "sapo:metrics", f"({after}", "+inf", start=0, num=256,
+                           withscores=True)
+        texts, size, next_n = [], 0, after
+        for text, n in found:
+            if texts and size + len(text) > Limits.page_bytes:
+                break
+            next_n = max(next_n, min(int(n), 10**15))
+            with contextlib.suppress(BadRequest, ValueError):  # (a row no server wrote is skipped)
+                texts.append(_dumps(ROW(parse_json(text))))
+                size += len(text) + 1
+        newest = self._call(self.redis.hget, "sapo:mstat", "n")
+        return texts, next_n, int(newest) if newest and newest.isdigit() else next_n
+
+    def snapshot(self, metrics=False):
+        """Store.snapshot's figures: the groups kept, the first and newest seq, the peers (the one seen most
+        recently last), and with metrics the dashboard's rows (up to Limits.metrics_bytes of them)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hget("sapo:kept", "groups").zrange("sapo:log", 0, 0).get("sapo:seq")
+        pipe.zrevrange("sapo:seen", 0, Limits.peers - 1)
+        groups, first, last, names = self._call(pipe.execute)
+        peers = {}
+        rows = self._call(self.redis.hmget, "sapo:peers", names) if names else []
+        for name, row in zip(reversed(names), reversed(rows)):
+            found = re.fullmatch(rb"([0-9.]{1,30}) ([0-9]{1,13}) ([0-9]{1,16})", row or b"")
+            if found and NAME.fullmatch(name.decode("latin-1")):
+                peers[name.decode()] = {"last_seen": min(float(found[1]), 1e11), "last_round": int(found[2]),
+                                        "groups": int(found[3])}
+        rows, after, size = [], 0, 0
+        while metrics and size < Limits.metrics_bytes:
+            texts, after, newest = self.read_metrics(after)
+            rows += [json.loads(text) for text in texts]
+            size += sum(map(len, texts))
+            if after >= newest or not texts:
+                break
+        number = (lambda x: int(x) if x and x.isdigit() and int(x) <= 10**15 else 0)
+        oldest = (first[0].split(b" ") if first else []) + [b"", b""]  # "LAST FIRST NAME" of the oldest batch
+        return {"groups": number(groups), "first_seq": number(oldest[1]), "last_seq": number(last),
+                "peers": peers, "metrics": rows}
+
+    def close(self):
+        self.redis.close()
+
+    def _script(self, source, *args):
+        """Run one of the scripts above -> its reply; first _rebuild where it says an index is missing."""
+        reply = self._call(self.redis.eval, source, 0, *args)
+        if reply == b"rebuild":
+            self._rebuild()
+            reply = self._call(self.redis.eval, source, 0, *args)
+        return reply
+
+    def _rebuild(self):
+        """Put every writer back into the draw and retention indexes from its own keys, found by SCAN (a page
+        of keys at a time, so that no call holds Redis for long), if an index or the totals are missing. Until
+        they are back, every server's publishes wait, so the totals add up whatever other servers do."""
+        with self.rebuilding:
+            if self._call(self.redis.eval, SEAL_LUA, 0) == 0:
+                return
+            cursor, done, totals = 0, set(), [0, 0]
+            while True:
+                cursor, keys = self._call(self.redis.scan, cursor, match="sapo:w:*:batches", count=1000)
+                names = {key[len("sapo:w:"):-len(":batches")] for key in keys} - done
+                done |= names
+                if names:
+                    got = self._call(self.redis.eval, REBUILD_LUA, 0, *names)
+                    totals = [totals[0] + int(got[0]), totals[1] + int(got[1])]
+                if cursor == 0:
+                    break
+            self._call(self.redis.eval, SEAL_LUA, 0, *totals)
+            _log(f"indexed {len(done)} writers' batches in Redis at {self.where}") if done else None
+
+    def _call(self, command, *args, **kwargs):
+        """One Redis exchange -> its reply; or BadRequest, a 503 with Retry-After (507: Redis is out of
+        memory), and one log line while the trouble lasts."""
+        try:
+            reply = command(*args, **kwargs)
+        except self.errors as e:
+            why, full = f"{type(e).__name__}: {e}"[:300], "OOM" in str(e)
+            status, says = (507, "is out of memory") if full else (503, "refuses it") if \
+                isinstance(e, self.refusal) else (503, "does not answer")
+            if self.down != why:
+                self.down = why
+                _log(f"Redis at {self.where} {says} ({why}); requests get {status} until it answers")
+            raise BadRequest(f"The server's Redis {says}, so nothing was done; send it again in a moment.",
+                             status, {"Retry-After": "5"}) from None
+        if self.down:
+            self.down = None
+            _log(f"Redis at {self.where} answers again")
+        return reply
+
+
+def _servable(text):
+    """Whether a group read back from Redis is one a client can take: JSON within Limits (else skipped)."""
+    try:
+        _want(len(text) <= Limits.body_bytes and (len(text) < 2 * Limits.json_values
+                                                  or _values(text.decode()) <= Limits.json_values), "")
+        return isinstance(json.loads(text, parse_float=_finite, parse_constant=_finite), dict)
+    except (BadRequest, ValueError, RecursionError):
+        return False
+
+
+# -----------------------------------------------------------------------------
 # HTTP server: an asyncio loop reads requests; worker threads answer them; errors are one JSON sentence.
 
 ROUTES = {"/": "GET", "/health": "GET", "/peers": "GET", "/rollouts": "GET, POST", "/metrics": "GET, POST"}
@@ -1263,17 +1671,18 @@ def read_peers(path):
 
 
 def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.keep_bytes,
-                 public_reads=False, verbose=False, peers=None, score=None):
+                 public_reads=False, verbose=False, peers=None, score=None, redis=None):
     """Start a server in a daemon thread -> (server, "http://host:port"); server.shutdown() stops it. With a
     token or peers ({name: token}) every request needs one (GETs not, with public_reads), and a peer's token
     writes only as that peer (403). score(group, completion), which never raises: the rewards the dashboard
-    shows (train.py's launcher passes reward.score). Bad settings: ValueError."""
+    shows (train.py's launcher passes reward.score). redis: a Redis URL, whose store replaces the folder dir
+    (RedisStore). Bad settings: ValueError."""
     table = credentials(token, peers)
     if not isinstance(keep_bytes, int) or keep_bytes < 1:
         raise ValueError("--keep-bytes must be a size of at least 1 byte.")
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError("--port must be a whole number from 0 to 65535.")
-    store = RolloutStore(dir, keep_bytes)
+    store = RedisStore(redis, keep_bytes) if redis else RolloutStore(dir, keep_bytes)
     try:
         server = SwarmServer(store, host, port, table, public_reads, verbose, score)
     except OSError as e:
@@ -1284,20 +1693,24 @@ def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.ke
 
 
 # -----------------------------------------------------------------------------
-# The client's transports: a Store in this process, a swarm.py server, or Redis.
+# The client's transports: a Store in this process, or a swarm.py server over HTTP.
 
 def connect(url, peer, sample, token=None, **state):
-    """A started Client of the store a URL names: a Redis server for redis:// or rediss://, else a swarm.py
-    server. sample: K; token: the store's credential (None: $SWARM_TOKEN); state: the read state (seed,
-    round, seen). The client's bounds are Limits'."""
+    """A started Client of the swarm.py server at url (http:// or https://). sample: K; token: the server's
+    credential (None: $SWARM_TOKEN); state: the read state (seed, round, seen). The client's bounds are Limits'."""
     if not isinstance(peer, str) or not NAME.fullmatch(peer):
         raise ValueError(f"peer must be a name of {NAMES}.")
     if type(sample) is not int or not 1 <= sample <= Limits.sample_groups:
         raise ValueError(f"sample must be a whole number from 1 to {Limits.sample_groups}.")
-    kind = RedisTransport if str(url).lower().startswith(("redis://", "rediss://")) else HttpTransport
-    transport = kind(str(url), peer, os.environ.get("SWARM_TOKEN") if token is None else token)
+    if re.match(r"rediss?://", str(url), re.I):  # (the URL itself is not repeated: it may hold a password)
+        raise ValueError(REDIS_PEER)
+    transport = HttpTransport(str(url), peer, os.environ.get("SWARM_TOKEN") if token is None else token)
     return Client(peer, transport, sample, **state, seen_cap=Limits.seen_seqs, inbox_cap=Limits.inbox_bytes,
                   outbox_cap=Limits.outbox_bytes, body_cap=Limits.body_bytes)
+
+
+REDIS_PEER = ("a peer joins a swarm over HTTP only: start a server with python swarm.py --redis "
+              "redis://HOST:6379/0 and join it with its http://HOST:PORT")
 
 
 class LocalTransport:
@@ -1322,9 +1735,9 @@ class LocalTransport:
 
 
 class _Transport:
-    """What the HTTP and Redis transports share: the peer's name (lower-cased: `name`) and the checks of what
-    a store says. Their calls are LocalTransport's, and they also raise BadRequest for "no usable answer now,
-    try later"; sample() hands back only the groups it could check, with their bytes."""
+    """A remote store's transport: the peer's name (lower-cased: `name`) and the checks of what the store
+    says. Its calls are LocalTransport's, and they also raise BadRequest for "no usable answer now, try
+    later"; sample() hands back only the groups it could check, with their bytes."""
     def __init__(self, peer):
         self.peer, self.name, self.said, self.closed = peer, peer.lower(), None, False
 
@@ -1479,171 +1892,6 @@ def _said(data):  # the one sentence of an error reply, cut short (_log escapes 
 
 
 # -----------------------------------------------------------------------------
-# Redis as the store: sapo:seq numbers the groups, sapo:producers holds the writers by their newest batch's
-# time, and a writer's own keys, sapo:writer:NAME:* (NAME lower-cased), only its ACL user may write: :window
-# ("FIRST LAST ROUND TIME" of its newest Limits.window_batches batches, newest first), :groups (seq -> group
-# JSON) and :reply:BATCH_ID. Window and groups expire Limits.window_seconds after its newest batch.
-# PUBLISH_LUA stores a batch atomically. KEYS: the writer's window, groups and reply, which Redis checks
-# against the caller's ACL. ARGV: name, round, window batches, window ms, reply seconds, batch groups, groups.
-PUBLISH_LUA = """local reply, n = redis.call('GET', KEYS[3]), #ARGV - 6
-if reply then return reply end
-local t, last, kept = redis.call('TIME'), redis.call('INCRBY', 'sapo:seq', n), {}
-local now = t[1] + t[2] / 1e6
-for i = 1, n do redis.call('HSET', KEYS[2], last - n + i, ARGV[6 + i]) end
-kept[1] = (last - n + 1) .. ' ' .. last .. ' ' .. ARGV[2] .. ' ' .. now
-for a, b, rest in (redis.call('GET', KEYS[1]) or ''):gmatch('(%d+) (%d+) (%S+ %S+)') do
-  if #kept < tonumber(ARGV[3]) then kept[#kept + 1] = a .. ' ' .. b .. ' ' .. rest
-  else for s = tonumber(a), math.min(tonumber(b), a + ARGV[6]) do redis.call('HDEL', KEYS[2], s) end end
-end
-redis.call('SET', KEYS[1], table.concat(kept, ' '), 'PX', ARGV[4])
-redis.call('PEXPIRE', KEYS[2], ARGV[4])
-redis.call('ZADD', 'sapo:producers', now, ARGV[1])
-redis.call('ZREMRANGEBYSCORE', 'sapo:producers', '-inf', now - ARGV[4] / 1000)
-reply = '{"accepted":' .. n .. ',"seq":' .. last .. '}'
-redis.call('SET', KEYS[3], reply, 'EX', ARGV[5])
-return reply"""
-# SAMPLE_LUA, Store.sample's draw, read-only. KEYS: sapo:producers. ARGV: K, the name left out, seed, page
-# bytes, group bytes, window batches, batch groups. A lazy shuffle of the producers' ranks (as Store.sample's)
-# costs O(K) whatever their number; what no publish writes is passed over. -> [writer, seq, round, time, JSON].
-SAMPLE_LUA = """local k, x = tonumber(ARGV[1]), tonumber(ARGV[3]:sub(-9)) % 2147483646 + 1
-local n, out, undrawn, moved, size = redis.call('ZCARD', KEYS[1]), {}, {}, {}, 0
-local function rand(m) x = x * 16807 % 2147483647 return x % m end
-local function window(p)
-  local w, seqs = p ~= ARGV[2] and redis.pcall('GETRANGE', 'sapo:writer:' .. p .. ':window', 0, 80 * ARGV[6]), {}
-  for a, b, r, t in (type(w) == 'string' and w or ''):gmatch('(%d+) (%d+) (%S+) (%S+)') do
-    a, b = tonumber(a), tonumber(b)
-    if b >= a and b - a < tonumber(ARGV[7]) and #seqs < ARGV[6] * ARGV[7] then
-      for s = a, b do seqs[#seqs + 1] = {s, r, t} end end end
-  return seqs
-end
-for _ = 1, 4 * k + 64 do
-  if #out == k or n == 0 or size > tonumber(ARGV[4]) then break end
-  local j = rand(n)
-  local p = redis.call('ZRANGE', KEYS[1], moved[j] or j, moved[j] or j)[1]
-  undrawn[p] = undrawn[p] or window(p)
-  local seqs, key = undrawn[p], 'sapo:writer:' .. p .. ':groups'
-  if #seqs > 0 then
-    local i = rand(#seqs) + 1
-    local s = seqs[i]
-    seqs[i] = seqs[#seqs]
-    seqs[#seqs] = nil
-    local len = redis.pcall('HSTRLEN', key, s[1])
-    if type(len) == 'number' and 0 < len and len <= tonumber(ARGV[5]) then
-      out[#out + 1], size = {p, s[1], s[2], s[3], redis.call('HGET', key, s[1])}, size + len end end
-  if #seqs == 0 then n = n - 1 moved[j] = moved[n] or n end
-end
-return out"""
-
-
-class RedisTransport(_Transport):
-    """A Redis server's side of the exchanges (redis-py and the scripts above): redis://USER@HOST:PORT/DB,
-    rediss:// for TLS. The password is the token ($SWARM_TOKEN) or the URL's, never both (which should win is
-    not the client's to guess). One option: ?ssl_ca_certs=FILE with rediss://. Each exchange is bounded as
-    HTTP's: within Limits.request_seconds, a reply within Limits.reply_bytes (_bounded) and json_values values."""
-
-    def __init__(self, url, peer, token):
-        super().__init__(peer)
-        try:
-            import redis
-        except ImportError:
-            raise ValueError("a redis:// swarm needs the redis package: pip install redis") from None
-        u, shape = urlsplit(url), "the swarm URL must look like redis://USER@HOST:PORT/0 (rediss:// for TLS)"
-        try:  # (u.port raises ValueError on a port that is no number)
-            tls, port, options = u.scheme.lower() == "rediss", u.port, parse_qs(u.query, keep_blank_values=True)
-            if not u.hostname or not re.fullmatch(r"/?[0-9]{0,5}", u.path):
-                raise ValueError(shape)
-        except ValueError:
-            raise ValueError(shape + ".") from None
-        if set(options) - {"ssl_ca_certs"} or (options and not tls):
-            raise ValueError(f"{shape}: it takes one option, ?ssl_ca_certs=FILE with rediss://, not "
-                             f"{', '.join(sorted(options))[:80]}.")
-        if u.password is not None and token:
-            raise ValueError("give the Redis password in the URL or as the token ($SWARM_TOKEN, --token), not both.")
-        pool = redis.ConnectionPool(  # (decoded, a group that is not UTF-8 is dropped alone)
-            connection_class=redis.SSLConnection if tls else redis.Connection, parser_class=_bounded(redis),
-            host=u.hostname, port=port or 6379, db=int(u.path.strip("/") or 0), protocol=2,
-            username=unquote(u.username) if u.username else None,
-            password=unquote(u.password) if u.password is not None else token or None,
-            socket_timeout=Limits.request_seconds, decode_responses=True, encoding_errors="surrogateescape",
-            **({"ssl_ca_certs": options["ssl_ca_certs"][-1]} if options else {}))
-        self.redis, self.error = redis.Redis(connection_pool=pool), redis.RedisError
-
-    def publish(self, round_, texts, batch_id):
-        if len(texts) > Limits.batch_groups:
-            raise Refused(f"a batch holds at most {Limits.batch_groups} groups")
-        keys = [f"sapo:writer:{self.name}:{key}" for key in ("window", "groups", f"reply:{batch_id}")]
-        reply = self._call(self.redis.eval, PUBLISH_LUA, 3, *keys, self.name, round_, Limits.window_batches,
-                           int(1000 * Limits.window_seconds), Limits.reply_seconds, Limits.batch_groups, *texts)
-        return self._acknowledged(parse_json(reply) if isinstance(reply, str) else None, len(texts), "Redis's reply")
-
-    def post_metrics(self, round_, texts):
-        row = b'{"peer":%s,"round":%d,"metrics":%s}' % (_dumps(self.peer), round_, texts[0])
-        self._call(self.redis.xadd, "sapo:metrics", {"row": row}, maxlen=Limits.metrics_rows)
-
-    def sample(self, k, seed):
-        found = self._call(self.redis.eval_ro, SAMPLE_LUA, 1, "sapo:producers", k, self.name, seed, Limits.page_bytes,
-                           Limits.body_bytes, Limits.window_batches, Limits.batch_groups)
-        entries = [e for e in found if isinstance(e, list) and len(e) == 5 and isinstance(e[4], str)][:k]
-        _want(sum(_values(e[4]) for e in entries) <= Limits.json_values,  # (the groups' values, in all)
-              f"a reply of more than {Limits.json_values} values")
-        return self._received([_stored(*e) for e in entries])
-
-    def close(self):
-        self.closed = True
-        self.redis.connection_pool.disconnect()  # (even the connection in use, which ends its exchange)
-
-    def _call(self, command, *args, **kwargs):
-        """One Redis command within Limits.request_seconds (a timer drops the connection) -> its reply; Redis
-        unreachable or refusing (a read-only user's publish) is an OSError."""
-        if self.closed:
-            raise ConnectionError("the client is closing")
-        timer = threading.Timer(Limits.request_seconds, self.redis.connection_pool.disconnect)
-        timer.start()
-        try:
-            return command(*args, **kwargs)
-        except self.error as e:  # (a key it may not write: most likely another writer's)
-            hint = f"; may this user write sapo:writer:{self.name}:*, as --name {self.peer}?" * ("access" in str(e))
-            raise ConnectionError(f"Redis: {e}{hint}") from None
-        finally:
-            timer.cancel()
-
-
-def _stored(writer, seq, round_, time_, text):  # an entry the sampled read drew -> the group as served, or None
-    try:
-        return {**parse_json(text, surrogates=True), "peer": writer, "round": int(round_), "seq": int(seq),
-                "time": float(time_)}
-    except (BadRequest, TypeError, ValueError):
-        return None
-
-
-def _bounded(redis):
-    """redis-py's RESP2 parser, bounded as the HTTP client is: a reply past Limits.reply_bytes, or of more values
-    than a sampled read of Limits.sample_groups groups (6 a group), is refused as it arrives, unread."""
-    class Bounded(redis._parsers._RESP2Parser):
-        def on_connect(self, connection):
-            super().on_connect(connection)  # (its buffer reads the socket through recv and settimeout only)
-            sock, self.most = self._buffer._sock, (Limits.reply_bytes, 8 * Limits.sample_groups)
-            self.left = list(self.most)
-            self._buffer._sock = types.SimpleNamespace(recv=lambda size: self._spend(0, sock.recv(size)),
-                                                       settimeout=sock.settimeout)
-
-        def read_response(self, *args, **kwargs):
-            self.left = list(self.most)  # the bytes and values this reply may still take
-            return super().read_response(*args, **kwargs)
-
-        def _read_response(self, *args, **kwargs):
-            self._spend(1, "-")
-            return super()._read_response(*args, **kwargs)
-
-        def _spend(self, which, data):
-            self.left[which] -= len(data)
-            if self.left[which] < 0:
-                raise ConnectionError(f"a reply of more than {self.most[which]} {('bytes', 'values')[which]}")
-            return data
-    return Bounded
-
-
-# -----------------------------------------------------------------------------
 # Dashboard: an SVG line chart, and one self-contained HTML page.
 
 COLOURS = "#1f77b4 #ff7f0e #2ca02c #d62728 #9467bd #8c564b #e377c2 #7f7f7f #bcbd22 #17becf".split()
@@ -1777,7 +2025,7 @@ pre{{white-space:pre-wrap;background:#f4f4f4;padding:4px;margin:2px 0}}</style>
 
 
 # -----------------------------------------------------------------------------
-# Command line: python swarm.py --dir swarm_data --host 127.0.0.1 --port 8000 [--token-file FILE]
+# Command line: python swarm.py --dir swarm_data --host 127.0.0.1 --port 8000 [--token-file FILE] [--redis URL]
 
 def _size(text):
     """'256M' -> 268435456: a byte count with an optional K, M or G."""
@@ -1793,6 +2041,9 @@ def main(argv=None):
     parser.error = lambda message: parser.exit(2, f"swarm.py: {message}; see python swarm.py --help.\n")
     parser.add_argument("--dir", default="swarm_data",
                         help="batch folder, made if missing (default: %(default)s)")
+    parser.add_argument("--redis", metavar="URL", help="keep the batches in Redis instead of --dir, so that "
+                        "several servers serve one swarm: redis://HOST:6379/0 (rediss:// for TLS); the password "
+                        "in the URL or $SWARM_REDIS_PASSWORD")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on, 0.0.0.0: any (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000,
@@ -1807,8 +2058,8 @@ def main(argv=None):
     parser.add_argument("--public-reads", action="store_true", help="with credentials: let anyone GET "
                         "(dashboard, rollouts, metrics); writes still need one")
     parser.add_argument("--keep-bytes", type=_size, default=f"{Limits.keep_bytes >> 20}M", help="what kept "
-                        "batches may cost, on disk and in memory; the writer holding most loses its oldest "
-                        "(default: %(default)s)")
+                        "batches may cost, on disk and in memory (or in Redis); the writer holding most loses "
+                        "its oldest (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="log every request on stderr")
     args = parser.parse_args(argv)
     if args.token_file:  # (a token that is not printable ASCII fails in start_server)
@@ -1816,7 +2067,7 @@ def main(argv=None):
     try:
         peers = read_peers(args.peers_file) if args.peers_file else None
         server, url = start_server(args.dir, args.host, args.port, args.token, args.keep_bytes,
-                                   args.public_reads, args.verbose, peers)
+                                   args.public_reads, args.verbose, peers, redis=args.redis)
     except (ValueError, OSError) as e:  # e.g. a folder or port it cannot use: one sentence, exit status 2
         parser.exit(2, f"swarm.py: {e}\n")
     print(f"swarm server: {url}", flush=True)  # a launcher reads this line

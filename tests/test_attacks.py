@@ -671,72 +671,6 @@ def attack_poisoned_reads(groups=40, seconds=8):
         httpd.shutdown()
 
 
-def _fake_redis(answer):
-    """A Redis-speaking server in a subprocess (so that what it sends is not this process's memory): +OK to
-    every command but EVAL and EVAL_RO, answered by `answer`, Python source of a function (name, calls of it
-    so far, send) -> None. -> (process, port)."""
-    source = f"""import collections, socket, threading
-{answer}
-def serve(conn):
-    f, calls = conn.makefile("rb"), collections.Counter()
-    try:
-        while (line := f.readline()):
-            args = [f.read(int(f.readline()[1:]) + 2)[:-2] for _ in range(int(line[1:]))]
-            name = args[0].upper().decode()
-            calls[name] += 1
-            answer(name, calls[name], conn.sendall) if name in ("EVAL", "EVAL_RO") else conn.sendall(b"+OK\\r\\n")
-    except (OSError, ValueError):
-        pass
-listener = socket.create_server(("127.0.0.1", 0))
-print(listener.getsockname()[1], flush=True)
-while True:
-    threading.Thread(target=serve, args=(listener.accept()[0],), daemon=True).start()
-"""
-    proc = subprocess.Popen([sys.executable, "-c", source], stdout=subprocess.PIPE, text=True)
-    return proc, int(proc.stdout.readline())
-
-
-def attack_redis_reply(mb=16, entries=200_000, seconds=6):
-    """A Redis answering every publish with `mb` MB of [{},{},...], then every read with `entries` entries:
-    the longest the training thread stood still, and this process's resident memory after each, against
-    the machine alone and the memory before (the client refuses both replies past its bounds, and drops
-    the connection). Run it alone (--only Redis): other attacks leave this process larger."""
-    import contextlib
-    import io
-    import swarm
-    n, crlf = (mb << 20) // 3, b"\r\n"  # the bulk [{},{},...] holds n objects: 3n + 1 bytes
-    head, tail, count = b"$%d" % (3 * n + 1) + crlf + b"[", b"{}]" + crlf, b"*%d" % entries + crlf
-    fields = b"".join(b"$%d" % len(x) + crlf + x + crlf for x in b"peer p round 0 time 1.0 group {}".split())
-    thousand = (b"*2" + crlf + b"$3" + crlf + b"1-0" + crlf + b"*8" + crlf + fields) * 1000  # stream entries
-    answer = f"""def answer(name, calls, send):
-    if name == "EVAL":
-        send({head!r})
-        for k in range(0, {n - 1}, 20000):
-            send(b"{{}}," * min(20000, {n - 1} - k))
-        send({tail!r})
-    else:
-        send({count!r})
-        for _ in range({entries // 1000}):
-            send({thousand!r})
-"""
-    proc, port = _fake_redis(answer)
-    log, results = io.StringIO(), {"rss_before_mb": round(_rss_mb(os.getpid()), 1)}
-    try:
-        with contextlib.redirect_stderr(log):
-            results["same_without_a_client_ms"] = round(1000 * _longest_stall(seconds / 2), 1)
-            for what in ("publish", "read"):
-                client = swarm.connect(f"redis://u:p@127.0.0.1:{port}/0", "victim", 16)
-                client.publish(0, _groups(0, 1)) if what == "publish" else None
-                results[f"{what}_longest_stall_ms"] = round(1000 * _longest_stall(seconds, client), 1)
-                client.close()
-                results[f"{what}_rss_after_mb"] = round(_rss_mb(os.getpid()), 1)
-        results["log_lines"] = log.getvalue().count("swarm client")
-        return results
-    finally:
-        proc.kill()
-        proc.wait()
-
-
 def attack_memory(keep_mb=64, post_mb=256, writers=4, largest=False):
     """Fill a server with --keep-bytes keep_mb far past it: its disk use and resident memory. Posts of
     32 groups of 8 completions of 1,000 characters (~260 KB), or with `largest` the largest valid bodies
@@ -1220,7 +1154,6 @@ ATTACKS = [  # (what, attack, docs/swarm.md's sizes, a test's sizes)
     ("client vs bad servers", attack_client, {}, dict(calls=10)),
     ("client vs a large reply", attack_large_reply, {}, dict(seconds=2, closes=2)),
     ("client vs poisoned reads", attack_poisoned_reads, {}, dict(groups=10, seconds=2)),
-    ("client vs large Redis replies", attack_redis_reply, {}, dict(seconds=2)),
     ("memory and disk", attack_memory, {}, dict(keep_mb=16, post_mb=48)),
     ("memory and disk, largest bodies", attack_memory, dict(keep_mb=256, post_mb=512, writers=16, largest=True),
      dict(keep_mb=32, post_mb=64, largest=True)),
@@ -1365,15 +1298,6 @@ def test_a_client_reads_on_past_a_poisoned_group():
     after it is received, and the client says so in one line."""
     r = run("client vs poisoned reads")["surrogate"]
     assert r["received_of_those"] == r["published_after_the_poison"] and r["log_lines"] == 1, r
-
-
-@pytest.mark.slow
-def test_a_client_takes_no_large_redis_reply():
-    """A Redis answering a publish with 16 MB and a read with 200,000 entries: the client takes neither (a
-    log line each), and this process's memory does not grow by what it was sent."""
-    r = run("client vs large Redis replies")
-    assert r["publish_rss_after_mb"] - r["rss_before_mb"] < 64 and r["read_rss_after_mb"] - r["rss_before_mb"] < 64, r
-    assert r["log_lines"] >= 2, r
 
 
 @pytest.mark.slow

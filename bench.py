@@ -6,7 +6,7 @@ tests/test_budgets.py and tests/test_parity.py, each of which prints its table w
 
     python bench.py                     # sampling: our generate() vs transformers' generate()
     python bench.py --train             # one GRPO step: packed groups, row by row, transformers
-    python bench.py --swarm             # the rollout server under 32 simulated peers, then both stores under 200
+    python bench.py --swarm             # the rollout server under 32 simulated peers, then each store under 1,000
     python bench.py --device cuda --model qwen2.5-0.5b --batch 64 256 --json
 
 Sampling: both samplers draw at temperature 1 with no top-k/top-p, exactly --new-tokens tokens per
@@ -28,10 +28,10 @@ FLOP/s (the step's model FLOPs over its time) against a large matmul's, measured
 Swarm: a server in a subprocess and --peers simulated peers (threads) that each publish one batch
 of groups and fetch a sampled read of the others' every round, for --rounds rounds: posts per second,
 p50/p99 sync and read latency (bench_swarm says which is which), acknowledged groups missing from a final
-full read, and groups a peer received twice or of its own (all must be 0). Then both stores, the server
-and a durable redis-server, under --store-peers simulated peers (bench_stores): posts/s, sampled reads of
-16 groups (and, from the server, everything after a cursor, as a dashboard reads), bytes a peer reads a
-round, the store's CPU per post and read.
+full read, and groups a peer received twice or of its own (all must be 0). Then each store behind swarm.py
+(one server on its folder, one over a durable redis-server, two over one redis-server) under --store-peers
+simulated peers (bench_stores): posts/s, sampled reads of 16 groups, bytes a peer reads a round, the CPU
+per post and read; and with --kills, batches lost over kill -9 of a server over Redis and of Redis.
 
 --model takes a model folder or Hub id (sampling only), or one of the shapes below with random
 weights (no download). This file follows no part of the SAPO paper; it exists because a SAPO peer
@@ -39,6 +39,7 @@ spends most of its time sampling and training, and a swarm lives or dies by its 
 """
 
 import argparse
+import collections
 import json
 import os
 import random
@@ -461,12 +462,14 @@ def _rss_mb(pid, field="VmRSS"):
             return int(line.split()[1]) / 1024
 
 
-def _redis_server(folder):
-    """redis-server on a free loopback port, durable (appendonly yes, appendfsync always) -> (process, url)."""
+def _redis_server(folder, port=None):
+    """redis-server on a free (or the given) loopback port, durable as docs/swarm.md says (appendonly yes,
+    appendfsync always) -> (process, url)."""
     import redis
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", folder, "--save", "",
                              "--appendonly", "yes", "--appendfsync", "always"], stdout=subprocess.DEVNULL)
     url, deadline = f"redis://127.0.0.1:{port}/0", time.time() + 30
@@ -480,75 +483,154 @@ def _redis_server(folder):
             time.sleep(0.05)
 
 
-def bench_stores(peers=200, rounds=3, local=4, sample=16, workers=8):
-    """Both stores in one run, the embedded server (a swarm.py process) and a durable redis-server, under
-    `peers` simulated peers in this process: each round every peer publishes `local` groups, then reads
-    once: a sampled read of `sample` groups ("sampled"), or, from the embedded server, everything after its
-    cursor with GET /rollouts?after= as a dashboard reads ("cursor", up to 250 peers: beyond, it moves
-    peers^2 x local groups a round). The peers' exchanges are those of the client's transports (one per
-    peer, without a client's thread), from `workers` threads. -> per store: posts/s, read p50/p99 ms, bytes
-    read per peer per round, the server's CPU ms per post and per read (from /proc), and its memory."""
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stores(store, folder, keep="1G"):
+    """A store's processes for bench_stores: "file" (one swarm.py on a folder), "redis" (one swarm.py over a
+    durable redis-server), "redis2" (two swarm.py over one redis-server) -> ([server processes], [their URLs],
+    the redis-server's process or None, its URL or None)."""
+    os.makedirs(folder)
+    if store == "file":
+        proc, url, _ = _server(folder, "--keep-bytes", keep)
+        return [proc], [url], None, None
+    redis_proc, redis_url = _redis_server(folder)
+    servers = [_server(folder, "--redis", redis_url, "--keep-bytes", keep)[:2]
+               for _ in range(1 + (store == "redis2"))]
+    return [p for p, _ in servers], [u for _, u in servers], redis_proc, redis_url
+
+
+def bench_stores(peers=1000, rounds=3, local=4, sample=16, workers=8, stores=("file", "redis", "redis2")):
+    """Each store behind swarm.py (_stores: one server on its folder, one server over Redis, two servers over
+    one Redis) under `peers` simulated peers: names, each publishing `local` groups a round and reading once
+    (a sampled read of `sample` groups, GET /rollouts?sample=K), all through `workers` threads of this process,
+    each with one requests session (the server closes every connection after one request), peer k talking to
+    server k mod the number of servers. -> per store: posts/s, sampled-read p50/p99 ms (the rounds after the
+    first), the bytes a peer reads a round, the CPU ms per post and per read of the servers and of Redis (from
+    /proc), their memory, and the acknowledged groups a final cursor read does not find (must be 0)."""
     import requests
     import swarm
     from concurrent.futures import ThreadPoolExecutor
-    folder, out = tempfile.mkdtemp(prefix="swarm-bench-"), {}
-    bytes_per_group = len(swarm._dumps(_groups("x", 1)[0]))
+    folder, out, sessions = tempfile.mkdtemp(prefix="swarm-bench-"), {}, threading.local()
+    groups = b",".join(swarm._dumps(g) for g in _groups("a peer's round", local))
     try:
-        for store in ("http", "redis"):
-            os.makedirs(os.path.join(folder, store))
-            proc, url = _server(os.path.join(folder, store))[:2] if store == "http" else \
-                _redis_server(os.path.join(folder, store))
-            kind = swarm.HttpTransport if store == "http" else swarm.RedisTransport
-            transports, http = [kind(url, f"peer{k:05d}", None) for k in range(peers)], threading.local()
+        for store in stores:
+            procs, urls, redis_proc, redis_url = _stores(store, os.path.join(folder, store))
 
-            def post(k, r):
-                groups = [swarm._dumps(g) for g in _groups(f"peer {k} round {r}", local)]
-                assert transports[k].publish(r, groups, f"peer{k:05d}-{r}")["accepted"] == local
+            def cpu():  # CPU seconds so far: the servers', and Redis's
+                return sum(_cpu_seconds(p.pid) for p in procs), _cpu_seconds(redis_proc.pid) if redis_proc else 0.0
 
-            def read(k, query):
-                t, size, after = time.perf_counter(), 0, position[k]
-                if query == "sampled":
-                    size = sum(n for _, n in transports[k].sample(sample, random.getrandbits(63)))
-                    return 1000 * (time.perf_counter() - t), size
-                http.s = getattr(http, "s", None) or requests.Session()  # one connection pool a thread
-                while True:  # a cursor read takes pages until it is level
-                    page = http.s.get(f"{url}/rollouts?after={after}&exclude=peer{k:05d}", timeout=60).json()
-                    size += len(swarm._dumps(page["groups"]))
-                    if page["next"] in (after, page["last"]):
-                        position[k] = page["next"]
-                        return 1000 * (time.perf_counter() - t), size
-                    after = page["next"]
+            def call(k, method, path, body=None):
+                sessions.s = getattr(sessions, "s", None) or requests.Session()
+                t = time.perf_counter()
+                r = sessions.s.request(method, urls[k % len(urls)] + path, data=body, timeout=120)
+                assert r.status_code == 200, r.text[:200]
+                return 1000 * (time.perf_counter() - t), r
 
-            r = {"bytes_per_group": bytes_per_group}
-            position, cpu0, t0 = [0] * peers, _cpu_seconds(proc.pid), time.perf_counter()
-            modes = [("cursor", "cursor")] * (peers <= 250 and store == "http") + [("sampled", "sampled")]
+            def post(k, rnd):
+                body = b'{"peer":"peer%05d","round":%d,"batch_id":"b%05d-%d","groups":[%s]}' % (k, rnd, k, rnd, groups)
+                assert call(k, "POST", "/rollouts", body)[1].json()["accepted"] == local
+
+            def read(k, rnd):
+                ms, r = call(k, "GET", f"/rollouts?sample={sample}&exclude=peer{k:05d}&seed={random.getrandbits(63)}")
+                return ms, len(r.content)
+
+            r, reads, post_s, cpu_post, cpu_read = {}, [], 0.0, [0.0, 0.0], [0.0, 0.0]
             with ThreadPoolExecutor(workers) as pool:
-                for mode, query in modes:
-                    post_s = cpu_post = cpu_read = 0.0
-                    reads = []
-                    for rnd in range(rounds):
-                        t, cpu = time.perf_counter(), _cpu_seconds(proc.pid)
-                        list(pool.map(post, range(peers), [rnd + 10 * (mode == "sampled")] * peers))
-                        post_s, cpu_post = post_s + time.perf_counter() - t, cpu_post + _cpu_seconds(proc.pid) - cpu
-                        cpu = _cpu_seconds(proc.pid)
-                        reads += list(pool.map(read, range(peers), [query] * peers))
-                        cpu_read += (_cpu_seconds(proc.pid) - cpu) * (rnd > 0)
-                    ms = [m for m, _ in reads[peers:]]  # the first round's reads include the history
-                    r.update({f"{mode}_cpu_ms_per_read": 1000 * cpu_read / len(ms),
-                              f"{mode}_posts_per_s": peers * rounds / post_s, f"{mode}_cpu_ms_per_post":
-                              1000 * cpu_post / peers / rounds, f"{mode}_read_p50_ms": _pct(ms, 0.5),
-                              f"{mode}_read_p99_ms": _pct(ms, 0.99),
-                              f"{mode}_read_kb_per_peer_round": sum(b for _, b in reads[peers:]) / len(ms) / 1024})
-            r.update(wall_s=time.perf_counter() - t0, server_cpu_s=_cpu_seconds(proc.pid) - cpu0,
-                     server_rss_mb=_rss_mb(proc.pid))
-            if store == "redis":
+                for rnd in range(rounds):
+                    t, c = time.perf_counter(), cpu()
+                    list(pool.map(post, range(peers), [rnd] * peers))
+                    post_s += time.perf_counter() - t
+                    cpu_post = [a + b - d for a, b, d in zip(cpu_post, cpu(), c)]
+                    c = cpu()
+                    done = list(pool.map(read, range(peers), [rnd] * peers))
+                    if rnd:  # the first round's reads find one batch a writer
+                        reads, cpu_read = reads + done, [a + b - d for a, b, d in zip(cpu_read, cpu(), c)]
+            ms = [m for m, _ in reads]
+            lost = peers * rounds * local - len(_read_all(urls[-1]))  # (through the last server)
+            r.update(posts_per_s=peers * rounds / post_s, read_p50_ms=_pct(ms, 0.5), read_p99_ms=_pct(ms, 0.99),
+                     read_kb_per_peer_round=sum(b for _, b in reads) / len(reads) / 1024,
+                     servers_cpu_ms_per_post=1000 * cpu_post[0] / peers / rounds,
+                     servers_cpu_ms_per_read=1000 * cpu_read[0] / len(reads),
+                     redis_cpu_ms_per_post=1000 * cpu_post[1] / peers / rounds,
+                     redis_cpu_ms_per_read=1000 * cpu_read[1] / len(reads),
+                     servers_rss_mb=sum(_rss_mb(p.pid) for p in procs), groups_lost=lost)
+            if redis_url:
                 import redis
-                r["redis_used_memory_mb"] = redis.Redis.from_url(url).info("memory")["used_memory"] / 2**20
+                r["redis_used_memory_mb"] = redis.Redis.from_url(redis_url).info("memory")["used_memory"] / 2**20
             out[store] = {k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}
-            for transport in transports:
-                transport.close()
-            proc.kill()
-            proc.wait()
+            for proc in procs + [redis_proc] * bool(redis_proc):
+                proc.kill()
+                proc.wait()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
+def bench_kills(cycles=10, writers=16):
+    """kill -9 under load, with appendonly yes and appendfsync always: `writers` threads post numbered batches
+    through one swarm.py server over a durable redis-server (each posts a batch again, with the same id, until
+    it is acknowledged), while the server is killed and started again on its port `cycles` times, then Redis
+    is killed and started again on its folder `cycles` times, each at a random moment 0.5 to 1.5 s apart.
+    -> per target: batches acknowledged, acknowledged batches lost (not found under the seq they were
+    acknowledged with) and stored twice; both must be 0."""
+    import requests
+    folder, out = tempfile.mkdtemp(prefix="swarm-kills-"), {}
+    try:
+        redis_port, port = _free_port(), _free_port()
+        redis_proc, redis_url = _redis_server(folder, redis_port)
+        server = _server(os.path.join(folder, "unused"), "--redis", redis_url, "--port", str(port))[0]
+        url, acked, stop, phase = f"http://127.0.0.1:{port}", [], threading.Event(), ["server"]
+
+        def writer(w):
+            session = requests.Session()
+            for i in range(10**9):
+                key = f"w{w}-{i}"
+                body = {"peer": f"w{w}", "round": i, "batch_id": key,
+                        "groups": [dict(_groups(key, 1)[0], metadata={"key": key})]}
+                while not stop.is_set():
+                    try:
+                        r = session.post(url + "/rollouts", json=body, timeout=30)
+                        if r.status_code == 200:
+                            acked.append((key, r.json()["seq"], phase[0]))
+                            break
+                    except requests.RequestException:
+                        pass
+                    time.sleep(0.05)
+                if stop.is_set():
+                    return
+
+        threads = [threading.Thread(target=writer, args=(w,)) for w in range(writers)]
+        for t in threads:
+            t.start()
+        for target in ("server", "redis"):
+            phase[0] = target
+            for _ in range(cycles):
+                time.sleep(random.uniform(0.5, 1.5))
+                if target == "server":
+                    server.kill()
+                    server.wait()
+                    server = _server(os.path.join(folder, "unused"), "--redis", redis_url, "--port", str(port))[0]
+                else:
+                    redis_proc.kill()
+                    redis_proc.wait()
+                    redis_proc = _redis_server(folder, redis_port)[0]
+            time.sleep(1.5)
+        stop.set()
+        for t in threads:
+            t.join()
+        stored = collections.defaultdict(list)  # batch key -> the seqs it is stored under
+        for g in _read_all(url):
+            stored[g["metadata"]["key"]].append(g["seq"])
+        for target in ("server", "redis"):
+            mine = [(key, seq) for key, seq, during in acked if during == target]
+            out[target] = {"acknowledged": len(mine), "lost": sum(seq not in stored[key] for key, seq in mine),
+                           "stored_twice": sum(len(stored[key]) > 1 for key, _ in mine)}
+        server.kill()
+        redis_proc.kill()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return out
@@ -588,25 +670,30 @@ def main():
     p.add_argument("--swarm", action="store_true", help="measure the rollout server under simulated peers")
     p.add_argument("--peers", type=int, default=32, help="--swarm: simulated peers")
     p.add_argument("--rounds", type=int, default=20, help="--swarm: rounds each peer posts and polls")
-    p.add_argument("--store-peers", type=int, default=200, help="--swarm: simulated peers for both stores")
+    p.add_argument("--store-peers", type=int, nargs="+", default=[1000],
+                   help="--swarm: simulated peers for each store (several allowed)")
+    p.add_argument("--kills", action="store_true", help="--swarm: then kill -9 a server over Redis, and Redis")
     p.add_argument("--json", action="store_true", help="one JSON object per measurement")
     p.add_argument("--train-side", choices=["packed", "rows", "hf"], help=argparse.SUPPRESS)  # one side of --train
     args = p.parse_args()
     if args.train_side:
         return train_side(args)
     if args.swarm:
-        if args.store_peers < 2:
+        if min(args.store_peers) < 2:
             p.error("--store-peers needs at least 2 peers")
         r = dict(what="swarm", **bench_swarm(peers=args.peers, rounds=args.rounds))
         print(json.dumps(r) if args.json else "swarm: " + ", ".join(f"{k} {v:,.1f}" if isinstance(v, float)
                                                                     else f"{k} {v}" for k, v in r.items() if k != "what"))
         try:
-            stores = bench_stores(peers=args.store_peers, rounds=3)
+            for peers in args.store_peers:
+                for store, r in bench_stores(peers=peers).items():
+                    print(json.dumps(dict(what=f"store {store}", peers=peers, **r)) if args.json else
+                          f"store {store}, {peers} peers: " + ", ".join(f"{k} {v}" for k, v in r.items()), flush=True)
+            for target, r in (bench_kills() if args.kills else {}).items():
+                print(json.dumps(dict(what=f"kill -9 {target}", **r)) if args.json else
+                      f"kill -9 of the {target}, 10 times: " + ", ".join(f"{k} {v}" for k, v in r.items()))
         except (ImportError, OSError, RuntimeError) as e:  # no redis-py, or no redis-server to start
             sys.exit(f"bench.py: the store bench needs redis-server and redis-py (pip install redis): {e}")
-        for store, r in stores.items():
-            print(json.dumps(dict(what=f"store {store}", **r)) if args.json else f"store {store}, "
-                  f"{args.store_peers} peers: " + ", ".join(f"{k} {v}" for k, v in r.items()))
         return
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -5,14 +5,14 @@ SAPO ("Sharing is Caring", arXiv 2509.08721, Sec. 3 and Algorithm 1) trains a sw
 own small language model. Every round a peer generates G completions for each of its I local questions,
 shares those decoded rollouts (text; never rewards or weights) and trains on its I local groups plus J groups
 drawn from what the others shared. No peer waits for another. Above the marker line, in memory: Store, the
-rules of the shared pool, and Client, a peer's side, whose queues and thread keep training from waiting for
-the network. Below it: RolloutStore (the Store on disk), the HTTP server (`python swarm.py --dir DIR`),
-connect(url) and its transports, the dashboard and the command line.
+rules of the shared pool, and Client, a peer's side, whose queues and threads keep training from waiting for
+the network. Below it: RolloutStore (the Store on disk), RedisStore (in Redis, which several servers share),
+the HTTP server (`python swarm.py --dir DIR` or `--redis URL`), connect(url), the dashboard, the command line.
 
 Deviations from the paper, and why:
-- The paper's peers exchange rollouts over a peer-to-peer network (Gensyn's RL Swarm); here one server (or
-  Redis) holds them, enough for a handful of peers on one machine or one LAN, and a single point of failure:
-  with the store down a peer trains alone (the paper's baseline) and catches up later.
+- The paper's peers exchange rollouts over a peer-to-peer network (Gensyn's RL Swarm); here one server holds
+  them (or several over one Redis, which only the servers reach), a single point of failure: with the store
+  down a peer trains alone (the paper's baseline) and catches up later.
 - A peer does not receive everything shared: once a round it reads K = 4J groups drawn from the writers'
   newest batches, each writer alike, so a read costs the same in a swarm of 10 or 10,000; the receiver
   (train.py) drops zero-advantage groups and draws J of the rest, as in the paper. Reads are prefetched, so
@@ -248,11 +248,11 @@ class Refused(Exception):
 
 class Client:
     """One peer's view of the swarm. The training loop's calls only touch two queues, bounded in bytes
-    (past a bound the oldest entry goes: SAPO wants fresh rollouts); a daemon thread does all the talking
-    through a transport, whose four calls are publish, post_metrics, sample and close (LocalTransport's).
+    (past a bound the oldest entry goes: SAPO wants fresh rollouts); a writer thread and a reader thread,
+    neither waiting for the other, talk to the store through a transport (LocalTransport's four calls).
 
-        publish(round, groups) -> outbox --(oldest first, until acknowledged)--> store
-        fetch() <- inbox <--(a sampled read of K groups, once per fetch() or flush())-- store
+        publish(round, groups) -> outbox --(the writer: oldest first, until acknowledged)--> store
+        fetch() <- inbox <--(the reader: a sampled read of K groups, once per fetch() or flush())-- store
 
     A retried batch is stored once (it carries a batch_id); no group is handed out twice."""
 
@@ -264,29 +264,23 @@ class Client:
         self.inbox_cap = inbox_cap    # bytes of received groups the inbox holds; past it the oldest go
         self.outbox_cap = outbox_cap  # bytes of unsent entries the outbox holds; past it the oldest go
         self.body_cap = body_cap      # the largest request a store takes: a larger entry is dropped at once
-        self.poll_seconds = 1.0       # the longest the thread idles before it looks at its queues again
         self.seed = seed    # the k-th read asked for in round r draws with (seed, r, k): kept over a restart
         self.round = round  # the round the next read is for (kept over a restart too)
         self.count = 0      # the reads asked for in that round so far
         self.seen = collections.deque(map(tuple, seen), maxlen=seen_cap)  # (seq, time) of groups handed out
-        self.cond = threading.Condition()  # guards all that follows; notified when the thread gets somewhere
+        self.cond = threading.Condition()  # guards all that follows; notified when a thread gets somewhere
         self.outbox = collections.deque()  # entries to send, oldest first: (what, send, its arguments, bytes)
         self.outbox_bytes = 0              # their bytes
         self.inbox = collections.deque()   # groups received and not fetched yet, oldest first: (group, bytes)
         self.inbox_bytes = 0               # their bytes
         self.asked = collections.deque(maxlen=2)  # (round, k) of the reads asked for and not done; 2 at most
         self.reads_begun = self.reads_done = 0  # reads are numbered as they begin: the last begun, last done
-        self.wake = self.closing = False  # whether the thread has something to do; whether it is to stop
+        self.closing, self.troubled = False, set()  # whether the threads are to stop; the steps in trouble
         self.down, self.dropped = None, 0  # why the store does not answer (None if it does); entries dropped
-        self.thread = threading.Thread(target=self._run, name=f"swarm-client-{peer}", daemon=True)
-        self.thread.start()
-
-    @staticmethod
-    def check(peer, sample, most):  # connect()'s check of its arguments, before it makes a transport
-        if not isinstance(peer, str) or not NAME.fullmatch(peer):
-            raise ValueError(f"peer must be a name of {NAMES}.")
-        if type(sample) is not int or not 1 <= sample <= most:
-            raise ValueError(f"sample must be a whole number from 1 to {most}.")
+        self.threads = [threading.Thread(target=self._run, args=job, name=f"swarm-{peer}", daemon=True)
+                        for job in ((lambda: self.outbox, self._send), (lambda: self.asked, self._read))]
+        for thread in self.threads:  # the writer and the reader
+            thread.start()
 
     def publish(self, round, groups):
         """Queue this round's groups for the swarm; returns at once."""
@@ -313,25 +307,30 @@ class Client:
             return list(fresh.values())
 
     def flush(self, timeout=10.0):
-        """Wait until the outbox is empty and a read begun now is done -> True, or False after `timeout` s."""
+        """Wait until the outbox is empty, then for a read begun after that, which sees what this peer sent
+        -> True, or False after `timeout` s."""
+        end = time.monotonic() + timeout
         with self.cond:
+            if not self.cond.wait_for(lambda: not self.outbox, timeout):
+                return False
             begun = self.reads_begun
             self._ask()
-            return self.cond.wait_for(lambda: not self.outbox and self.reads_done > begun, timeout)
+            return self.cond.wait_for(lambda: self.reads_done > begun, end - time.monotonic())
 
     def close(self, wait=0.0):
-        """Stop the thread once the outbox is empty or after `wait` seconds; a line says what was not sent."""
+        """Stop the threads once the outbox is empty or after `wait` seconds; a line says what was not sent."""
         with self.cond:
             self.cond.wait_for(lambda: not self.outbox, wait)
             self.closing = True
             self.cond.notify_all()
         self.transport.close()
-        self.thread.join(5)
+        for thread in self.threads:
+            thread.join(5)
         self._say_undelivered(wait)
 
-    def _ask(self):  # (self.cond held) wake the thread for one more read of this round
+    def _ask(self):  # (self.cond held) wake the reader for one more read of this round
         self.asked.append((self.round, self.count))
-        self.count, self.wake = self.count + 1, True
+        self.count += 1
         self.cond.notify_all()
 
     def _enqueue(self, what, send, make):
@@ -350,43 +349,48 @@ class Client:
             while self.outbox_bytes > self.outbox_cap and len(self.outbox) > 1:
                 self.outbox_bytes -= self.outbox.popleft()[3]
                 self.dropped += 1
-            self.wake = True
             self.cond.notify_all()
 
-    def _run(self):
-        """The thread: the oldest outbox entry first, else the read asked for, else idle until a publish,
-        fetch or flush. Trouble is said once, however long it lasts, and waited out (0.25 s to 5 s)."""
+    def _run(self, work, step):
+        """A thread: step() whenever work() says there is some (the writer's: an outbox entry; the reader's:
+        a read asked for), else wait for it. Trouble is waited out (0.25 s to 5 s), a bug's too."""
         backoff = 0.0
-        while not self.closing:
+        while True:
             with self.cond:
-                entry = self.outbox[0] if self.outbox else None
+                self.cond.wait_for(lambda: self.closing or work())
+                if self.closing:
+                    return
             try:
-                if entry is not None:
-                    self._send(entry)
-                elif self._read():
-                    self._idle(self.poll_seconds)
-                if self.down:
-                    lost = f"; {self.dropped} older entries did not fit the outbox" if self.dropped else ""
-                    waited = ", sending what waited" * (entry is not None)
-                    _log(f"the server answers again{waited}{lost}", self.peer)
-                    self.down, self.dropped = None, 0
-                backoff = 0.0
+                step()
+                error, backoff = None, 0.0
             except Exception as e:  # (a bug must not end the thread either)
-                if not self.down and not self.closing:
-                    cause = e if isinstance(e, (OSError, BadRequest)) else f"unexpected error {e!r:.200}"
-                    _log(f"{cause}; training goes on, and what is unsent waits in the outbox (up to "
-                         f"{self.outbox_cap >> 20} MB) until the server answers", self.peer)
-                self.down, backoff = str(e) or type(e).__name__, min(5.0, max(0.25, 2 * backoff))
-                self._idle(backoff)
+                error, backoff = e, min(5.0, max(0.25, 2 * backoff))
+            self._said(step, error)
+            with self.cond:  # (no wait after a step that went through)
+                self.cond.wait_for(lambda: self.closing, backoff)
 
-    def _idle(self, seconds):  # until a publish, fetch or flush wakes the thread, unless it waits out trouble
+    def _said(self, step, e):
+        """A step went through (e None) or met trouble (e). Trouble is said once however long it lasts: from
+        the first thread that meets it until neither thread is in it."""
         with self.cond:
-            self.cond.wait_for(lambda: self.closing or (self.wake and not self.down), seconds)
-            self.wake = False
+            if e is None and self.troubled == {step}:
+                lost = f"; {self.dropped} older entries did not fit the outbox" * bool(self.dropped)
+                waited = ", sending what waited" * (step == self._send)
+                _log(f"the server answers again{waited}{lost}", self.peer)
+                self.down, self.dropped = None, 0
+            elif e is not None and not self.troubled and not self.closing:
+                cause = e if isinstance(e, (OSError, BadRequest)) else f"unexpected error {e!r:.200}"
+                _log(f"{cause}; training goes on, and what is unsent waits in the outbox (up to "
+                     f"{self.outbox_cap >> 20} MB) until the server answers", self.peer)
+            if e is not None:
+                self.down = str(e) or type(e).__name__
+            (self.troubled.discard if e is None else self.troubled.add)(step)
 
-    def _send(self, entry):
+    def _send(self):
         """Deliver the oldest outbox entry. It leaves the outbox once the store acknowledged it, or refused
         it as malformed (Refused: the same bytes would be refused again); other trouble keeps it for later."""
+        with self.cond:
+            entry = self.outbox[0]
         what, send, args, size = entry
         try:
             send(*args)
@@ -399,11 +403,8 @@ class Client:
                 self.cond.notify_all()
 
     def _read(self):
-        """The oldest read fetch() or flush() asked for, into the inbox -> True if no read is asked for now.
-        The transport hands back the groups it could check; none of this peer's."""
+        """The oldest read fetch() or flush() asked for, into the inbox: the checked groups, none of ours."""
         with self.cond:
-            if not self.asked:
-                return True
             self.reads_begun += 1
             read, asked = self.reads_begun, self.asked[0]
         seed = random.Random("/".join(map(str, (self.seed, *asked)))).getrandbits(63)
@@ -418,7 +419,6 @@ class Client:
                 self.asked.popleft()
             self.reads_done = read
             self.cond.notify_all()
-            return not self.asked
 
     def _say_undelivered(self, wait):  # close()'s line on what never reached the store, and why
         batches = sum(send == self.transport.publish for _, send, _, _ in self.outbox)
@@ -450,10 +450,12 @@ class Limits:
     keep_bytes = 256 << 20      # default --keep-bytes: kept batches' cost (7/8 of it) and pruned.json (1/8)
     batch_overhead = 2048       # a kept batch's cost beyond its disk blocks: its memory (~2.3 KB, measured)
     metrics_bytes = 8 << 20     # metrics rows kept, in memory and in metrics.jsonl
-    replies = 20_000            # idempotency records of pruned batches (those of kept batches are all kept)
+    replies = 20_000            # idempotency records of pruned batches in memory (those of kept batches are
+                                # all kept), whatever --keep-bytes; pruned.json keeps one per 4 KB of it
     peers = 1024                # peers in the table; the one seen least recently goes first
     connections = 1000          # open connections, fewer under a low descriptor limit (at the cap: _evict)
-    in_flight_bytes = 64 << 20  # request bodies and replies held at once, all connections together
+    in_flight_bytes = 64 << 20  # request bodies held at once, all connections together (503 beyond)
+    made_bytes = 16 << 20       # replies made for a request (the dashboard, /peers) held at once (503 beyond)
     send_buffer = 128 << 10     # a connection's kernel send buffer (SO_SNDBUF, which the kernel doubles)
     request_seconds = 10.0      # whole-request deadline: the server's to read one, the client's per call
     line_bytes = 8192           # the request line (414 beyond it) and each header line (431)
@@ -467,15 +469,14 @@ class Limits:
     window_batches = 2          # a sampled read draws from each producer's newest this many batches,
     window_seconds = 600        # of the producers whose newest batch arrived within this many seconds
     seen_seqs = 4096            # client: the seqs it remembers, so it hands out none twice
-    batch_groups = 256          # groups one batch may hold (a POST's, and Redis's)
+    batch_groups = 256          # groups one batch may hold (a POST's)
     group_completions = 64      # completions one group may hold (train.py refuses a larger --generations)
     completion_chars = 32_000   # characters of one completion
     question_chars = 16_000     # characters of a group's question
     metadata_bytes = 16_000     # bytes of its metadata as JSON
     answer_chars = 4_000        # characters of its ground truth
     name_chars = 256            # characters of its task's name, and of its model's
-    reply_seconds = 86400       # Redis: how long a batch's reply is kept, so that a retry is stored once
-    metrics_rows = 1 << 16      # Redis: metrics rows its stream keeps (XADD MAXLEN ~)
+    redis_seconds = 5.0         # --redis: a Redis exchange's deadline (past it a 503), within the client's
 
 
 # -----------------------------------------------------------------------------
@@ -611,14 +612,14 @@ def _finite(text):  # JSON may spell numbers that cannot be served back as JSON:
     return x
 
 
-def parse_json(raw, surrogates=False):
+def parse_json(raw, surrogates=False, most=None):
     """Strict UTF-8 JSON -> a Python value, or BadRequest: no NaN or Infinity, no lone surrogate ("\\ud800":
-    no UTF-8 can store or serve it), nothing nested too deeply, at most Limits.json_values values (each
-    costs memory far beyond its bytes: an 8 MB body of {},{},... is 230 MB as Python objects).
+    no UTF-8 can store or serve it), nothing nested too deeply, at most `most` values (Limits.json_values:
+    each costs memory far beyond its bytes, an 8 MB body of {},{},... is 230 MB as Python objects).
     surrogates=True keeps lone surrogates: a client drops the one group that holds one, not its page."""
     try:
         text = raw.decode() if isinstance(raw, (bytes, bytearray)) else raw  # strict: no encoded surrogates
-        most = Limits.json_values
+        most = most or Limits.json_values
         if text.count(",") + text.count("{") + text.count("[") > most:  # then count them outside strings
             _want(_values(text) <= most, f"The JSON holds more than {most} values; send fewer at once.", 413)
         value = json.loads(text, parse_float=_finite, parse_constant=_finite)
@@ -644,10 +645,11 @@ class RolloutStore(Store):
 
     def __init__(self, folder, keep_bytes=Limits.keep_bytes):
         # The batches get keep_bytes less an eighth and 8 KB; pruned.json's two copies take the rest, at most
-        # 512 bytes a reply, so they keep one reply for each 4 KB of keep_bytes.
+        # 512 bytes a reply, so they keep the newest replies, one for each 4 KB of keep_bytes. In memory the
+        # store keeps those of the last Limits.replies pruned batches, whatever keep_bytes (each ~0.45 KB).
         super().__init__(keep_bytes - keep_bytes // 8 - 8192, Limits.window_batches, Limits.window_seconds,
-                         Limits.page_bytes, min(Limits.replies, max(16, keep_bytes // 4096)), Limits.peers,
-                         Limits.scan_groups)
+                         Limits.page_bytes, Limits.replies, Limits.peers, Limits.scan_groups)
+        self.replies_on_disk = min(Limits.replies, max(16, keep_bytes // 4096))  # what pruned.json keeps
         self.folder = os.path.abspath(folder)     # the folder this server alone writes
         self.pruned = 0                           # seq of the newest group retention deleted
         self.metrics, self.metrics_bytes = [], 0  # (n, peer, row as a JSON line, row) per kept metrics row
@@ -686,7 +688,8 @@ class RolloutStore(Store):
         self.doomed += [_batch_file(batch.seq) for batch in pruned]
         if not self.doomed:
             return
-        replies = [{"peer": p, "batch_id": b, **self.replies[(p, b)]} for p, b in self.gone]
+        gone = list(self.gone)[-self.replies_on_disk:]
+        replies = [{"peer": p, "batch_id": b, **self.replies[(p, b)]} for p, b in gone]
         try:
             for name in self.copies:
                 self._write_atomic(name, _dumps({"seq": self.pruned, "replies": replies}))
@@ -744,7 +747,8 @@ class RolloutStore(Store):
                 data = f.read(4 * Limits.body_bytes + 1)  # more than this server ever writes in one file
                 size = max(len(data), os.fstat(f.fileno()).st_blocks * 512)
             _want(len(data) <= 4 * Limits.body_bytes, "it is larger than any file this server writes")
-            return (rule(parse_json(data), name), size) if rule else data
+            most = Limits.json_values + 8 * Limits.batch_groups  # a batch's, and what the server adds to it
+            return (rule(parse_json(data, most=most), name), size) if rule else data
         except FileNotFoundError:
             return None
         except (OSError, BadRequest) as e:
@@ -872,6 +876,415 @@ def _page(entries, after, limit, exclude, page_bytes, scan_groups):
 
 
 # -----------------------------------------------------------------------------
+# Storage in Redis, for several servers serving one swarm: the Store's rules run inside Redis as Lua scripts,
+# each one atomic. Only servers hold the password, and every request passed the server's checks before a
+# script runs. The keys (NAME: a writer's name, lower-case):
+#   sapo:seq              the newest seq handed out (one counter for every server)
+#   sapo:log              each kept batch as "LAST FIRST NAME", scored by its last seq (the cursor reads)
+#   sapo:w:NAME:batches   the writer's kept batches, oldest first, as "LAST FIRST TIME COST BATCH_ID"
+#   sapo:w:NAME:groups    seq -> the group's JSON as served; two more fields, held and count: the writer's
+#                         bytes and groups
+#   sapo:fresh            the writers by their newest batch's time: those within the window are drawn
+#   sapo:held             the writers by the bytes they hold: retention cuts the one holding most
+#   sapo:kept             the kept batches' bytes and groups, all writers together
+#   sapo:replies          "NAME BATCH_ID" -> the reply of each kept batch and of the newest pruned ones,
+#   sapo:gone             whose ids it lists, oldest first (Limits.replies of them)
+#   sapo:peers, sapo:seen the peers table ("LAST_SEEN LAST_ROUND GROUPS" a name) and its recency
+#   sapo:metrics          the dashboard's rows as JSON, scored by their n; sapo:mstat: their count n and bytes
+# sapo:fresh and sapo:held hold the member "" at -inf: where it is missing (a new Redis, or one cleared by
+# hand), RedisStore._rebuild makes them again from each writer's own keys. Every loop has a bound whatever
+# Redis holds, and a number goes into text only through int(), never Lua's `..`, which writes 1e14 as "1e+14".
+_LUA = """local function int(x) return string.format('%d', x) end
+local function clock()  -- Redis's clock, the same for every server: as exact text, and as a number
+  local t = redis.call('TIME')
+  return t[1] .. '.' .. string.format('%06d', tonumber(t[2])), t[1] + t[2] / 1e6
+end
+local function seen(w, now, round, published, keep)  -- Store._seen: the peers table, its oldest row out
+  local _, r, g = (redis.call('HGET', 'sapo:peers', w) or ''):match('^(%S+) (%d+) (%d+)$')
+  if r and tonumber(r) > tonumber(round) then round = r end
+  redis.call('HSET', 'sapo:peers', w, now .. ' ' .. round .. ' ' .. int((tonumber(g) or 0) + published))
+  redis.call('ZADD', 'sapo:seen', now, w)
+  local extra = math.max(0, math.min(64, redis.call('ZCARD', 'sapo:seen') - keep))
+  local gone = extra > 0 and redis.call('ZPOPMIN', 'sapo:seen', extra) or {}
+  for i = 1, #gone, 2 do redis.call('HDEL', 'sapo:peers', gone[i]) end
+end
+"""
+# Retention by cost (Store._retain): past the budget, the writer holding most loses its oldest batch, and so
+# on to 90% of it (Store._prune's water-filling, one batch at a time), at most 256 batches a publish. The
+# batch stored last stays; a writer left with none leaves every index; what is no batch is dropped.
+_PRUNE = """local function prune(target, newest, replies)
+  local kept, skip = tonumber(redis.call('HGET', 'sapo:kept', 'bytes')) or 0, 0
+  for _ = 1, 256 do
+    local w = redis.call('ZREVRANGE', 'sapo:held', skip, skip)[1]
+    if kept <= target or not w or w == '' then return end
+    local batches, groups = 'sapo:w:' .. w .. ':batches', 'sapo:w:' .. w .. ':groups'
+    local d = redis.pcall('LINDEX', batches, 0)
+    local last, first, cost, id = (type(d) == 'string' and d or ''):match('^(%d+) (%d+) %S+ (%d+) (%S+)$')
+    if last == newest then skip = 1 else redis.pcall('LPOP', batches) end  -- (the next writer's turn)
+    if last and last ~= newest then
+      local seqs = {}
+      for s = tonumber(first), math.min(tonumber(last), first + 255) do seqs[#seqs + 1] = int(s) end
+      if #seqs > 0 then redis.call('HDEL', groups, unpack(seqs)) end
+      redis.call('ZREM', 'sapo:log', last .. ' ' .. first .. ' ' .. w)
+      redis.call('HINCRBY', groups, 'count', -#seqs)
+      redis.call('HINCRBY', 'sapo:kept', 'groups', -#seqs)
+      kept = redis.call('HINCRBY', 'sapo:kept', 'bytes', int(-cost))
+      redis.call('ZADD', 'sapo:held', redis.call('HINCRBY', groups, 'held', int(-cost)), w)
+      redis.call('RPUSH', 'sapo:gone', w .. ' ' .. id)
+      if redis.call('LLEN', 'sapo:gone') > replies then
+        redis.call('HDEL', 'sapo:replies', redis.call('LPOP', 'sapo:gone'))
+      end
+    end
+    if type(d) ~= 'string' or redis.pcall('LLEN', batches) == 0 then
+      redis.call('DEL', batches, groups)
+      redis.call('ZREM', 'sapo:held', w)
+      redis.call('ZREM', 'sapo:fresh', w)
+    end
+  end
+end
+"""
+# Store.publish. ARGV: name, round, batch id, budget, replies kept, peers kept, a batch's overhead, window
+# seconds, then each group's JSON less its closing brace, to which the script adds seq and time.
+PUBLISH_LUA = _LUA + _PRUNE + """local w, id, n = ARGV[1], ARGV[1] .. ' ' .. ARGV[3], #ARGV - 8
+local reply = redis.call('HGET', 'sapo:replies', id)
+if reply then return reply end  -- a retry gets the first reply: stored once
+if not (redis.call('ZSCORE', 'sapo:fresh', '') and redis.call('ZSCORE', 'sapo:held', '')
+        and redis.call('EXISTS', 'sapo:kept') == 1) then return 'rebuild' end
+local seq = tonumber(redis.call('GET', 'sapo:seq'))  -- and never below the newest kept batch
+if not seq or seq < 0 or seq % 1 ~= 0 then seq = 0 end
+seq = math.max(seq, tonumber(redis.call('ZRANGE', 'sapo:log', -1, -1, 'WITHSCORES')[2]) or 0)
+if seq + n > 1e15 then return redis.error_reply('sapo:seq is past 10^15, the highest seq a group carries') end
+if n == 0 then return '{"accepted":0,"seq":' .. int(seq) .. '}' end
+local now, clock_now = clock()
+local groups, cost, first, last = 'sapo:w:' .. w .. ':groups', tonumber(ARGV[7]), int(seq + 1), int(seq + n)
+for i = 1, n do
+  local text = ARGV[8 + i] .. ',"seq":' .. int(seq + i) .. ',"time":' .. now .. '}'
+  redis.call('HSET', groups, int(seq + i), text)
+  cost = cost + #text
+end
+redis.call('SET', 'sapo:seq', last)
+local batch = table.concat({last, first, now, int(cost), ARGV[3]}, ' ')
+redis.call('RPUSH', 'sapo:w:' .. w .. ':batches', batch)
+redis.call('ZADD', 'sapo:log', last, last .. ' ' .. first .. ' ' .. w)
+redis.call('HINCRBY', groups, 'count', n)
+redis.call('ZADD', 'sapo:held', redis.call('HINCRBY', groups, 'held', int(cost)), w)
+redis.call('ZADD', 'sapo:fresh', now, w)
+redis.call('HINCRBY', 'sapo:kept', 'groups', n)
+local kept = redis.call('HINCRBY', 'sapo:kept', 'bytes', int(cost))
+reply = '{"accepted":' .. int(n) .. ',"seq":' .. last .. '}'
+redis.call('HSET', 'sapo:replies', id, reply)
+seen(w, now, ARGV[2], n, tonumber(ARGV[6]))
+local cutoff = '(' .. string.format('%.6f', clock_now - ARGV[8])  -- Store._expire: the silent leave the draw
+local old = redis.call('ZRANGEBYSCORE', 'sapo:fresh', '(-inf', cutoff, 'LIMIT', 0, 1024)
+if #old > 0 then redis.call('ZREM', 'sapo:fresh', unpack(old)) end
+if kept > tonumber(ARGV[4]) then prune(0.9 * ARGV[4], last, tonumber(ARGV[5])) end
+return reply"""
+# Store.sample, its lazy Fisher-Yates shuffle over the ranks of the writers within the window, with its own
+# generator (Park-Miller's, seeded by the seed's digits). ARGV: K, the name left out, seed, page bytes, a
+# group's most bytes, window batches, window seconds, batch groups, steps, then "NAME SEQ" of groups to skip.
+# A name with no batches is skipped, costing a step and not a draw, and removed from sapo:fresh. A group over
+# the most bytes, or one that would take a page past the page bytes (unless it is the first), is skipped.
+# -> {stale names removed, the newest seq, then the name, seq and JSON text of each group drawn}
+SAMPLE_LUA = _LUA + """if not redis.call('ZSCORE', 'sapo:fresh', '') then return 'rebuild' end
+local k, page, most = tonumber(ARGV[1]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local wb, bg = tonumber(ARGV[6]), tonumber(ARGV[8])
+local x = 0
+for d in ARGV[3]:gmatch('%d') do x = (x * 10 + d) % 2147483647 end
+x = x % 2147483646 + 1
+local function rand(m) x = x * 16807 % 2147483647 return x % m end
+local _, clock_now = clock()
+local total = redis.call('ZCARD', 'sapo:fresh')
+local n = redis.call('ZCOUNT', 'sapo:fresh', string.format('%.6f', clock_now - ARGV[7]), '+inf')
+local base, out, size, left, moved, stale, skip = total - n, {}, 0, {}, {}, {}, {}  -- (the window: base on)
+for i = 10, #ARGV do skip[ARGV[i]] = true end
+local function window(p)  -- the seqs of p's newest window batches, or false if p has no batches
+  local ds = redis.pcall('LRANGE', 'sapo:w:' .. p .. ':batches', -wb, -1)
+  if type(ds) ~= 'table' or ds.err or #ds == 0 then return false end
+  local seqs = {}
+  for _, d in ipairs(p ~= ARGV[2] and ds or {}) do
+    local last, first = d:match('^(%d+) (%d+) ')
+    last, first = tonumber(last), tonumber(first)
+    if last and first <= last and last - first < bg then for s = first, last do seqs[#seqs + 1] = s end end
+  end
+  return seqs
+end
+for _ = 1, tonumber(ARGV[9]) do
+  if #out == 3 * k or n == 0 or size >= page then break end
+  local i = rand(n)
+  local p = redis.call('ZRANGE', 'sapo:fresh', base + (moved[i] or i), base + (moved[i] or i))[1]
+  if not p then break end
+  if left[p] == nil then
+    left[p] = window(p)
+    if not left[p] then stale[#stale + 1], left[p] = p, {} end
+  end
+  local seqs = left[p]
+  if #seqs > 0 then
+    local j = rand(#seqs) + 1
+    local s, key = int(seqs[j]), 'sapo:w:' .. p .. ':groups'
+    seqs[j] = seqs[#seqs]
+    seqs[#seqs] = nil
+    local len = not skip[p .. ' ' .. s] and redis.pcall('HSTRLEN', key, s)
+    if type(len) == 'number' and 0 < len and len <= most and (#out == 0 or size + len <= page) then
+      out[#out + 1], out[#out + 2], out[#out + 3], size = p, s, redis.call('HGET', key, s), size + len
+    end
+  end
+  if #seqs == 0 then  -- drawn dry: the writer in place n - 1 takes place i
+    n = n - 1
+    moved[i] = moved[n] or n
+  end
+end
+for i = 1, #stale, 1000 do redis.call('ZREM', 'sapo:fresh', unpack(stale, i, math.min(i + 999, #stale))) end
+local newest = tonumber(redis.call('GET', 'sapo:seq')) or 0
+return {int(#stale), int(math.min(math.max(newest, 0), 1e15)), unpack(out)}"""
+# Store.read (_page's rule): the groups after a seq, in seq order. ARGV: after, the name left out, limit,
+# page bytes, steps (batches and groups stepped over), a group's most bytes. -> {next, newest seq, texts...}
+READ_LUA = _LUA + """local out, size, nxt, steps = {}, 0, tonumber(ARGV[1]), tonumber(ARGV[5])
+local limit, page, most, cursor = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[6]), ARGV[1]
+local function walk()
+  while steps > 0 do
+    local found = redis.call('ZRANGEBYSCORE', 'sapo:log', '(' .. cursor, '+inf', 'WITHSCORES', 'LIMIT', 0, 64)
+    if #found == 0 then return end
+    for i = 1, #found, 2 do
+      local last, first, w = found[i]:match('^(%d+) (%d+) (%S+)$')
+      last, first, cursor, steps = tonumber(last), tonumber(first), found[i + 1], steps - 1
+      if not last or first > last or last - first > 255 then  -- no batch: stepped over
+        nxt = math.max(nxt, math.min(tonumber(cursor) or nxt, 1e15))
+      else
+        local key = 'sapo:w:' .. w .. ':groups'
+        for s = math.max(first, nxt + 1), last do
+          local len = w ~= ARGV[2] and redis.pcall('HSTRLEN', key, int(s)) or 0
+          len = type(len) == 'number' and len <= most and len or 0
+          if #out == limit or steps <= 0 or (#out > 0 and len > 0 and size + len > page) then return end
+          if len > 0 then out[#out + 1], size = redis.call('HGET', key, int(s)), size + len + 1 end
+          nxt, steps = s, steps - 1
+        end
+      end
+    end
+  end
+end
+walk()
+local newest = tonumber(redis.call('GET', 'sapo:seq')) or 0
+return {int(nxt), int(math.min(math.max(newest, 0), 1e15)), unpack(out)}"""
+# A dashboard row (RolloutStore.add_metrics). ARGV: name, round, the metrics as JSON, metrics bytes, peers
+# kept. Past the bytes the oldest rows go, at most 256 a call.
+METRICS_LUA = _LUA + """local now = clock()
+local n = redis.call('HINCRBY', 'sapo:mstat', 'n', 1)
+local row = '{"n":' .. int(n) .. ',"peer":"' .. ARGV[1] .. '","round":' .. ARGV[2] .. ',"time":' .. now
+            .. ',"metrics":' .. ARGV[3] .. '}'
+redis.call('ZADD', 'sapo:metrics', int(n), row)
+local bytes = redis.call('HINCRBY', 'sapo:mstat', 'bytes', #row)
+for _ = 1, 256 do
+  if bytes <= tonumber(ARGV[4]) then break end
+  local gone = redis.call('ZPOPMIN', 'sapo:metrics')
+  if #gone == 0 then break end
+  bytes = redis.call('HINCRBY', 'sapo:mstat', 'bytes', -#gone[1])
+end
+seen(ARGV[1], now, ARGV[2], 0, tonumber(ARGV[5]))
+return int(n)"""
+# RedisStore._rebuild's steps. REBUILD_LUA puts the writers named in ARGV back into sapo:fresh and sapo:held
+# from their own keys -> {their bytes, their groups}; SEAL_LUA then sets the totals (ARGV: bytes, groups) and
+# the two markers, unless another server has already.
+REBUILD_LUA = _LUA + """local bytes, groups = 0, 0
+for _, w in ipairs(ARGV) do
+  local d = redis.pcall('LINDEX', 'sapo:w:' .. w .. ':batches', -1)
+  local now = type(d) == 'string' and d:match('^%d+ %d+ (%S+) ')
+  local held = tonumber(redis.pcall('HGET', 'sapo:w:' .. w .. ':groups', 'held'))
+  local count = tonumber(redis.pcall('HGET', 'sapo:w:' .. w .. ':groups', 'count'))
+  if now and tonumber(now) and held and count then
+    redis.call('ZADD', 'sapo:fresh', now, w)
+    redis.call('ZADD', 'sapo:held', int(held), w)
+    bytes, groups = bytes + held, groups + count
+  end
+end
+return {int(bytes), int(groups)}"""
+SEAL_LUA = """if redis.call('ZSCORE', 'sapo:fresh', '') and redis.call('ZSCORE', 'sapo:held', '')
+   and redis.call('EXISTS', 'sapo:kept') == 1 then return 0 end
+if #ARGV == 0 then return 1 end
+redis.call('HSET', 'sapo:kept', 'bytes', ARGV[1], 'groups', ARGV[2])
+redis.call('ZADD', 'sapo:fresh', '-inf', '')
+redis.call('ZADD', 'sapo:held', '-inf', '')
+return 0"""
+
+
+class RedisStore:
+    """The Store's interface (publish, read, sample, add_metrics, read_metrics, snapshot, close) over Redis,
+    so that SwarmServer serves it unchanged and several servers serve one swarm: redis://[USER@]HOST:PORT/DB,
+    rediss:// for TLS with one option, ?ssl_ca_certs=FILE; the password in the URL or $SWARM_REDIS_PASSWORD.
+    keep_bytes bounds what the kept batches cost (their groups' bytes and Limits.batch_overhead each; give
+    every server of a swarm the same). Redis not answering within Limits.redis_seconds, or refusing, is one
+    log line while it lasts and a 503 with Retry-After (507 where Redis is out of memory)."""
+
+    def __init__(self, url, keep_bytes=Limits.keep_bytes):
+        try:
+            import redis
+        except ImportError:
+            raise ValueError("--redis needs the redis package: pip install redis") from None
+        u, shape = urlsplit(url), "--redis must look like redis://HOST:6379/0 (rediss:// for TLS)"
+        try:  # (u.port raises ValueError on a port that is no number)
+            tls, port, options = u.scheme.lower() == "rediss", u.port, parse_qs(u.query, True)
+            _want(u.scheme.lower() in ("redis", "rediss") and u.hostname, shape)
+            _want(re.fullmatch(r"/?[0-9]{0,5}", u.path), shape)
+        except (ValueError, BadRequest):
+            raise ValueError(shape + ".") from None
+        if set(options) - {"ssl_ca_certs"} or (options and not tls):
+            raise ValueError(f"{shape}: it takes one option, ?ssl_ca_certs=FILE with rediss://, not "
+                             f"{', '.join(sorted(options))[:80]}.")
+        password = os.environ.get("SWARM_REDIS_PASSWORD") or None
+        if u.password is not None and password:
+            raise ValueError("give the Redis password in the --redis URL or in $SWARM_REDIS_PASSWORD, "
+                             "not both.")
+        self.redis = redis.Redis(  # (no retries: a request waits Limits.redis_seconds at most)
+            host=u.hostname, port=port or 6379, db=int(u.path.strip("/") or 0), ssl=tls,
+            username=unquote(u.username) if u.username else None, protocol=2,
+            password=unquote(u.password) if u.password is not None else password,
+            socket_timeout=Limits.redis_seconds, socket_connect_timeout=Limits.redis_seconds,
+            retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0),
+            **({"ssl_ca_certs": options["ssl_ca_certs"][-1]} if options else {}))
+        self.budget, self.where = keep_bytes, f"{u.hostname}:{port or 6379}"
+        self.errors, self.refusal = (redis.RedisError, OSError, ValueError), redis.ResponseError
+        self.down = None  # why Redis does not answer, while it does not
+        self.rebuilding = threading.Lock()  # one rebuild at a time in this server
+        try:
+            self.redis.ping()
+        except self.errors as e:
+            self.redis.close()
+            raise ValueError(f"cannot use Redis at {self.where} ({str(e)[:200]}); check --redis, "
+                             "$SWARM_REDIS_PASSWORD and that Redis runs.") from None
+        self._rebuild()
+
+    def publish(self, peer, round_, batch_id, groups):
+        texts = [_dumps({**g, "peer": peer, "round": round_})[:-1] for g in groups]  # the script ends each
+        reply = self._script(PUBLISH_LUA, peer, round_, batch_id, self.budget, Limits.replies, Limits.peers,
+                             Limits.batch_overhead, Limits.window_seconds, *texts)
+        return json.loads(reply)
+
+    def read(self, after, exclude, limit):
+        reply = self._script(READ_LUA, after, exclude or "", limit, Limits.page_bytes, Limits.scan_groups,
+                             Limits.body_bytes)
+        return [text for text in reply[2:] if _servable(text)], int(reply[0]), int(reply[1])
+
+    def sample(self, k, exclude, seed):
+        """Store.sample's draw. A group no client could take (_servable) is skipped: the read is drawn again
+        (the same seed) passing it over, and so is a read that found stale names before K groups (on the
+        cleaner index), while Limits.redis_seconds allow."""
+        deadline, skip = time.monotonic() + Limits.redis_seconds, []
+        while True:
+            reply = self._script(SAMPLE_LUA, k, exclude or "", seed, Limits.page_bytes, Limits.body_bytes,
+                                 Limits.window_batches, Limits.window_seconds, Limits.batch_groups,
+                                 Limits.scan_groups, *skip)
+            drawn = [(b"%s %s" % (name, seq), text, _servable(text)) for name, seq, text in
+                     zip(reply[2::3], reply[3::3], reply[4::3])]
+            skip += [group for group, _, good in drawn if not good]
+            if all(good for *_, good in drawn) and (reply[0] == b"0" or len(drawn) >= k) or \
+                    time.monotonic() > deadline:
+                return [text for _, text, good in drawn if good], int(reply[1])
+
+    def add_metrics(self, peer, round_, metrics):
+        self._script(METRICS_LUA, peer, round_, _dumps(metrics), Limits.metrics_bytes, Limits.peers)
+
+    def read_metrics(self, after):
+        """The rows with n > after, a page -> (their JSON texts, the n to go on after, the newest n)."""
+        found = self._call(self.redis.zrangebyscore, "sapo:metrics", f"({after}", "+inf", start=0, num=256,
+                           withscores=True)
+        texts, size, next_n = [], 0, after
+        for text, n in found:
+            if texts and size + len(text) > Limits.page_bytes:
+                break
+            next_n = max(next_n, min(int(n), 10**15))
+            with contextlib.suppress(BadRequest, ValueError):  # (a row no server wrote is skipped)
+                texts.append(_dumps(ROW(parse_json(text))))
+                size += len(text) + 1
+        newest = self._call(self.redis.hget, "sapo:mstat", "n")
+        return texts, next_n, int(newest) if newest and newest.isdigit() else next_n
+
+    def snapshot(self, metrics=False):
+        """Store.snapshot's figures: the groups kept, the first and newest seq, the peers (the one seen most
+        recently last), and with metrics the dashboard's rows (up to Limits.metrics_bytes of them)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hget("sapo:kept", "groups").zrange("sapo:log", 0, 0).get("sapo:seq")
+        pipe.zrevrange("sapo:seen", 0, Limits.peers - 1)
+        groups, first, last, names = self._call(pipe.execute)
+        peers = {}
+        rows = self._call(self.redis.hmget, "sapo:peers", names) if names else []
+        for name, row in zip(reversed(names), reversed(rows)):
+            found = re.fullmatch(rb"([0-9.]{1,30}) ([0-9]{1,13}) ([0-9]{1,16})", row or b"")
+            if found and NAME.fullmatch(name.decode("latin-1")):
+                peers[name.decode()] = {"last_seen": min(float(found[1]), 1e11), "last_round": int(found[2]),
+                                        "groups": int(found[3])}
+        rows, after, size = [], 0, 0
+        while metrics and size < Limits.metrics_bytes:
+            texts, after, newest = self.read_metrics(after)
+            rows += [json.loads(text) for text in texts]
+            size += sum(map(len, texts))
+            if after >= newest or not texts:
+                break
+        number = (lambda x: int(x) if x and x.isdigit() and int(x) <= 10**15 else 0)
+        oldest = (first[0].split(b" ") if first else []) + [b"", b""]  # "LAST FIRST NAME" of the oldest batch
+        return {"groups": number(groups), "first_seq": number(oldest[1]), "last_seq": number(last),
+                "peers": peers, "metrics": rows}
+
+    def close(self):
+        self.redis.close()
+
+    def _script(self, source, *args):
+        """Run one of the scripts above -> its reply; first _rebuild where it says an index is missing."""
+        reply = self._call(self.redis.eval, source, 0, *args)
+        if reply == b"rebuild":
+            self._rebuild()
+            reply = self._call(self.redis.eval, source, 0, *args)
+        return reply
+
+    def _rebuild(self):
+        """Put every writer back into the draw and retention indexes from its own keys, found by SCAN (a page
+        of keys at a time, so that no call holds Redis for long), if an index or the totals are missing. Until
+        they are back, every server's publishes wait, so the totals add up whatever other servers do."""
+        with self.rebuilding:
+            if self._call(self.redis.eval, SEAL_LUA, 0) == 0:
+                return
+            cursor, done, totals = 0, set(), [0, 0]
+            while True:
+                cursor, keys = self._call(self.redis.scan, cursor, match="sapo:w:*:batches", count=1000)
+                names = {key[len("sapo:w:"):-len(":batches")] for key in keys} - done
+                done |= names
+                if names:
+                    got = self._call(self.redis.eval, REBUILD_LUA, 0, *names)
+                    totals = [totals[0] + int(got[0]), totals[1] + int(got[1])]
+                if cursor == 0:
+                    break
+            self._call(self.redis.eval, SEAL_LUA, 0, *totals)
+            _log(f"indexed {len(done)} writers' batches in Redis at {self.where}") if done else None
+
+    def _call(self, command, *args, **kwargs):
+        """One Redis exchange -> its reply; or BadRequest, a 503 with Retry-After (507: Redis is out of
+        memory), and one log line while the trouble lasts."""
+        try:
+            reply = command(*args, **kwargs)
+        except self.errors as e:
+            why, full = f"{type(e).__name__}: {e}"[:300], "OOM" in str(e)
+            status, says = (507, "is out of memory") if full else (503, "refuses it") if \
+                isinstance(e, self.refusal) else (503, "does not answer")
+            if self.down != why:
+                self.down = why
+                _log(f"Redis at {self.where} {says} ({why}); requests get {status} until it answers")
+            raise BadRequest(f"The server's Redis {says}, so nothing was done; send it again in a moment.",
+                             status, {"Retry-After": "5"}) from None
+        if self.down:
+            self.down = None
+            _log(f"Redis at {self.where} answers again")
+        return reply
+
+
+def _servable(text):
+    """Whether a group read back from Redis is one a client can take: JSON within Limits (else skipped)."""
+    try:
+        _want(len(text) <= Limits.body_bytes and (len(text) < 2 * Limits.json_values
+                                                  or _values(text.decode()) <= Limits.json_values), "")
+        return isinstance(json.loads(text, parse_float=_finite, parse_constant=_finite), dict)
+    except (BadRequest, ValueError, RecursionError):
+        return False
+
+
+# -----------------------------------------------------------------------------
 # HTTP server: an asyncio loop reads requests; worker threads answer them; errors are one JSON sentence.
 
 ROUTES = {"/": "GET", "/health": "GET", "/peers": "GET", "/rollouts": "GET, POST", "/metrics": "GET, POST"}
@@ -904,6 +1317,28 @@ def _unsent(sock):  # bytes written to a socket that its peer has not acknowledg
         return 0
 
 
+def _listed(head, texts, tail):  # a reply's pieces: head, the texts (of a JSON list) comma by comma, tail
+    pieces = [head]
+    for k, text in enumerate(texts):
+        pieces += [b",", text] if k else [text]
+    return pieces + [tail]
+
+
+def _chunks(pieces, size=1 << 16):
+    """Byte strings -> their bytes in chunks of `size` (the last one shorter), each copied once, when made."""
+    views, have = [], 0  # the parts of the next chunk: views of the pieces, no copies
+    for piece in pieces:
+        view = memoryview(piece)
+        while view:
+            views.append(view[:size - have])
+            have, view = have + len(views[-1]), view[len(views[-1]):]
+            if have == size:
+                yield b"".join(views)
+                views, have = [], 0
+    if views:
+        yield b"".join(views)
+
+
 def _int_param(query, name, default, lowest, highest):
     value = query.get(name, [str(default)])[-1]
     _want(re.fullmatch(r"[0-9]{1,19}", value) and lowest <= int(value) <= highest,
@@ -914,7 +1349,10 @@ def _int_param(query, name, default, lowest, highest):
 class SwarmServer:
     """The HTTP side of the store. One asyncio loop (in a thread) reads each request whole under a deadline,
     so a slow or idle connection costs a buffer, not a thread; worker threads answer whole requests. A
-    request's way: _accept, _connection (_read_request, _in_turn, _send, _hang_up). credentials: credentials()'s."""
+    request's way: _accept, _connection (_read_request, _answered, _send, _hang_up). credentials:
+    credentials()'s. What requests hold is bounded apart for writers and readers: request bodies count in
+    self.in_flight (one at a time per per-peer credential), replies made for a request in self.replying,
+    and a page of groups is sent from the texts the store holds, 64 KB at a time (_chunks)."""
 
     def __init__(self, store, host, port, credentials=None, public_reads=False, verbose=False, score=None):
         self.store, self.credentials = store, credentials
@@ -928,11 +1366,12 @@ class SwarmServer:
         self.max_connections = max(4, min(Limits.connections, soft - 64)) if soft > 0 else Limits.connections
         self.open, self.waiting = set(), {}  # every connection; those that may be closed for a new one ->
                                              # 0 if idle or sending a head, 1 if sending a body (in order)
-        self.in_flight = 0                   # bytes of request bodies and replies held right now
+        self.in_flight = 0                   # bytes of request bodies held right now (Limits.in_flight_bytes)
+        self.replying = 0                    # bytes of replies made for a request, held (Limits.made_bytes)
         self.pools = {method: ThreadPoolExecutor(Limits.workers, thread_name_prefix=f"swarm-{method}")
                       for method in ("GET", "POST")}
         self.large = threading.Lock()        # held while a large body is answered: see Limits.body_bytes
-        self.turns = weakref.WeakValueDictionary()  # writer -> the lock its waiting POSTs take turns on
+        self.turns = weakref.WeakValueDictionary()  # writer -> the lock its POSTs take turns on, body and all
         self.posting = asyncio.Semaphore(Limits.workers)  # POSTs being answered; its waiters: one per writer
         self.loop = asyncio.new_event_loop()
         self.loop.set_exception_handler(_loop_error)
@@ -978,24 +1417,24 @@ class SwarmServer:
 
     async def _connection(self, reader, writer):
         """One request per connection (nothing rides behind a body), read whole under the deadline, answered,
-        closed. The body counts in self.in_flight until it is answered."""
+        closed. The body counts in self.in_flight, and a POST holds its writer's turn, until it is answered."""
         writer.transport.set_write_buffer_limits(0)  # so that drain() returns once the reply has left
-        self.waiting[writer], body = 0, bytearray()
+        self.waiting[writer], body, turn, reply = 0, bytearray(), [], []  # turn: the writer's lock, once held
         try:
             try:
                 seconds = Limits.request_seconds
-                request = await asyncio.wait_for(self._read_request(reader, writer, body), seconds)
+                request = await asyncio.wait_for(self._read_request(reader, writer, body, turn), seconds)
             except asyncio.TimeoutError:
                 raise BadRequest(f"The request did not arrive whole within {seconds:g} s.", 408) from None
-            reply = await self._in_turn(request)
+            reply += await self._answered(request)  # status, content type, body, headers
+            self._give_back(body, turn)
             await self._send(writer, *reply, head_only=request.method == "HEAD")
             if self.verbose:
                 who = writer.get_extra_info("peername")
                 _log(f"{who} {request.method} {request.target[:200]} {reply[0]}")
         except BadRequest as e:  # the rest of the request is unread: answer, then close
             self.waiting[writer] = 0  # first to go while it lingers, holding no body
-            self.in_flight -= len(body)
-            body.clear()
+            self._give_back(body, turn)
             with contextlib.suppress(OSError, asyncio.TimeoutError):
                 await self._send(writer, *e.reply)
                 writer.write_eof()  # and read what the client still sends for a moment, so that
@@ -1003,8 +1442,8 @@ class SwarmServer:
         except (OSError, EOFError, asyncio.TimeoutError):
             pass  # a client that hangs up, idles or stops reading its reply is not news
         finally:
-            self.in_flight -= len(body)
-            body.clear()
+            self._give_back(body, turn)
+            reply.clear()  # (a page of groups holds texts that retention may prune meanwhile)
             if writer in self.open:
                 self.waiting[writer] = 0  # while its reply drains: first to go at the cap
                 await self._hang_up(writer)
@@ -1012,16 +1451,27 @@ class SwarmServer:
             self.waiting.pop(writer, None)
             writer.transport.abort()
 
-    async def _in_turn(self, request):
-        """A request's answer from a worker thread, a POST's in its writer's turn: one POST of each per-peer
-        credential at a time, so one writer's many connections delay another's post by one of its own at most.
-        Without one, writers cannot be told apart (an address may be a proxy's): first come, first served."""
+    async def _answered(self, request):
+        """A request's answer from a worker thread: Limits.workers GETs and as many POSTs at a time."""
         if request.method != "POST":
             return await self.loop.run_in_executor(self.pools["GET"], self._answer, request)
-        peer = request.peer
-        turn = self.turns.setdefault(peer, asyncio.Lock()) if peer else contextlib.nullcontext()
-        async with turn, self.posting:
+        async with self.posting:
             return await self.loop.run_in_executor(self.pools["POST"], self._answer, request)
+
+    async def _take_turn(self, peer, turn):
+        """A POST of a per-peer credential waits for its writer's turn before its body is read: one POST of
+        each at a time, so one writer's many or slow bodies cost that writer alone, never the bodies' shared
+        budget nor another's turn. Without one, writers cannot be told apart (an address may be a proxy's):
+        first come, first served."""
+        lock = self.turns.setdefault(peer, asyncio.Lock())
+        await lock.acquire()
+        turn.append(lock)  # (no await between: a deadline that cancels the wait leaves nothing held)
+
+    def _give_back(self, body, turn):  # what a request holds, once answered: its body's bytes, its turn
+        self.in_flight -= len(body)
+        body.clear()
+        while turn:
+            turn.pop().release()
 
     async def _hang_up(self, writer):
         """Close once the kernel has delivered the reply, or at the deadline with a reset (SO_LINGER 0), so no
@@ -1033,10 +1483,11 @@ class SwarmServer:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
-    async def _read_request(self, reader, writer, body):
+    async def _read_request(self, reader, writer, body, turn):
         """The request line, the headers and the body (into `body`) -> Request. Strict: no request reads
-        differently in a proxy in front. The credential is checked before the body is read, which counts in
-        self.in_flight as it arrives: a sender who only declares a length costs nothing."""
+        differently in a proxy in front. The credential is checked, and a POST takes its writer's turn, before
+        the body is read, which counts in self.in_flight as it arrives: a sender who only declares a length
+        costs nothing, and a GET, which may need no credential (--public-reads), has none."""
         if (first := await reader.read(1)) in (b"", b"\x16"):  # gone, or TLS (this server speaks plain HTTP)
             raise EOFError("no request")
         line = first.decode("latin-1") + await _readline(reader, 414, "The request line")
@@ -1065,7 +1516,10 @@ class SwarmServer:
         _want(re.fullmatch(r"[0-9]{1,12}", length), "Content-Length must be a whole number.")
         most = Limits.body_bytes
         _want(int(length) <= most, f"The body is {length} bytes; the limit is {most}.", 413)
+        _want(method not in ("GET", "HEAD") or int(length) == 0, f"A {method} has no body here.")
         self.waiting[writer] = 1  # sending its body: evicted after those that sent no head yet
+        if method == "POST" and peer:
+            await self._take_turn(peer, turn)
         if int(length) and headers.get("expect", "").lower() == "100-continue":
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         while len(body) < int(length):
@@ -1074,25 +1528,32 @@ class SwarmServer:
                 raise EOFError("the client hung up")
             if self.in_flight + len(chunk) > Limits.in_flight_bytes:
                 raise BadRequest(BUSY, 503, {"Retry-After": "1"})
-            self.in_flight += len(chunk)  # given back by _connection once the reply has gone
+            self.in_flight += len(chunk)  # given back by _connection once it is answered
             body += chunk
         self.waiting.pop(writer, None)
         return Request(method, target, body, peer)
 
     async def _send(self, writer, status, content_type, body, headers=None, head_only=False):
-        if len(body) > 65536 and self.in_flight + len(body) > Limits.in_flight_bytes:  # bound what waits
+        """A reply within the deadline (a reader too slow is cut off), 64 KB at a time. body: bytes made for
+        it, which count in self.replying (a 503 past Limits.made_bytes), or a list of texts the store
+        holds (a page of groups), sent as they are: a reader that does not read holds 64 KB here at most."""
+        made = len(body) if isinstance(body, bytes) else 0
+        if made > 65536 and self.replying + made > Limits.made_bytes:
             busy = BadRequest("The server is busy; ask again in a moment.", 503, {"Retry-After": "1"})
-            status, content_type, body, headers = busy.reply
+            (status, content_type, body, headers), made = busy.reply, 0
+        pieces = [body] if isinstance(body, bytes) else body
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         head = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: {content_type}\r\n" \
-               f"Content-Length: {len(body)}\r\n{extra}"
-        data = (head + "Connection: close\r\n\r\n").encode() + (b"" if head_only else body)
-        self.in_flight += len(data)
+               f"Content-Length: {sum(map(len, pieces))}\r\n{extra}Connection: close\r\n\r\n"
+        self.replying += made
         try:
-            writer.write(data)
-            await asyncio.wait_for(writer.drain(), Limits.request_seconds)  # a reader too slow is cut off
+            deadline = time.monotonic() + Limits.request_seconds
+            for chunk in _chunks([head.encode()] + ([] if head_only else pieces)):
+                writer.write(chunk)
+                chunk = None  # (what the kernel did not take waits in the transport's buffer alone)
+                await asyncio.wait_for(writer.drain(), deadline - time.monotonic())
         finally:
-            self.in_flight -= len(data)
+            self.replying -= made
 
     def _answer(self, request):  # (in a worker thread) a request -> (status, content type, body, headers)
         try:
@@ -1120,8 +1581,8 @@ class SwarmServer:
                               "serving.", 500).reply
 
     def _route(self, method, path, q, body, peer):
-        """A request for one of ROUTES (a write: by `peer`'s credential) -> the reply's bytes. Groups are kept as
-        JSON text: a page of them is joined, not encoded again."""
+        """A request for one of ROUTES (a write: by `peer`'s credential) -> the reply's bytes, or for a page of
+        groups or metrics rows, the list of its pieces (_listed): they are kept as JSON text, never copied."""
         if method == "POST":
             b = (PUBLISH if path == "/rollouts" else METRICS)(parse_json(body))
             _want(peer in (None, b["peer"]),
@@ -1132,17 +1593,17 @@ class SwarmServer:
             return _dumps(self.store.publish(b["peer"], b["round"], b["batch_id"], b["groups"]))
         if path == "/metrics":
             texts, next_n, last_n = self.store.read_metrics(_int_param(q, "after", 0, 0, 10**15))
-            return b'{"metrics":[' + b",".join(texts) + b'],"next":%d,"last":%d}' % (next_n, last_n)
+            return _listed(b'{"metrics":[', texts, b'],"next":%d,"last":%d}' % (next_n, last_n))
         if path == "/rollouts":
             exclude = q.get("exclude", [""])[-1].lower()
             _want(not exclude or NAME.fullmatch(exclude), f"exclude must be a peer name: {NAMES}.")
             if "sample" in q:  # a sampled read: K groups of the recent window
                 k = _int_param(q, "sample", 1, 1, Limits.sample_groups)
                 texts, last_seq = self.store.sample(k, exclude, _int_param(q, "seed", 0, 0, 2**63 - 1))
-                return b'{"groups":[' + b",".join(texts) + b'],"last":%d}' % last_seq
+                return _listed(b'{"groups":[', texts, b'],"last":%d}' % last_seq)
             texts, next_seq, last_seq = self.store.read(_int_param(q, "after", 0, 0, 10**15), exclude,
                                                         _int_param(q, "limit", 256, 1, Limits.page_groups))
-            return b'{"groups":[' + b",".join(texts) + b'],"next":%d,"last":%d}' % (next_seq, last_seq)
+            return _listed(b'{"groups":[', texts, b'],"next":%d,"last":%d}' % (next_seq, last_seq))
         snap = self.store.snapshot(metrics=path == "/")
         if path == "/health":
             return _dumps({"ok": True, "groups": snap["groups"], "peers": len(snap["peers"]),
@@ -1210,17 +1671,18 @@ def read_peers(path):
 
 
 def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.keep_bytes,
-                 public_reads=False, verbose=False, peers=None, score=None):
+                 public_reads=False, verbose=False, peers=None, score=None, redis=None):
     """Start a server in a daemon thread -> (server, "http://host:port"); server.shutdown() stops it. With a
     token or peers ({name: token}) every request needs one (GETs not, with public_reads), and a peer's token
     writes only as that peer (403). score(group, completion), which never raises: the rewards the dashboard
-    shows (train.py's launcher passes reward.score). Bad settings: ValueError."""
+    shows (train.py's launcher passes reward.score). redis: a Redis URL, whose store replaces the folder dir
+    (RedisStore). Bad settings: ValueError."""
     table = credentials(token, peers)
     if not isinstance(keep_bytes, int) or keep_bytes < 1:
         raise ValueError("--keep-bytes must be a size of at least 1 byte.")
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError("--port must be a whole number from 0 to 65535.")
-    store = RolloutStore(dir, keep_bytes)
+    store = RedisStore(redis, keep_bytes) if redis else RolloutStore(dir, keep_bytes)
     try:
         server = SwarmServer(store, host, port, table, public_reads, verbose, score)
     except OSError as e:
@@ -1231,17 +1693,24 @@ def start_server(dir, host="127.0.0.1", port=0, token=None, keep_bytes=Limits.ke
 
 
 # -----------------------------------------------------------------------------
-# The client's transports: a Store in this process, a swarm.py server, or Redis.
+# The client's transports: a Store in this process, or a swarm.py server over HTTP.
 
 def connect(url, peer, sample, token=None, **state):
-    """A started Client of the store a URL names: a Redis server for redis:// or rediss://, else a swarm.py
-    server. sample: K; token: the store's credential (None: $SWARM_TOKEN); state: the read state (seed,
-    round, seen). The client's bounds are Limits'."""
-    Client.check(peer, sample, Limits.sample_groups)
-    kind = RedisTransport if str(url).lower().startswith(("redis://", "rediss://")) else HttpTransport
-    transport = kind(str(url), peer, os.environ.get("SWARM_TOKEN") if token is None else token)
+    """A started Client of the swarm.py server at url (http:// or https://). sample: K; token: the server's
+    credential (None: $SWARM_TOKEN); state: the read state (seed, round, seen). The client's bounds are Limits'."""
+    if not isinstance(peer, str) or not NAME.fullmatch(peer):
+        raise ValueError(f"peer must be a name of {NAMES}.")
+    if type(sample) is not int or not 1 <= sample <= Limits.sample_groups:
+        raise ValueError(f"sample must be a whole number from 1 to {Limits.sample_groups}.")
+    if re.match(r"rediss?://", str(url), re.I):  # (the URL itself is not repeated: it may hold a password)
+        raise ValueError(REDIS_PEER)
+    transport = HttpTransport(str(url), peer, os.environ.get("SWARM_TOKEN") if token is None else token)
     return Client(peer, transport, sample, **state, seen_cap=Limits.seen_seqs, inbox_cap=Limits.inbox_bytes,
                   outbox_cap=Limits.outbox_bytes, body_cap=Limits.body_bytes)
+
+
+REDIS_PEER = ("a peer joins a swarm over HTTP only: start a server with python swarm.py --redis "
+              "redis://HOST:6379/0 and join it with its http://HOST:PORT")
 
 
 class LocalTransport:
@@ -1266,9 +1735,9 @@ class LocalTransport:
 
 
 class _Transport:
-    """What the HTTP and Redis transports share: the peer's name (lower-cased: `name`) and the checks of what
-    a store says. Their calls are LocalTransport's, and they also raise BadRequest for "no usable answer now,
-    try later"; sample() hands back only the groups it could check, with their bytes."""
+    """A remote store's transport: the peer's name (lower-cased: `name`) and the checks of what the store
+    says. Its calls are LocalTransport's, and they also raise BadRequest for "no usable answer now, try
+    later"; sample() hands back only the groups it could check, with their bytes."""
     def __init__(self, peer):
         self.peer, self.name, self.said, self.closed = peer, peer.lower(), None, False
 
@@ -1302,7 +1771,7 @@ class HttpTransport(_Transport):
         u = urlsplit(url)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError(f"the swarm URL must look like http://HOST:PORT, not {url[:80]!r}.")
-        token, self.sockets = check_token(token), []
+        token, self.sockets = check_token(token), {}  # thread -> the sockets of its exchange (writer, reader)
         self.url, self.session = u.geturl().rstrip("/"), requests.Session()
         self.session.trust_env, self.session.proxies = False, requests.utils.get_environ_proxies(self.url)
         self.session.verify = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
@@ -1327,7 +1796,8 @@ class HttpTransport(_Transport):
 
     def close(self):
         self.closed = True
-        _shut(self.sockets)
+        for sockets in list(self.sockets.values()):
+            _shut(sockets)
         self.session.close()
 
     def _call(self, path, body=None):
@@ -1338,8 +1808,9 @@ class HttpTransport(_Transport):
         Limits.reply_bytes and json_values values: parsing holds the interpreter lock, and with it training."""
         if self.closed:
             raise ConnectionError("the client is closing")
-        deadline, reply, self.sockets = time.monotonic() + Limits.request_seconds, bytearray(), []
-        timer = threading.Timer(Limits.request_seconds, _shut, [self.sockets])
+        deadline, reply = time.monotonic() + Limits.request_seconds, bytearray()
+        sockets = self.sockets[threading.get_ident()] = []  # (the client's two threads call at once)
+        timer = threading.Timer(Limits.request_seconds, _shut, [sockets])
         timer.start()
         try:
             method = "GET" if body is None else "POST"
@@ -1353,7 +1824,7 @@ class HttpTransport(_Transport):
             reply = e
         finally:
             timer.cancel()
-            for sock in self.sockets:  # the duplicates _Adapter made
+            for sock in sockets:  # the duplicates _Adapter made
                 sock.close()
         late = time.monotonic() > deadline  # (cut short by the timer?)
         if late or self.closed or isinstance(reply, Exception):
@@ -1379,7 +1850,8 @@ class HttpTransport(_Transport):
 
 
 class _Adapter(requests.adapters.HTTPAdapter):
-    """requests' own, but each connection it opens joins transport.sockets, which the deadline and close() shut."""
+    """requests' own, but each connection it opens joins its thread's transport.sockets, which the deadline and
+    close() shut."""
     def __init__(self, transport):
         super().__init__()
         self.transport = transport
@@ -1390,9 +1862,10 @@ class _Adapter(requests.adapters.HTTPAdapter):
             class Connection(pool.ConnectionCls):
                 def _new_conn(self):  # the TCP socket before any TLS handshake (which takes the object over,
                     sock = super()._new_conn()  # so a duplicate descriptor): a stalled handshake is cut too
-                    transport.sockets.append(sock.dup())
+                    sockets = transport.sockets[threading.get_ident()]
+                    sockets.append(sock.dup())
                     if transport.closed:
-                        _shut(transport.sockets)
+                        _shut(sockets)
                     return sock
             pool.ConnectionCls = Connection
         return pool
@@ -1416,171 +1889,6 @@ def _reason(e):  # the words that matter in requests' long messages ("Connection
 
 def _said(data):  # the one sentence of an error reply, cut short (_log escapes any lone surrogate)
     return str(data.get("error"))[:200] if isinstance(data, dict) else "(no message)"
-
-
-# -----------------------------------------------------------------------------
-# Redis as the store: sapo:seq numbers the groups, sapo:producers holds the writers by their newest batch's
-# time, and a writer's own keys, sapo:writer:NAME:* (NAME lower-cased), only its ACL user may write: :window
-# ("FIRST LAST ROUND TIME" of its newest Limits.window_batches batches, newest first), :groups (seq -> group
-# JSON) and :reply:BATCH_ID. Window and groups expire Limits.window_seconds after its newest batch.
-# PUBLISH_LUA stores a batch atomically. KEYS: the writer's window, groups and reply, which Redis checks
-# against the caller's ACL. ARGV: name, round, window batches, window ms, reply seconds, batch groups, groups.
-PUBLISH_LUA = """local reply, n = redis.call('GET', KEYS[3]), #ARGV - 6
-if reply then return reply end
-local t, last, kept = redis.call('TIME'), redis.call('INCRBY', 'sapo:seq', n), {}
-local now = t[1] + t[2] / 1e6
-for i = 1, n do redis.call('HSET', KEYS[2], last - n + i, ARGV[6 + i]) end
-kept[1] = (last - n + 1) .. ' ' .. last .. ' ' .. ARGV[2] .. ' ' .. now
-for a, b, rest in (redis.call('GET', KEYS[1]) or ''):gmatch('(%d+) (%d+) (%S+ %S+)') do
-  if #kept < tonumber(ARGV[3]) then kept[#kept + 1] = a .. ' ' .. b .. ' ' .. rest
-  else for s = tonumber(a), math.min(tonumber(b), a + ARGV[6]) do redis.call('HDEL', KEYS[2], s) end end
-end
-redis.call('SET', KEYS[1], table.concat(kept, ' '), 'PX', ARGV[4])
-redis.call('PEXPIRE', KEYS[2], ARGV[4])
-redis.call('ZADD', 'sapo:producers', now, ARGV[1])
-redis.call('ZREMRANGEBYSCORE', 'sapo:producers', '-inf', now - ARGV[4] / 1000)
-reply = '{"accepted":' .. n .. ',"seq":' .. last .. '}'
-redis.call('SET', KEYS[3], reply, 'EX', ARGV[5])
-return reply"""
-# SAMPLE_LUA, Store.sample's draw, read-only. KEYS: sapo:producers. ARGV: K, the name left out, seed, page
-# bytes, group bytes, window batches, batch groups. A lazy shuffle of the producers' ranks (as Store.sample's)
-# costs O(K) whatever their number; what no publish writes is passed over. -> [writer, seq, round, time, JSON].
-SAMPLE_LUA = """local k, x = tonumber(ARGV[1]), tonumber(ARGV[3]:sub(-9)) % 2147483646 + 1
-local n, out, undrawn, moved, size = redis.call('ZCARD', KEYS[1]), {}, {}, {}, 0
-local function rand(m) x = x * 16807 % 2147483647 return x % m end
-local function window(p)
-  local w, seqs = p ~= ARGV[2] and redis.pcall('GETRANGE', 'sapo:writer:' .. p .. ':window', 0, 80 * ARGV[6]), {}
-  for a, b, r, t in (type(w) == 'string' and w or ''):gmatch('(%d+) (%d+) (%S+) (%S+)') do
-    a, b = tonumber(a), tonumber(b)
-    if b >= a and b - a < tonumber(ARGV[7]) and #seqs < ARGV[6] * ARGV[7] then
-      for s = a, b do seqs[#seqs + 1] = {s, r, t} end end end
-  return seqs
-end
-for _ = 1, 4 * k + 64 do
-  if #out == k or n == 0 or size > tonumber(ARGV[4]) then break end
-  local j = rand(n)
-  local p = redis.call('ZRANGE', KEYS[1], moved[j] or j, moved[j] or j)[1]
-  undrawn[p] = undrawn[p] or window(p)
-  local seqs, key = undrawn[p], 'sapo:writer:' .. p .. ':groups'
-  if #seqs > 0 then
-    local i = rand(#seqs) + 1
-    local s = seqs[i]
-    seqs[i] = seqs[#seqs]
-    seqs[#seqs] = nil
-    local len = redis.pcall('HSTRLEN', key, s[1])
-    if type(len) == 'number' and 0 < len and len <= tonumber(ARGV[5]) then
-      out[#out + 1], size = {p, s[1], s[2], s[3], redis.call('HGET', key, s[1])}, size + len end end
-  if #seqs == 0 then n = n - 1 moved[j] = moved[n] or n end
-end
-return out"""
-
-
-class RedisTransport(_Transport):
-    """A Redis server's side of the exchanges (redis-py and the scripts above): redis://USER@HOST:PORT/DB,
-    rediss:// for TLS. The password is the token ($SWARM_TOKEN) or the URL's, never both (which should win is
-    not the client's to guess). One option: ?ssl_ca_certs=FILE with rediss://. Each exchange is bounded as
-    HTTP's: within Limits.request_seconds, a reply within Limits.reply_bytes (_bounded) and json_values values."""
-
-    def __init__(self, url, peer, token):
-        super().__init__(peer)
-        try:
-            import redis
-        except ImportError:
-            raise ValueError("a redis:// swarm needs the redis package: pip install redis") from None
-        u, shape = urlsplit(url), "the swarm URL must look like redis://USER@HOST:PORT/0 (rediss:// for TLS)"
-        try:  # (u.port raises ValueError on a port that is no number)
-            tls, port, options = u.scheme.lower() == "rediss", u.port, parse_qs(u.query, keep_blank_values=True)
-            if not u.hostname or not re.fullmatch(r"/?[0-9]{0,5}", u.path):
-                raise ValueError(shape)
-        except ValueError:
-            raise ValueError(shape + ".") from None
-        if set(options) - {"ssl_ca_certs"} or (options and not tls):
-            raise ValueError(f"{shape}: it takes one option, ?ssl_ca_certs=FILE with rediss://, not "
-                             f"{', '.join(sorted(options))[:80]}.")
-        if u.password is not None and token:
-            raise ValueError("give the Redis password in the URL or as the token ($SWARM_TOKEN, --token), not both.")
-        pool = redis.ConnectionPool(  # (decoded, a group that is not UTF-8 is dropped alone)
-            connection_class=redis.SSLConnection if tls else redis.Connection, parser_class=_bounded(redis),
-            host=u.hostname, port=port or 6379, db=int(u.path.strip("/") or 0), protocol=2,
-            username=unquote(u.username) if u.username else None,
-            password=unquote(u.password) if u.password is not None else token or None,
-            socket_timeout=Limits.request_seconds, decode_responses=True, encoding_errors="surrogateescape",
-            **({"ssl_ca_certs": options["ssl_ca_certs"][-1]} if options else {}))
-        self.redis, self.error = redis.Redis(connection_pool=pool), redis.RedisError
-
-    def publish(self, round_, texts, batch_id):
-        if len(texts) > Limits.batch_groups:
-            raise Refused(f"a batch holds at most {Limits.batch_groups} groups")
-        keys = [f"sapo:writer:{self.name}:{key}" for key in ("window", "groups", f"reply:{batch_id}")]
-        reply = self._call(self.redis.eval, PUBLISH_LUA, 3, *keys, self.name, round_, Limits.window_batches,
-                           int(1000 * Limits.window_seconds), Limits.reply_seconds, Limits.batch_groups, *texts)
-        return self._acknowledged(parse_json(reply) if isinstance(reply, str) else None, len(texts), "Redis's reply")
-
-    def post_metrics(self, round_, texts):
-        row = b'{"peer":%s,"round":%d,"metrics":%s}' % (_dumps(self.peer), round_, texts[0])
-        self._call(self.redis.xadd, "sapo:metrics", {"row": row}, maxlen=Limits.metrics_rows)
-
-    def sample(self, k, seed):
-        found = self._call(self.redis.eval_ro, SAMPLE_LUA, 1, "sapo:producers", k, self.name, seed, Limits.page_bytes,
-                           Limits.body_bytes, Limits.window_batches, Limits.batch_groups)
-        entries = [e for e in found if isinstance(e, list) and len(e) == 5 and isinstance(e[4], str)][:k]
-        _want(sum(_values(e[4]) for e in entries) <= Limits.json_values,  # (the groups' values, in all)
-              f"a reply of more than {Limits.json_values} values")
-        return self._received([_stored(*e) for e in entries])
-
-    def close(self):
-        self.closed = True
-        self.redis.connection_pool.disconnect()  # (even the connection in use, which ends its exchange)
-
-    def _call(self, command, *args, **kwargs):
-        """One Redis command within Limits.request_seconds (a timer drops the connection) -> its reply; Redis
-        unreachable or refusing (a read-only user's publish) is an OSError."""
-        if self.closed:
-            raise ConnectionError("the client is closing")
-        timer = threading.Timer(Limits.request_seconds, self.redis.connection_pool.disconnect)
-        timer.start()
-        try:
-            return command(*args, **kwargs)
-        except self.error as e:  # (a key it may not write: most likely another writer's)
-            hint = f"; may this user write sapo:writer:{self.name}:*, as --name {self.peer}?" * ("access" in str(e))
-            raise ConnectionError(f"Redis: {e}{hint}") from None
-        finally:
-            timer.cancel()
-
-
-def _stored(writer, seq, round_, time_, text):  # an entry the sampled read drew -> the group as served, or None
-    try:
-        return {**parse_json(text, surrogates=True), "peer": writer, "round": int(round_), "seq": int(seq),
-                "time": float(time_)}
-    except (BadRequest, TypeError, ValueError):
-        return None
-
-
-def _bounded(redis):
-    """redis-py's RESP2 parser, bounded as the HTTP client is: a reply past Limits.reply_bytes, or of more values
-    than a sampled read of Limits.sample_groups groups (6 a group), is refused as it arrives, unread."""
-    class Bounded(redis._parsers._RESP2Parser):
-        def on_connect(self, connection):
-            super().on_connect(connection)  # (its buffer reads the socket through recv and settimeout only)
-            sock, self.most = self._buffer._sock, (Limits.reply_bytes, 8 * Limits.sample_groups)
-            self.left = list(self.most)
-            self._buffer._sock = types.SimpleNamespace(recv=lambda size: self._spend(0, sock.recv(size)),
-                                                       settimeout=sock.settimeout)
-
-        def read_response(self, *args, **kwargs):
-            self.left = list(self.most)  # the bytes and values this reply may still take
-            return super().read_response(*args, **kwargs)
-
-        def _read_response(self, *args, **kwargs):
-            self._spend(1, "-")
-            return super()._read_response(*args, **kwargs)
-
-        def _spend(self, which, data):
-            self.left[which] -= len(data)
-            if self.left[which] < 0:
-                raise ConnectionError(f"a reply of more than {self.most[which]} {('bytes', 'values')[which]}")
-            return data
-    return Bounded
 
 
 # -----------------------------------------------------------------------------
@@ -1717,7 +2025,7 @@ pre{{white-space:pre-wrap;background:#f4f4f4;padding:4px;margin:2px 0}}</style>
 
 
 # -----------------------------------------------------------------------------
-# Command line: python swarm.py --dir swarm_data --host 127.0.0.1 --port 8000 [--token-file FILE]
+# Command line: python swarm.py --dir swarm_data --host 127.0.0.1 --port 8000 [--token-file FILE] [--redis URL]
 
 def _size(text):
     """'256M' -> 268435456: a byte count with an optional K, M or G."""
@@ -1733,6 +2041,9 @@ def main(argv=None):
     parser.error = lambda message: parser.exit(2, f"swarm.py: {message}; see python swarm.py --help.\n")
     parser.add_argument("--dir", default="swarm_data",
                         help="batch folder, made if missing (default: %(default)s)")
+    parser.add_argument("--redis", metavar="URL", help="keep the batches in Redis instead of --dir, so that "
+                        "several servers serve one swarm: redis://HOST:6379/0 (rediss:// for TLS); the password "
+                        "in the URL or $SWARM_REDIS_PASSWORD")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on, 0.0.0.0: any (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000,
@@ -1747,8 +2058,8 @@ def main(argv=None):
     parser.add_argument("--public-reads", action="store_true", help="with credentials: let anyone GET "
                         "(dashboard, rollouts, metrics); writes still need one")
     parser.add_argument("--keep-bytes", type=_size, default=f"{Limits.keep_bytes >> 20}M", help="what kept "
-                        "batches may cost, on disk and in memory; the writer holding most loses its oldest "
-                        "(default: %(default)s)")
+                        "batches may cost, on disk and in memory (or in Redis); the writer holding most loses "
+                        "its oldest (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="log every request on stderr")
     args = parser.parse_args(argv)
     if args.token_file:  # (a token that is not printable ASCII fails in start_server)
@@ -1756,7 +2067,7 @@ def main(argv=None):
     try:
         peers = read_peers(args.peers_file) if args.peers_file else None
         server, url = start_server(args.dir, args.host, args.port, args.token, args.keep_bytes,
-                                   args.public_reads, args.verbose, peers)
+                                   args.public_reads, args.verbose, peers, redis=args.redis)
     except (ValueError, OSError) as e:  # e.g. a folder or port it cannot use: one sentence, exit status 2
         parser.exit(2, f"swarm.py: {e}\n")
     print(f"swarm server: {url}", flush=True)  # a launcher reads this line

@@ -1666,6 +1666,38 @@ def test_swarm_store_in_memory_retains_by_cost_within_its_budget():
     assert store.publish("flood", 0, newest_pruned, [_sw_group(99)]) == reply and store.last_seq == 7
 
 
+def _sw_batch(store, writer, k, size):  # a batch of one group costing about `size` bytes, into a Store
+    return store.publish(writer, k, f"{writer}-{k}", [_sw_group(k, question="q" * (size - 400))])
+
+
+def test_swarm_store_retention_prunes_the_writer_holding_most_first():
+    """Retention's water level is found from the writer holding most down: an honest writer holding 40% of
+    the budget keeps every batch while a flood is cut (the mutation sorting holdings from the least, in
+    Store._prune, cut every writer to a third of the budget, so a flood evicted a large honest writer)."""
+    store = swarm.Store(budget=100_000)
+    _sw_batch(store, "small", 0, 5_000)
+    for k in range(4):
+        _sw_batch(store, "honest", k, 10_000)
+    for k in range(20):
+        _sw_batch(store, "flood", k, 10_000)
+        assert len(store.batches["honest"]) == 4 and len(store.batches["small"]) == 1
+    assert store.kept_bytes <= store.budget and len(store.batches["flood"]) < 20
+
+
+def test_swarm_store_retention_prunes_to_90_percent_of_its_budget_no_further():
+    """Each pruned batch's cost leaves its writer's holding as it goes, so retention stops at the level it
+    aimed for: the store stays within one batch of 90% of its budget (the mutation that leaves the holding
+    as it was, in Store._prune, emptied every writer above the level: the store shrank to about 40%)."""
+    store, published = swarm.Store(budget=100_000), 0
+    for writer, k, size in [("small", 0, 5_000)] + [("honest", k, 10_000) for k in range(4)] + [
+            ("flood", k, 10_000) for k in range(20)]:
+        _sw_batch(store, writer, k, size)
+        published += store.batches[writer][-1].cost
+        largest = max(b.cost for kept in store.batches.values() for b in kept)
+        assert min(published, 0.9 * store.budget - largest) <= store.kept_bytes <= store.budget
+    assert published > 2 * store.budget
+
+
 class _SwFakeTransport:
     """A transport in memory: it records what a Client sends, hands out `groups` to reads, and while `down`
     fails every call as an unreachable store would."""
@@ -1712,7 +1744,7 @@ def test_swarm_client_queues_and_thread_work_against_a_transport_in_memory():
         assert client.flush(30) and client.fetch() == []
     finally:
         client.close()
-    assert fake.closed and not client.thread.is_alive()
+    assert fake.closed and not any(t.is_alive() for t in client.threads)
 
 
 def test_swarm_client_keeps_its_outbox_while_the_store_is_down_bounded_in_bytes(capsys):
@@ -1736,6 +1768,37 @@ def test_swarm_client_keeps_its_outbox_while_the_store_is_down_bounded_in_bytes(
     finally:
         client.close()
     assert "swarm client alice: 1 batches and 0 metrics rows were not delivered" in capsys.readouterr().err
+
+
+def test_swarm_client_reads_and_writes_do_not_wait_on_each_other():
+    """Reads and writes do not wait on each other: while a send hangs (a large batch on a slow link), the
+    reader still fills the inbox, and the batch goes once the link is back. (One thread did both, reading
+    only with an empty outbox: a 6 MB batch on a slow link held every read, and of two peers whose rounds
+    took 0.01 to 0.1 s one received no group in 60 rounds.)"""
+    class SlowLink(_SwFakeTransport):
+        def __init__(self, groups):
+            super().__init__(groups)
+            self.sending, self.link = threading.Event(), threading.Event()
+
+        def publish(self, *args):
+            self.sending.set()
+            self.link.wait(60)
+            return super().publish(*args)
+
+    fake = SlowLink([_sw_stored(1), _sw_stored(2)])
+    client = swarm.Client("alice", fake, 4)
+    try:
+        client.publish(0, [_sw_group(0, completions=["x" * 6000])])
+        assert fake.sending.wait(30)  # the writer is in its send, which hangs
+        client.fetch()  # asks for a read
+        with client.cond:
+            assert client.cond.wait_for(lambda: client.reads_done == 1, 30)
+        assert sorted(g["seq"] for g in client.fetch()) == [1, 2] and len(client.outbox) == 1
+        fake.link.set()
+        assert client.flush(30) and [r for r, *_ in fake.sent] == [0]
+    finally:
+        fake.link.set()
+        client.close()
 
 
 def test_swarm_clients_share_rollouts_through_a_store_in_memory():
@@ -1921,6 +1984,20 @@ def test_swarm_a_late_retry_is_stored_once_while_its_batch_is_kept(tmp_path, mon
         store.close()
 
 
+def test_swarm_a_retry_is_stored_once_at_any_keep_bytes(tmp_path, monkeypatch):
+    """A retry is stored once at any --keep-bytes: the replies of the last Limits.replies pruned batches are
+    kept whatever keep_bytes (they kept one per 4 KB of it, 16 at 64K: there 100 of 100 late re-posts were
+    stored again, each pruning another batch and forgetting another reply)."""
+    monkeypatch.setattr(os, "fsync", lambda fd: None)
+    store = swarm.RolloutStore(str(tmp_path / "s"), 64 << 10)
+    try:
+        first = [_sw_tiny(store, f"w{k % 4}", k) for k in range(100)]
+        assert len(store.gone) > 80 and store.last_seq == 100  # most were pruned
+        assert [_sw_tiny(store, f"w{k % 4}", k) for k in range(100)] == first and store.last_seq == 100
+    finally:
+        store.close()
+
+
 def _sw_disk(folder):
     """What a store's folder takes on disk (every file's blocks), once its pruned files are deleted."""
     paths = [os.path.join(folder, name) for name in os.listdir(folder)]
@@ -2002,11 +2079,12 @@ def test_swarm_client_queues_are_bounded_in_bytes(tmp_path, monkeypatch, _sw_cli
     port = s.getsockname()[1]
     s.close()  # nobody listens there yet
     alice = _sw_clients(f"http://127.0.0.1:{port}", "alice")
-    alice.fetch()  # a read that fails: the thread waits out the trouble, and sends nothing while it is queued
+    alice.fetch()  # a read and a send that fail: both threads wait out the trouble, and the writer sends
+    alice.publish(0, [_sw_group(0, completions=["x" * 1000] * 2)])  # nothing while the rest is queued
     deadline = time.time() + 10
-    while not alice.down and time.time() < deadline:
+    while len(alice.troubled) < 2 and time.time() < deadline:
         time.sleep(0.01)
-    for r in range(40):
+    for r in range(1, 40):
         alice.publish(r, [_sw_group(r, completions=["x" * 1000] * 2)])
         assert alice.outbox_bytes <= 20_000
     monkeypatch.setattr(swarm.Limits, "inbox_bytes", 8_000)
@@ -2128,11 +2206,12 @@ def test_swarm_client_never_stalls_and_delivers_once_the_server_is_back(tmp_path
 def tiny_args(tmp_path, *extra, model=None):
     """A tiny peer's settings, parsed as a swarm peer's (J = 2), but with no --swarm unless extra gives one:
     the test injects its client (FakeClient) or runs the peer without one."""
-    swarm_url = [] if "--swarm" in extra else ["--swarm", "http://127.0.0.1:9"]
+    fixed = [] if "--swarm" in extra else ["--swarm", "http://127.0.0.1:9"]
+    fixed += [] if "--device" in extra else ["--device", "cpu"]  # the CPU's defaults, on a GPU machine too
     args = train.parse_args(["--model", str(model or tmp_path / "tiny"), "--tasks", "repeat_number", "--no-one-shot",
                              "--out", str(tmp_path / "run"), "--local", "2", "--external", "2", "--generations", "4",
                              "--max-new-tokens", "6", "--lr", "1e-3", "--quiet", "--save-every", "0",
-                             "--micro-tokens", "4096", "--no-grad-checkpoint", *swarm_url, *extra])
+                             "--micro-tokens", "4096", "--no-grad-checkpoint", *fixed, *extra])
     args.swarm = args.swarm if "--swarm" in extra else None
     return args
 
@@ -2853,9 +2932,9 @@ def test_train_a_resumed_swarm_peer_trains_as_an_uninterrupted_one(tiny, tmp_pat
     and a read depends on its round, so the one prefetched before the stop is made again identically."""
     fetch = swarm.Client.fetch
 
-    def settled(client):  # the read asked for a round is done before that round takes it: no race
-        with client.cond:
-            client.cond.wait_for(lambda: not client.asked, 30)
+    def settled(client):  # the read asked for a round is done before that round takes it, and begins once
+        with client.cond:  # the peer's batch is stored (reads do not wait for writes): no race
+            client.cond.wait_for(lambda: not client.asked and not client.outbox, 30)
         return fetch(client)
     monkeypatch.setattr(swarm.Client, "fetch", settled)
     monkeypatch.setattr(train, "FIRST_READ_SECONDS", 60, raising=False)

@@ -495,10 +495,7 @@ def parser(device, I, J):
     # what to run
     a("--peers", type=at_least(0), nargs="?", const=4, default=0,
       help="start a swarm of N peers on this machine (alone: 4)")
-    a("--swarm", type=matching(r"(https?|rediss?)://\S+",
-                               "a URL such as http://10.0.0.5:8000 or redis://USER@HOST:6379/0"),
-      help="URL of a swarm to join: its server (http://HOST:PORT) or a Redis store "
-           "(redis://USER:PASSWORD@HOST:PORT/0, rediss:// for TLS; the password may come from --token)")
+    a("--swarm", type=swarm_url, help="URL of a swarm server to join (http://HOST:PORT, or https://)")
     a("--name", type=matching(swarm.NAME.pattern, swarm.NAMES),
       help=f"this peer's name in the swarm: {swarm.NAMES} (default: the host name and a random suffix)")
     a("--token", default=argparse.SUPPRESS,  # never shown: --help would print the secret of $SWARM_TOKEN
@@ -609,6 +606,13 @@ def matching(pattern, what):
             raise argparse.ArgumentTypeError(f"must be {what}, not {text!r}")
         return text
     return string
+
+
+def swarm_url(text):
+    """An argparse type: a swarm server's http(s) URL; Redis is a server's store, never a peer's."""
+    if re.match(r"rediss?://", text, re.I):
+        raise argparse.ArgumentTypeError(swarm.REDIS_PEER)
+    return matching(r"https?://\S+", "a URL such as http://10.0.0.5:8000")(text)
 
 
 def writable_folder(path):
@@ -864,10 +868,9 @@ def connect(args, name, round_, seen, log=print):
     try:
         client = swarm.connect(args.swarm, name, token=args.token, sample=sample, seed=seed,
                                round=round_, seen=seen)
-    except ValueError as e:  # a URL it cannot use, or redis:// without the redis package
+    except ValueError as e:  # a URL it cannot use
         raise SystemExit(f"train.py: --swarm: {e}") from None
-    if args.swarm.startswith(("http://", "https://")):
-        log(health(args.swarm, args.token))
+    log(health(args.swarm, args.token))
     return client
 
 
@@ -1157,13 +1160,12 @@ def free_memory(device):
 
 
 # A peer's peak memory (peer_memory), from its model's config and the run's flags. The constants were measured
-# on the CPU with the SmolLM2-135M shape in float32 (docs/performance.md); on CUDA the runtime, and the share
-# of the activations that bfloat16 autocast keeps, are estimates, not yet measured.
-RUNTIME_BYTES = {"cpu": 0.31e9, "cuda": 0.5e9}  # Python, torch and transformers; on a GPU its CUDA context
+# on the CPU with the SmolLM2-135M shape in float32, and on an H200 for CUDA's two (docs/performance.md).
+RUNTIME_BYTES = {"cpu": 0.31e9, "cuda": 0.65e9}  # Python, torch and transformers; on a GPU its CUDA context
 LAYER_FLOATS = (14, 4)  # floats a token keeps for the backward pass, per layer: 14 a dim, 4 a hidden_dim
 MASK_BYTES = 5          # and bytes per layer, per query head of a key head, per position of its packed row
 CHECKPOINTED_LAYERS = 10  # with --grad-checkpoint, a token keeps as much as this many layers do without
-AUTOCAST_SHARE = 0.6    # the share of them a bfloat16 autocast keeps (counted from the tensors' dtypes)
+AUTOCAST_SHARE = 0.7    # the share of them a bfloat16 autocast keeps, with CUDA's allocator's slack
 PROMPT_TOKENS = (120, 900)  # the longest prompt, one-shot example included: of the easy tasks, of the others
 
 

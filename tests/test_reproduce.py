@@ -17,6 +17,13 @@ import reproduce
 from test_all import quiet
 
 
+@pytest.fixture(autouse=True)
+def _cpu_defaults(monkeypatch):
+    """reproduce.py's CPU defaults (the toy preset) on any machine: with a CUDA GPU its default preset is
+    another, and these tests check the toy's flags, messages and runs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
 def _questions(peer_dir):
     """(round, question) of every sample a peer wrote: its first two local groups of each round."""
     with open(os.path.join(peer_dir, "samples.jsonl")) as f:

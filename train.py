@@ -146,7 +146,7 @@ class Rule:  # a receiver's selection rule (step 5), named in RULES; a run says 
 
 
 def surprisal(peer, g):
-    """Its completions' -log-probs per character (a stop token is one) under the peer's own model."""
+    """A group's completions' -log-probs per character (a stop token is one) under the peer's own model."""
     batch = grpo.pack([(g.prompt, g.completions)], peer.pad_id, peer.stop_ids, peer.args.device)
     with torch.no_grad():
         logp = grpo.completion_logprobs(peer.model, batch, peer.args.temperature, peer.amp_dtype).sum(1)

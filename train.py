@@ -142,12 +142,30 @@ class Rule:  # a receiver's selection rule (step 5), named in RULES; a run says 
     draw: object = draw_uniform  # draw(rng, pool, J): the indices of the pool's groups it draws
     pool_rounds: int = 2         # the rounds an undrawn shared group stays in the pool after it came
     flags: tuple = ()            # the settings it changes, as (flag, value) pairs
+    judge: object = None         # judge(peer, groups): the kept groups that the receiver's own model keeps
+
+
+def surprisal(peer, g):
+    """A group's completions' -log-probs per character (a stop token is one) under the peer's own model."""
+    batch = grpo.pack([(g.prompt, g.completions)], peer.pad_id, peer.stop_ids, peer.args.device)
+    with torch.no_grad():
+        logp = grpo.completion_logprobs(peer.model, batch, peer.args.temperature, peer.amp_dtype).sum(1)
+    return [-lp / max(len(t) + s, 1) for lp, t, s in zip(logp.tolist(), g.texts, g.stopped)]
+
+
+def plausible(peer, groups):
+    """The shared groups the receiver could have written: half or more of their completions no more surprising
+    per character to its own model than the median of its own this round, whatever tokenizer wrote them."""
+    own = sorted(x for g in peer.own for x in surprisal(peer, g))
+    median = own[len(own) // 2] if own else float("inf")
+    return [g for g in groups if 2 * sum(x <= median for x in surprisal(peer, g)) >= len(g.completions)]
 
 
 RULES = {  # the paper's rule first, the default; a variant is a line here (reproduce.py: I/J+NAME)
     "paper": Rule("drop shared groups whose rewards are all equal, draw J of the rest uniformly"),
     "keep-all": Rule("keep shared groups whose rewards are all equal too", keep=lambda g: True),
     "is": Rule("the paper's, against the senders' log-probs", flags=(("shared_logprobs", True),)),
+    "plausible": Rule("the paper's, of the shared groups its own model could have written", judge=plausible),
 }
 
 # -----------------------------------------------------------------------------
@@ -175,6 +193,7 @@ class Algorithm1:
         self.rule = RULES[args.rule]       # the selection rule: what of the swarm's groups it keeps and draws
         self.external_rng = stream(args.seed, "external")  # draws J of the pool
         self.pool = []                     # usable external groups (Group) not yet drawn
+        self.own = []                      # this round's own groups, which a rule's judge may compare with
         self.dir = folder                  # OUT/<name>/: metrics.jsonl, samples.jsonl, the checkpoints
 
     def round(self, r):
@@ -190,7 +209,7 @@ class Algorithm1:
 
     def learn(self, r, collected):
         """Steps 4-7: choose J external groups, take a GRPO step on them and the local groups, log the round."""
-        t0 = time.time()
+        t0, self.own = time.time(), collected["groups"]
         external, counts = self.choose_external(r)
         stats = self.update(collected["groups"] + external)
         return self.log_round(r, collected, external, counts, stats, collected["seconds"] + time.time() - t0)
@@ -253,6 +272,7 @@ class Algorithm1:
         usable = (external_group(self.tok, g, self.stop_id, args.max_new_tokens, args.one_shot, self.log,
                                  args.system_prompt, args.task_list) for g in fetched)
         fresh = [dataclasses.replace(x, arrived=r) for x in usable if x is not None and self.rule.keep(x)]
+        fresh = self.rule.judge(self, fresh) if self.rule.judge else fresh
         self.pool = [x for x in self.pool + fresh if r - x.arrived < self.rule.pool_rounds]
         # In production order, not arrival order: the same groups give the same draw, however posts interleave.
         self.pool.sort(key=lambda x: (x.item["round"], x.item["peer"], x.item.get("seq", 0)))

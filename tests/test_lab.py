@@ -84,6 +84,47 @@ def test_a_rule_is_one_line_of_the_registry(tiny, tmp_path, monkeypatch):
     assert [g.item["round"] for g in external] == [3]  # the pool is in production order: 1, 2, 3
 
 
+def test_a_receiver_never_trains_on_a_shared_group_its_own_model_rejects(tiny, tmp_path, monkeypatch):
+    """plausible: the receiver's own surprisal per character decides; here it is forced, 2 nats for its own
+    completions, 1 for the shared group of round 0 and 9 for that of round 1, so round 1's never reaches the
+    GRPO step. The paper's rule, given the same groups, trains on both."""
+    _score_shared_only(monkeypatch)
+    forced = {None: 2.0, 0: 1.0, 1: 9.0}  # by the group's round; own groups have none
+    monkeypatch.setattr(train, "surprisal", lambda peer, g: [forced[g.item.get("round")]] * len(g.texts))
+    rng, trained = random.Random(0), {}
+    shared = [wire_group(reward.TASKS["repeat_number"].generate(rng), round_=r) for r in (0, 1)]
+    for rule in ("plausible", "paper"):
+        peer = train.Peer(tiny_args(tmp_path, "--name", rule, "--rule", rule), log=quiet, client=FakeClient())
+        peer.client.queue = [dict(g) for g in shared]
+        m, given = _learn(peer)
+        trained[rule] = sorted(g.item["round"] for g in given if g.external)
+        assert m["external_survived"] == len(trained[rule]) and not peer.pool
+    assert trained == {"plausible": [0], "paper": [0, 1]}
+
+
+def test_a_receivers_judge_needs_nothing_a_sender_could_forge(tiny, tmp_path, monkeypatch):
+    """plausible reads the receiver's own model and the text: a group that claims other log-probs, token
+    ids, tokenizer, model or sender gets the same surprisal and the same verdict as the honest one."""
+    _score_shared_only(monkeypatch)
+    peer = train.Peer(tiny_args(tmp_path, "--name", "r", "--rule", "plausible", "--shared-logprobs"), log=quiet,
+                      client=FakeClient())
+    peer.own = peer.sample_local(0)[0]
+    honest = wire_group(reward.TASKS["repeat_number"].generate(random.Random(0)))
+    ids = [peer.tok(c, add_special_tokens=False)["input_ids"] + [peer.stop_id] for c in honest["completions"]]
+    ours = train.tokenizer_fingerprint(peer.tok)
+    claims = [dict(model="another-model"), dict(peer="someone", round=7),
+              dict(token_ids=ids, logprobs=[[0.0] * len(x) for x in ids], tokenizer=ours),  # certainty
+              dict(token_ids=ids, logprobs=[[-1e4] * len(x) for x in ids], tokenizer=ours)]  # near impossible
+
+    def judged(g):
+        x = train.external_group(peer.tok, g, peer.stop_id, 6, False, quiet)
+        return train.surprisal(peer, x), len(peer.rule.judge(peer, [x]))
+
+    assert peer.rule is train.RULES["plausible"] and peer.rule.judge is not None
+    for claim in claims:
+        assert judged({**honest, **claim}) == judged(honest), claim
+
+
 def test_a_rule_sets_its_flags_and_a_flag_given_against_it_is_one_sentence(tmp_path, capsys):
     args = train.parse_args(["--out", str(tmp_path), "--rule", "is"])
     assert args.shared_logprobs is True

@@ -901,8 +901,9 @@ def table_md(s, summary, seeds, sentence, minutes=None, estimated=None):
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     paired = [(c, e) for c, e in summary.items() if "ratio_to_paper_rule" in e["whole"]]
     if paired:
-        lines += ["", "Each rule against the paper's, seed by seed: cumulative local reward of I/J+RULE over I/J's "
-                  "(mean ± s.e., 95% interval, seed-to-seed sd).", "",
+        lines += ["", "Each rule against the same I/J without it (the paper's rule; for 8/0, the plain silo), seed by "
+                  "seed: cumulative local reward of I/J+RULE over I/J's (mean ± s.e., 95% interval, seed-to-seed sd).",
+                  "",
                   "| I/J | whole run | 95% interval | sd | seeds above 1 | first half | 95% interval |", "|---" * 7 + "|"]
         for c, e in paired:
             w, h = e["whole"]["ratio_to_paper_rule"], e["first_half"]["ratio_to_paper_rule"]

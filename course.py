@@ -180,31 +180,55 @@ EXERCISES = [
              ["Drop what is not text or does not verify (reward.verify_item, the receiver's tasks), and a "
               "question holding a special token's text (tokenizer.added_tokens_decoder); log why.",
               "Re-tokenise each completion with retokenise, which also cuts it at max_new_tokens.",
-              "Score the re-tokenised texts with reward.score; all-equal rewards carry no advantage: None."],
+              "Score the re-tokenised texts with reward.score, one reward each. Whether a group whose "
+              "rewards are all equal is worth keeping is the selection rule's question, not this one's."],
              {"the sender's ground truth trusted (no verify_item)": [("not reward.verify_item(g, tasks)",
                                                                       "False")],
               "any task, not the receiver's": [("verify_item(g, tasks)", "verify_item(g)")],
               "the sender's text scored, not the re-tokenised one": [("for text in texts]",
                                                                       "for text in g['completions']]")],
-              "groups with all-equal rewards kept": [("len(set(rewards)) < 2", "len(set(rewards)) < 1")],
               "special tokens in the question let through": [("t.special and t.content",
                                                               "False and t.content")]},
-             note="The code after it reads ids, texts, stopped (one per completion) and rewards."),
+             note="The code after it reads ids, texts, stopped and rewards (one per completion); a group "
+                  "whose rewards are all equal still returns its Group."),
+    Exercise("selection_rule", "train.py", ["informative", "draw_uniform"],
+             "the paper's selection rule: informative groups, J drawn uniformly", 10,
+             ["GRPO's advantage is a reward minus its group's mean: when every reward of a group is the "
+              "same, every advantage is 0 and the group teaches nothing.",
+              "A set of the rewards tells whether they differ. A group of one completion never does.",
+              "The draw is J distinct indices of range(len(pool)), all of them when the pool holds fewer; "
+              "random.Random.sample draws without replacement, and only the rng given may move."],
+             {"groups with all-equal rewards kept": [("rewards)) > 1", "rewards)) > 0")],
+              "only groups with a success kept": [("len(set(group.rewards)) > 1", "max(group.rewards) > 0")],
+              "J even when the pool holds fewer": [("min(J, len(pool))", "J")],
+              "drawn with replacement": [("rng.sample(range(len(pool)), min(J, len(pool)))",
+                                          "[rng.randrange(len(pool)) for _ in range(min(J, len(pool)))]")],
+              "the first J, not a uniform draw": [("rng.sample(range(len(pool)), min(J, len(pool)))",
+                                                   "list(range(min(J, len(pool))))")],
+              "the global random module, not rng": [("rng.sample(", "random.sample(")]},
+             note="informative takes a Group (its rewards: one per completion) and returns a bool; "
+                  "draw_uniform returns a list of min(J, len(pool)) distinct indices, drawn with rng alone."),
     Exercise("choose_external", "train.py", ["Algorithm1.choose_external"],
              "choosing J of the swarm's groups (Algorithm 1)", 20,
              ["Without a client or with J = 0, fetch nothing. Otherwise make each fetched group usable with "
-              "external_group and mark the survivors with this round (dataclasses.replace, arrived=r).",
-              "The pool keeps a group while r minus its arrival is below POOL_ROUNDS; sort it by the item's "
-              "(round, peer, seq), so that the draw does not depend on the order groups arrived in.",
-              "Draw min(J, pool) distinct indices with self.external_rng.sample; the rest stay pooled."],
+              "external_group, keep those that self.rule.keep keeps, and mark them with this round "
+              "(dataclasses.replace, arrived=r).",
+              "The pool keeps a group while r minus its arrival is below self.rule.pool_rounds; sort it by "
+              "the item's (round, peer, seq), so that the draw does not depend on the order of arrival.",
+              "self.rule.draw(self.external_rng, pool, J) gives the indices of the groups drawn; the rest "
+              "stay pooled."],
              {"the undrawn groups discarded": [("if k not in drawn]", "if k < 0]")],
               "the sender's round ages the pool": [("r - x.arrived", "r - x.item['round']")],
               "the arrival round not recorded": [("replace(x, arrived=r)", "replace(x)")],
               "drawn in arrival order, not production order": [("self.pool.sort(", "list(self.pool).sort(")],
-              "fetched even when J = 0": [("or args.external == 0", "or False")]},
-             note="It returns (the groups drawn, {'external_available': how many were fetched, "
-                  "'external_survived': how many were usable}); with no client or J = 0 it fetches nothing. "
-                  "The draw must not depend on the order in which the groups arrived."),
+              "fetched even when J = 0": [("or args.external == 0", "or False")],
+              "the rule's keep ignored": [(" and self.rule.keep(x)", "")],
+              "two rounds, not the rule's pool_rounds": [("< self.rule.pool_rounds", "< 2")],
+              "the paper's draw, not the rule's": [("self.rule.draw(", "draw_uniform(")]},
+             note="self.rule is the run's Rule: keep(group), pool_rounds and draw(rng, pool, J) -> indices. "
+                  "It returns (the groups drawn, {'external_available': how many were fetched, "
+                  "'external_survived': how many the rule kept}); with no client or J = 0 it fetches "
+                  "nothing. The draw must not depend on the order in which the groups arrived."),
 ]
 
 
@@ -1516,21 +1540,12 @@ def _(train):
     completions = ["1 2 3 4 5 6 7 8 <answer> 12 </answer>", "no"]
     got, tok = _received(train, completions, max_new_tokens=6)
     expect(f"external_group of 'What is 3 + 9?' completed {completions}, max_new_tokens=6 (both 0 as cut)",
-           got, None,
+           got, _kept(train, tok, completions, [0.0, 0.0], 6),
            wrong={"the sender's text scored, not the re-tokenised one": _kept(train, tok, completions,
-                                                                              [1, 0], 6),
-                  "groups with all-equal rewards kept": _kept(train, tok, completions, [0, 0], 6)})
+                                                                              [1.0, 0.0], 6)})
 
 
-@case("external_group", "a group whose rewards are all equal is dropped", 1)
-def _(train):
-    completions = ["no", "<answer> 7 </answer>", "nope"]
-    got, tok = _received(train, completions)
-    expect(f"external_group of 'What is 3 + 9?' completed {completions} (all score 0)", got, None,
-           wrong={"groups with all-equal rewards kept": _kept(train, tok, completions, [0.0, 0.0, 0.0])})
-
-
-@case("external_group", "a group of a task the receiver did not choose is dropped", 1)
+@case("external_group", "a group of a task the receiver did not choose is dropped", 2)
 def _(train):
     completions = ["<answer> 12 </answer>", "no"]
     got, tok = _received(train, completions, tasks=["two_digit_addition"])
@@ -1550,6 +1565,79 @@ def _(train):
            wrong={"special tokens in the question let through": _kept(train, tok, completions, [1.0, 0.0])})
 
 
+# train.py: informative, draw_uniform
+
+
+def _group(rewards):
+    return types.SimpleNamespace(rewards=list(rewards))  # what informative reads of a Group
+
+
+@case("selection_rule", "a group whose rewards are all equal is dropped; one with any spread is kept", 3)
+def _(train):
+    groups = [[0.0, 0.0, 0.0], [1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.5], [0.25], [1.0, 1.0, 0.0]]
+    expect(f"informative of groups with rewards {groups}", [train.informative(_group(g)) for g in groups],
+           [False, False, True, True, False, True],
+           wrong={"groups with all-equal rewards kept": [True] * 6,
+                  "only groups with a success kept": [False, True, True, True, True, True]})
+
+
+@case("selection_rule", "kept exactly when GRPO's advantages are not all zero", 2)
+def _(train):
+    rng, disagree = random.Random(0), []
+    for _ in range(200):
+        rewards = [rng.choice([0.0, 0.5, 1.0]) for _ in range(rng.randint(1, 4))]
+        advantages = train.grpo.group_advantages(train.torch.tensor(rewards), [len(rewards)]).tolist()
+        if train.informative(_group(rewards)) != any(a != 0 for a in advantages):
+            disagree.append(rewards)
+    mistake = ("groups with all-equal rewards kept" if any(max(g) == 0 for g in disagree)
+               else "only groups with a success kept")
+    likely(expect, mistake, "the groups of 200 random ones (1 to 4 rewards of 0, 0.5 or 1) on which "
+           "informative and 'some advantage is not 0' disagree", disagree[:4], [])
+
+
+@case("selection_rule", "min(J, pool) distinct indices of the pool", 2)
+def _(train):
+    draws = [outcome(train.draw_uniform, random.Random(seed), list("abcde"), 3) for seed in range(50)]
+    bad = [d for d in draws if isinstance(d, Raised) or len(d) != 3 or not set(d) <= {0, 1, 2, 3, 4}
+           or len(set(d)) != 3]
+    if bad:
+        raise Failed(["draw_uniform(random.Random(seed), a pool of 5, J=3) for seeds 0..49",
+                      "expected 3 distinct indices of 0..4 each time", f"got      {show(bad[0])} (and "
+                      f"{len(bad) - 1} more draws not so)"]
+                     + ["this is what drawn with replacement gives"] * any(len(set(d)) < len(d) for d in bad
+                                                                          if isinstance(d, list)))
+    few = outcome(train.draw_uniform, random.Random(1), list("ab"), 4)
+    none = list(train.draw_uniform(random.Random(1), list("abcde"), 0))
+    expect("draw_uniform of a pool of 2 with J=4 (sorted); of a pool of 5 with J=0",
+           [sorted(few) if isinstance(few, list) else few, none], [[0, 1], []],
+           wrong={"J even when the pool holds fewer": [RAISES, []]})
+
+
+@case("selection_rule", "each group of the pool equally likely", 2)
+def _(train):
+    counts = [0] * 4
+    for seed in range(2000):
+        for k in train.draw_uniform(random.Random(seed), list("abcd"), 2):
+            counts[k] += 1
+    shares = [c / 2000 for c in counts]
+    if any(abs(x - 0.5) > 0.05 for x in shares):
+        raise Failed(["2000 draws of J=2 of a pool of 4 (seeds 0..1999): how often each index is drawn",
+                      "expected 0.50 +- 0.05 each",
+                      f"got      {', '.join(f'{x:.2f}' for x in shares)}"]
+                     + ["this is what the first J, not a uniform draw gives"] * (shares[:2] == [1.0, 1.0]))
+
+
+@case("selection_rule", "the draw is rng's: the same rng state, the same indices", 1)
+def _(train):
+    draws = []
+    for other in range(5):
+        random.seed(other)  # the global generator, which the draw must not read
+        draws.append(list(train.draw_uniform(random.Random(7), list(range(10)), 3)))
+    random.seed()
+    likely(expect, "the global random module, not rng", "draw_uniform(random.Random(7), a pool of 10, J=3) "
+           "five times, the global random module seeded 0..4 before each", draws, draws[:1] * 5)
+
+
 # train.py: Algorithm1.choose_external
 
 
@@ -1564,23 +1652,31 @@ class _Client:
         return self.fetches.pop(0) if self.fetches else []
 
 
-def _choosing(train, J, fetches, seed=0, client=True):
+def _rule(train, **change):
+    """The paper's rule as the cases write it: keep a group whose rewards differ, draw J uniformly."""
+    paper = dict(keep=lambda g: len(set(g.rewards)) > 1,
+                 draw=lambda rng, pool, J: rng.sample(range(len(pool)), min(J, len(pool))))
+    return train.Rule("the paper's, or this change of it", **dict(paper, **change))
+
+
+def _choosing(train, J, fetches, seed=0, client=True, rule=None):
     """An Algorithm1 with only what choose_external reads -> (it, the list of the lines it logs)."""
     peer, said = object.__new__(train.Algorithm1), []
     peer.args = types.SimpleNamespace(external=J, max_new_tokens=16, one_shot=False, system_prompt="default",
                                       task_list=["one_digit_addition"], seed=seed)
     peer.client = _Client(fetches) if client else None
     peer.tok, peer.stop_id, peer.pool, peer.log = None, 0, [], said.append
+    peer.rule = rule or _rule(train)
     peer.external_rng = train.stream(seed, "external")
     return peer, said
 
 
 def _choose(train, peer, rounds):
     """The groups [peer, seq] choose_external draws in each of these rounds, and its last counts, with an
-    external_group that keeps every group but those marked bad."""
+    external_group that keeps every group but those marked bad, and scores those marked flat all 0."""
     real = train.external_group
     train.external_group = lambda tok, g, *a, **k: None if g.get("bad") else train.Group(
-        g, [1], [[2]], ["x"], [True], [1.0, 0.0], external=True)
+        g, [1], [[2]], ["x"], [True], [0.0, 0.0] if g.get("flat") else [1.0, 0.0], external=True)
     try:
         drawn, counts = [], None
         for r in rounds:
@@ -1591,11 +1687,12 @@ def _choose(train, peer, rounds):
         train.external_group = real
 
 
-def _wire(n, claimed_round=0, bad=()):
-    return [dict(peer=f"p{k % 3}", round=claimed_round, seq=k, bad=k in bad) for k in range(1, n + 1)]
+def _wire(n, claimed_round=0, bad=(), flat=()):
+    return [dict(peer=f"p{k % 3}", round=claimed_round, seq=k, bad=k in bad, flat=k in flat)
+            for k in range(1, n + 1)]
 
 
-@case("choose_external", "J distinct groups are drawn; the undrawn stay pooled for the next round", 3)
+@case("choose_external", "J distinct groups are drawn, or all when fewer; the undrawn stay pooled", 3)
 def _(train):
     peer, _ = _choosing(train, 2, [_wire(5)])
     drawn, _ = _choose(train, peer, [0, 1, 2])
@@ -1603,16 +1700,20 @@ def _(train):
     expect("how many groups J=2 draws in rounds 0, 1, 2 of 5 fetched in round 0, and how many distinct",
            [[len(r) for r in drawn], len(set(seen))], [[2, 2, 0], 4],
            wrong={"the undrawn groups discarded": [[2, 0, 0], 2]})
+    peer, _ = _choosing(train, 3, [_wire(2)])
+    expect("how many groups J=3 draws in rounds 0 and 1 of 2 fetched in round 0",
+           [len(r) for r in _choose(train, peer, [0, 1])[0]], [2, 0])
 
 
-@case("choose_external", "the counts say how many came and how many were usable", 1)
+@case("choose_external", "the counts say how many came and how many the rule kept", 1)
 def _(train):
-    peer, _ = _choosing(train, 2, [_wire(6, bad=(2, 5))])
-    expect("choose_external's counts for 6 groups fetched, 2 of them unusable", _choose(train, peer, [0])[1],
-           {"external_available": 6, "external_survived": 4})
+    peer, _ = _choosing(train, 2, [_wire(6, bad=(2,), flat=(5,))])
+    expect("choose_external's counts for 6 groups fetched, 1 unusable, 1 whose rewards are all equal",
+           _choose(train, peer, [0])[1], {"external_available": 6, "external_survived": 4},
+           wrong={"the rule's keep ignored": {"external_available": 6, "external_survived": 5}})
 
 
-@case("choose_external", "a group stays POOL_ROUNDS (2) of the receiver's rounds, whatever it says", 2)
+@case("choose_external", "a group stays pool_rounds (2) of the receiver's rounds, whatever it says", 2)
 def _(train):
     peer, _ = _choosing(train, 1, [_wire(3, claimed_round=6)])
     drawn, _ = _choose(train, peer, [5, 6, 7])
@@ -1646,12 +1747,20 @@ def _(train):
            wrong={"fetched even when J = 0": [[[]], {"external_available": 3, "external_survived": 3}, 1]})
 
 
-@case("choose_external", "fewer usable than J: all of them", 1)
+@case("choose_external", "another rule: its own keep, pool_rounds and draw", 1)
 def _(train):
-    peer, _ = _choosing(train, 3, [_wire(2)])
-    drawn, _ = _choose(train, peer, [0, 1])
-    expect("how many groups J=3 draws in rounds 0 and 1 of 2 usable ones fetched in round 0",
-           [len(r) for r in drawn], [2, 0])
+    odd = _rule(train, keep=lambda g: g.item["seq"] % 2 == 1, pool_rounds=3,
+                draw=lambda rng, pool, J: list(range(min(J, len(pool)))))  # the first J in production order
+    peer, _ = _choosing(train, 1, [_wire(6)], rule=odd)
+    drawn, _ = _choose(train, peer, [0, 1, 2, 3])
+    counts = [[len(r) for r in drawn], sorted(x[1] for r in drawn for x in r)]
+    expect("of 6 groups fetched in round 0 (seq 1-6), a rule that keeps odd seqs for 3 rounds and draws "
+           "J=1: how many it draws in rounds 0-3, and their seqs", counts, [[1, 1, 1, 0], [1, 3, 5]],
+           wrong={"the rule's keep ignored": [[1, 1, 1, 0], [1, 3, 6]],
+                  "two rounds, not the rule's pool_rounds": [[1, 1, 0, 0], [1, 3]]})
+    likely(expect, "the paper's draw, not the rule's", "the groups [peer, seq] that rule, drawing the first "
+           "of the pool in production order, draws in rounds 0-3", drawn,
+           [[["p0", 3]], [["p1", 1]], [["p2", 5]], []])
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """
-The GRPO update in plain torch: group-normalised advantages, the clipped surrogate loss with an
-optional k3 KL penalty, the completion tokens' log-probs (each group packed into one row), and the
-optimizer step. SAPO (arXiv 2509.08721, Sec. 3 and Algorithm 1) trains every peer with exactly this
-update; it changes which rollouts go into the batch (local groups plus J from the swarm), not the loss.
+The GRPO update in plain torch: group-normalised advantages, the clipped surrogate with an optional
+k3 KL penalty, the completion tokens' log-probs (each group packed into one row), the optimizer step.
+SAPO (arXiv 2509.08721, Sec. 3 and Algorithm 1) trains every peer with exactly this update: it changes
+which rollouts go into the batch (local groups plus J from the swarm), not the loss.
 
 The math, for one question q with G completions o_1..o_G scored r_1..r_G by the verifier:
 
@@ -26,24 +26,17 @@ The clip only removes gradient that would push a ratio further out of the trust 
 direction the advantage favours: ratio < 1 - epsilon with A < 0, or ratio > 1 + epsilon_high with A > 0.
 
 Where this deviates from the paper, or goes beyond it:
-- The paper's code takes one optimizer step per round on fresh log-probs, so the ratio is exactly 1
-  (REINFORCE with group-normalised advantages) and the clip never acts. We keep the clip for
-  --inner-steps > 1: from the second inner step on, the policy has moved.
-- The paper's peers share no probabilities, so "old" is the receiver's own model for shared rows too,
-  and nothing corrects for their being off-policy. Beyond the paper, step() can take the senders'
-  sampling log-probs (`behaviour`) as "old" for shared rows: their ratio is pi_receiver / pi_sender,
-  and a dual clip bounds each such token's weight by DUAL_CLIP * |A|, whatever a sender claims.
-- The KL term (beta > 0) is off by default, as in the paper's runs; it needs a frozen reference model.
-- The loss is averaged as in the paper's code ("token_mean", as in DAPO); the original GRPO's
-  per-sequence mean and Dr. GRPO's constant normaliser are offered beside it.
-- A group of size 1 has no spread (torch's unbiased std is nan there), so its advantage is 0.
+- The paper's code takes one optimizer step a round on fresh log-probs: the ratio is exactly 1
+  (REINFORCE with group-normalised advantages) and the clip never acts; here it does with --inner-steps > 1.
+- The paper's peers share no probabilities, so "old" is the receiver's own model for shared rows too.
+  Beyond the paper, step() can take the senders' log-probs (`behaviour`) for them: their ratio is
+  pi_receiver / pi_sender, each token's weight bounded by DUAL_CLIP * |A| whatever a sender claims.
 
-How a group is packed (pack, after Prefix Grouper, arXiv 2506.05433): one row holds the prompt once,
-then each completion cut after its first stop token, its RoPE positions starting again at P, the
-prompt's length. The mask lets a token see the prompt and its own completion only, so every hidden
-state is the one a row of its own (prompt + that completion) would give, with the prompt computed
-once, not G times. The hidden state before a token scores it: a completion's first token is scored by
-the prompt's last. Here the stop token is 2 and P = 2:
+How a group is packed (pack, after Prefix Grouper, arXiv 2506.05433): one row holds the prompt once, then
+each completion, cut after its first stop token, at RoPE positions from P (the prompt's length) on. A
+token sees the prompt and its own completion only, so every hidden state is the one a row of its own would
+give, with the prompt computed once, not G times. The hidden state before a token scores it: the prompt's
+last scores a completion's first. Here the stop token is 2 and P = 2:
 
     group = ([5, 6], [[7, 8, 2, 9], [4]])   (prompt, completions); the 9 follows a stop and is dropped
     index  id  pos  sees 0 1 2 3 4 5        the packed row; an x marks an index the token may see
@@ -65,10 +58,9 @@ from torch.utils.checkpoint import checkpoint
 
 
 def group_advantages(rewards, group_size, scale="group", eps=1e-4):
-    """One advantage per completion: its reward minus its group's mean, divided by a spread.
-    scale "group" divides by each group's own (unbiased) std, as in GRPO; "batch" by the std of all
-    the batch's rewards (the mean is still per group); "none" does not divide (Dr. GRPO). A group
-    whose rewards are all equal gets advantage 0 (0 / (0 + eps)), and so does a group of size 1.
+    """One advantage per completion: its reward minus its group's mean, divided by a spread: for scale
+    "group" each group's own unbiased std (GRPO), for "batch" the std of all the batch's rewards, for
+    "none" nothing (Dr. GRPO). A group whose rewards are all equal, or of size 1, gets 0 (0 / (0 + eps)).
     rewards (n_groups * group_size,) laid end to end -> advantages of the same shape, e.g.
         rewards [1, 0, 0, 1,  1, 1, 1, 1], group_size 4, scale "group"
         -> [0.8659, -0.8659, -0.8659, 0.8659,  0, 0, 0, 0]
@@ -108,9 +100,8 @@ def grpo_loss(logprobs, old_logprobs, advantages, mask, epsilon=0.2, epsilon_hig
         "constant"    sum(M*l) / (B * max_tokens), max_tokens defaulting to T   (Dr. GRPO)
     dual_clip C (dual-clip PPO, Ye et al. 2020): where A < 0, on the rows that shared (B,) marks (all
     rows without it), a token's loss is at most C * |A|, whatever old_logprobs claim.
-    Returns (loss, stats), stats in python floats: clip_low and clip_high (the shares of masked tokens
-    whose gradient the clip removed), ratio_mean, kl (the masked mean of k3; 0 without ref_logprobs)
-    and zero_adv_frac (the share of rows whose advantage is exactly 0)."""
+    Returns (loss, stats), in python floats: clip_low and clip_high (the shares of masked tokens whose
+    gradient the clip removed), ratio_mean, kl (k3's masked mean, else 0) and zero_adv_frac (rows, A = 0)."""
     if loss_type not in ("token_mean", "seq_mean", "constant"):
         raise ValueError(f"loss_type must be 'token_mean', 'seq_mean' or 'constant', not {loss_type!r}.")
     if beta > 0 and ref_logprobs is None:
@@ -191,10 +182,9 @@ def pack(groups, pad_id, stop_ids, device="cpu"):
 
 
 def completion_logprobs(model, batch, temperature, autocast_dtype=None):
-    """Log-probs (B, Tc) of a packed batch's completion tokens under the model, 0 where M is 0. Each
-    token is scored by the hidden state that src names: log_softmax(h @ W.T / temperature) at the
-    token, at the sampling temperature, so the policy trained is the one that sampled. hidden_logprobs
-    computes it chunk by chunk, so the (tokens, vocabulary) logits are never held at once."""
+    """Log-probs (B, Tc) of a packed batch's completion tokens, 0 where M is 0: log_softmax(h @ W.T /
+    temperature) at each token, h the hidden state src names, at the sampling temperature (the policy
+    trained is the one that sampled), chunk by chunk (hidden_logprobs): the logits are never held whole."""
     M, device = batch["M"], batch["ids"].device.type
     with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         h = model.hidden(batch["ids"], pos=batch["pos"], mask=batch["attn"])  # (N, L, dim)
@@ -214,12 +204,12 @@ def step(model, opt, groups, advantages, *, pad_id, stop_ids, micro_tokens=4096,
          max_grad_norm=1.0, temperature=1.0, ref_model=None, behaviour=None, autocast_dtype=None,
          **loss_settings):
     """The GRPO update on groups (prompt ids, [completion ids, ...]), one advantage per completion in
-    order: inner_steps optimizer steps over micro-batches of whole packed groups (as many as fit in
-    micro_tokens tokens if all were the longest), their losses weighted to add up to the batch's (the
-    gradient does not depend on the split), clipped to max_grad_norm. "Old" log-probs are the model's
-    before the first step, or a shared row's sender's (behaviour, per completion: None or a log-prob a
-    token) under the dual clip. ref_model is the KL's reference (beta > 0), autocast_dtype the forward's
-    (None: float32); loss_settings go to grpo_loss. Returns the last step's stats, grad_norm among them."""
+    order: inner_steps optimizer steps, clipped to max_grad_norm, over micro-batches of whole packed
+    groups (as many as fit in micro_tokens tokens if all were the longest) whose losses add up to the
+    batch's, so the gradient does not depend on the split. "Old" log-probs are the model's before the
+    first step, or under the dual clip a shared row's sender's (behaviour: per completion, None or its
+    log-probs). ref_model is the KL's reference (beta > 0), autocast_dtype the forward's (None: float32);
+    loss_settings go to grpo_loss. Returns the last step's stats, grad_norm among them."""
     device = model.lm_head.weight.device
     adv = torch.tensor(advantages, dtype=torch.float64)  # on the CPU (mps has no float64); grpo_loss moves it
     n = max(1, micro_tokens // max(len(p) + sum(map(len, cs)) for p, cs in groups))  # groups a micro-batch
@@ -245,8 +235,7 @@ def step(model, opt, groups, advantages, *, pad_id, stop_ids, micro_tokens=4096,
                     ref[k] = completion_logprobs(ref_model, part, temperature, autocast_dtype)
             loss, s = grpo_loss(logp, old[k], adv[rows], part["M"], ref_logprobs=ref[k],
                                 dual_clip=DUAL_CLIP, shared=shared[rows], **loss_settings)
-            # Weight the micro-batch's loss so that the weighted losses add up to the whole batch's, and
-            # its per-token stats by its share of the tokens (by rows they would depend on the split).
+            # the loss weighted to add up to the batch's; per-token stats by the share of tokens, not rows
             tokens = part["M"].sum().item() / max(total_tokens, 1)
             share = tokens if token_mean else len(part["M"]) / len(adv)
             (loss * share).backward()

@@ -6,18 +6,13 @@ weights and picks the dtypes a device computes in.
     logits = model(ids)                     # (B, T) token ids -> (B, T, vocab_size)
     save_model(model, tokenizer, folder)    # a Hugging Face folder that transformers loads as well
 
-One class, `Transformer`, covers the three model families a SAPO peer is likely to train:
-
-    family  Hugging Face class   differences from Llama
-    llama   LlamaForCausalLM     (SmolLM2)  -
-    qwen2   Qwen2ForCausalLM     (Qwen2.5)  a bias on the q, k and v projections
-    qwen3   Qwen3ForCausalLM     (Qwen3)    RMSNorm on each head of q and k; head_dim set explicitly
-
-All three are: token embedding -> N x [RMSNorm -> grouped-query attention with RoPE -> residual,
-RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> output projection (tied to the embedding or not).
-Module and parameter names are exactly Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...)
-and RoPE uses its "rotate half" layout, so a checkpoint loads with no renaming and no permutation,
-straight onto the meta device (the weights are never held twice).
+One class, `Transformer`, covers the three model families (FAMILIES) a SAPO peer is likely to train:
+llama (SmolLM2), qwen2 (Qwen2.5: a bias on the q, k and v projections) and qwen3 (Qwen3: RMSNorm on
+each head of q and k, head_dim set explicitly). All three are: token embedding -> N x [RMSNorm ->
+grouped-query attention with RoPE -> residual, RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> output
+projection (tied to the embedding or not). Module and parameter names are exactly Hugging Face's
+(`model.layers.0.self_attn.q_proj.weight`, ...) and RoPE uses its "rotate half" layout, so a checkpoint
+loads with no renaming and no permutation.
 
 This file follows no section of the SAPO paper (arXiv 2509.08721), which trains Qwen2.5-0.5B through
 transformers. It deviates from transformers' models nowhere on purpose (the tests check logits within
@@ -131,11 +126,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
     def forward(self, x, cos, sin, kv=None, slots=None, mask=None):
-        """x (B, T, dim) -> (B, T, dim). Without kv, self-attention over the T positions of x: causal,
-        or under `mask` (B, 1, T, T), True where a query may see a key (grpo.py's packed groups, where a
-        completion sees its prompt and its own earlier tokens only). kv is this layer's part of the KV
-        cache, keys and values (2, B, n_kv_heads, S, head_dim), laid out as sample.py's docstring draws.
-        The new keys and values go into its slots `slots` (T,), and the queries attend to its first W
+        """x (B, T, dim) -> (B, T, dim). Without kv, self-attention over the T positions of x: causal, or
+        under `mask` (B, 1, T, T), True where a query may see a key (grpo.py's packed groups). kv is this
+        layer's part of the KV cache (2, B, n_kv_heads, S, head_dim), as sample.py's docstring draws it:
+        the new keys and values go into its slots `slots` (T,), and the queries attend to its first W
         slots under `mask` (B, 1, T, W): the filled ones, or all S in a decode step of fixed shape."""
         B, T, _ = x.shape
         cfg = self.cfg
@@ -153,9 +147,8 @@ class Attention(nn.Module):
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
-            # Query heads g*rep .. g*rep+rep-1 share key/value head g: fold them into the query length,
-            # (B, n_heads, T, D) -> (B, n_kv_heads, rep*T, D), so one plain attention call serves them.
-            # (With a mask, enable_gqa=True would drop CUDA to the slow math kernel.)
+            # Query heads g*rep .. g*rep+rep-1 share key/value head g: folded into the query length, one
+            # plain attention call serves them (with a mask, enable_gqa=True drops CUDA to the math kernel).
             rep = cfg.n_heads // cfg.n_kv_heads
             q = q.reshape(B, cfg.n_kv_heads, rep * T, cfg.head_dim)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(1, 1, rep, 1))
@@ -214,9 +207,8 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def hidden(self, idx, pos=None, cache=None, slots=None, mask=None):
-        """Token ids (B, T) -> final hidden states after the last RMSNorm (B, T, dim).
-        pos (B, T): RoPE position of each token, 0..T-1 by default (a right-padded batch).
-        cache (n_layers, 2, B, n_kv_heads, S, head_dim), slots and mask: see Attention.forward."""
+        """Token ids (B, T) -> hidden states after the last RMSNorm (B, T, dim). pos (B, T): each token's
+        RoPE position (0..T-1 by default). cache (n_layers, 2, B, ...), slots, mask: see Attention.forward."""
         B, T = idx.shape
         if pos is None:
             pos = torch.arange(T, device=idx.device).expand(B, T)

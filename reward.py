@@ -4,21 +4,18 @@ prompts and the chat prompt (prompt_ids), answer extraction from the last <answe
 and `verify_item`, which lets a peer trust a question that another peer shared.
 
 SAPO (arXiv 2509.08721, §4.1) trains on nine ReasoningGym families (PAPER_TASKS) with the configs of
-the paper's code (PAPER_CONFIGS), rewarded by ReasoningGym's own `score_answer`. Here all nine are
-written with the standard library only: each scorer gives what reasoning_gym 0.1.25's gives (same
-formats, same partial credit); each generator follows the paper's config with our own code and
-wording, so items are alike, not identical (`python tests/test_parity.py`).
+the paper's code (PAPER_CONFIGS), rewarded by ReasoningGym's `score_answer`. Here all nine are written
+with the standard library only: each scorer gives what reasoning_gym 0.1.25's gives (same formats, same
+partial credit); each generator follows the config in our own code and wording, so items are alike,
+not identical (`python tests/test_parity.py`; docs/rewards.md lists each difference, and why).
 
 Deviations, and why:
-- Our families differ from ReasoningGym's in places, for fewer lines or to skip degenerate items (43
-  of its 77 arc_1d rules, 134 bf words, ...); docs/rewards.md lists each difference.
 - The paper's code never rewards propositional_logic (its items have no answer, worth 0: rl-swarm
   rgym_exp/src/rewards.py). We use rg's scorer: 1.0 for a non-trivial conclusion that follows.
 - Trust: the paper's peers score shared rollouts against the sender's ground truth, an open problem
   it names. Here `verify_item` makes the item again (from its seed, or an easy item's drawn values)
   and accepts only an exact copy, of a task the receiver chose: no wrong answer, no foreign question.
-- Easy families (one_digit_addition, ...) give a 135M-parameter model some reward at all;
-  alphabet_position is reproduce.py's toy. "rg:NAME" tasks use the reasoning_gym package if installed.
+- Easy families (one_digit_addition, ...) give a 135M model some reward; reproduce.py asks alphabet_position.
 """
 
 import ast
@@ -38,8 +35,7 @@ import threading
 from decimal import Context, Decimal, localcontext
 from fractions import Fraction
 
-# ReasoningGym's default system prompt, which the paper's code uses: reasoning_gym 0.1.25,
-# reasoning_gym/utils.py SYSTEM_PROMPTS["default"], chosen in rl-swarm rgym_exp/src/data.py.
+# ReasoningGym's default system prompt (reasoning_gym 0.1.25), which the paper's code chooses (rl-swarm).
 RG_SYSTEM_PROMPT = (
     "Given a problem, your task is to answer the question by thinking step-by-step "
     "in a clear and specific manner.\n"
@@ -82,14 +78,11 @@ def extract_answer(text):
 class Task:
     """One task family. make(rng, **config) returns (question, answer, metadata), drawing only from rng;
     config is the family's entry of PAPER_CONFIGS (an easy family has none). score_answer(answer, item)
-    is the reward in [0, 1] of an extracted answer (None if there is none; raising scores 0), by default
-    ReasoningGym's default rule. WORKING is the worked example's line of working, filled in with the
-    item's answer and metadata (or the family has a working(item) of its own).
-
-    An item is trusted by making it again. A seeded family (the paper's nine) makes it from
-    random.Random(seed) and records the seed as metadata["seed"]; an unseeded one (the easy families)
-    draws from the caller's rng and records every value it drew as metadata, which verify() replays to
-    make() (_Replay)."""
+    is the reward in [0, 1] of an extracted answer (None if there is none; raising scores 0). WORKING is
+    the worked example's line of working, filled in with the item's answer and metadata. An item is
+    trusted by making it again: a seeded family (the paper's nine) makes it from random.Random(seed) and
+    records metadata["seed"]; an unseeded one (the easy families) records every value it drew from the
+    caller's rng as metadata, which verify() replays to make() (_Replay)."""
 
     name = ""  # the family's name, its key in TASKS
     seeded = True
@@ -228,8 +221,7 @@ def get_task(name):
 # the paper's configs, and one easy family
 
 
-# The generator configs of the paper's code (rl-swarm rgym_exp/src/datasets.yaml, in reasoning_gym's
-# parameter names; seed and size left out). Each family's make() takes its entry as keyword arguments.
+# The generator configs of the paper's code (rl-swarm rgym_exp/src/datasets.yaml, without seed and size).
 PAPER_CONFIGS = {
     "base_conversion": {"min_base": 2, "max_base": 16, "min_value": 0, "max_value": 1000},
     "basic_arithmetic": {"min_terms": 2, "max_terms": 6, "min_digits": 1, "max_digits": 4,

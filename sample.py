@@ -1,7 +1,5 @@
 """
-Batched sampling with a preallocated KV cache: how a SAPO peer produces its G completions per question.
-
-    generate(model, prompts, num_samples=G, max_new_tokens, temperature, top_k, top_p, eos_token_ids)
+Batched sampling with a preallocated KV cache (generate): how a SAPO peer makes G completions a question.
 
 1. Prefill. The P prompts (token-id lists of different lengths) are left-padded to one length L and
    run through the model once, writing their keys and values into a cache preallocated for B = P * G
@@ -26,10 +24,9 @@ first row of its group (the strided view cache[:, :, ::G]), then copies its L sl
        row 2  prompt 1, sample 0    <- prefill
        row 3  prompt 1, sample 1    <- copy of row 2, slots 0..L-1
 
-The decode step reads the filled slots 0..t; on CUDA it replays as a CUDA graph where it can
-(GraphedDecode, below the marker line). The SAPO paper (arXiv 2509.08721) samples with transformers'
-generate(); this is a hand-written replacement with the same semantics (the tests compare greedy
-outputs token for token).
+The decode step reads the filled slots 0..t, replayed as a CUDA graph where it can (GraphedDecode,
+below the marker line). The SAPO paper (arXiv 2509.08721) samples with transformers' generate(); this
+hand-written replacement has the same semantics (the tests compare greedy outputs token for token).
 """
 
 import random
@@ -96,12 +93,10 @@ def decode_step(model: Transformer, cache, tokens, t, pads, width):
 @torch.no_grad()
 def generate(model: Transformer, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=0,
              top_p=1.0, eos_token_ids=(), seed=None, cuda_graph=True, logprobs=False):
-    """Sample num_samples completions for each prompt (a list of token-id lists). Returns
-    len(prompts) * num_samples lists of new token ids, prompt-major: all samples of prompt 0,
-    then all of prompt 1, ... A completion that produced a token of eos_token_ids ends with it;
-    otherwise it is max_new_tokens long. seed makes the draw reproducible. logprobs=True returns
-    (completions, log-probs): for each sampled token its log-prob under the distribution it was drawn
-    from (temperature, top-k and top-p applied), the behaviour policy an off-policy receiver needs."""
+    """num_samples completions of each prompt (token-id lists): len(prompts) * num_samples lists of new
+    token ids, prompt-major, each ending with its stop token (one of eos_token_ids) or max_new_tokens
+    long; seed makes the draw reproducible. logprobs=True also returns each sampled token's log-prob under
+    what it was drawn from (temperature, top-k, top-p): the behaviour policy an off-policy receiver needs."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if max_new_tokens < 1:
@@ -135,8 +130,7 @@ def generate(model: Transformer, prompts, num_samples=1, max_new_tokens=256, tem
             break
         logits = step(tokens, L + n - 1)
 
-    # cut each row after its first stop token
-    stops, completions = set(eos_token_ids), []
+    stops, completions = set(eos_token_ids), []  # each row is cut after its first stop token
     for row in out[:, :n].tolist():
         end = next((i + 1 for i, tok in enumerate(row) if tok in stops), len(row))
         completions.append(row[:end])

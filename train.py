@@ -10,13 +10,10 @@ SAPO end to end: one peer's round loop (Algorithm 1 of arXiv 2509.08721) and a l
 One round on one peer (Algorithm1.round, below, which says how a synchronous swarm calls its halves):
   1. draw I questions, one per task family drawn uniformly with replacement (reward.py);
   2. sample G completions of each with the peer's own model (sample.py), and score them;
-  3. publish the I groups to the swarm server as decoded text (swarm.py): question, ground truth,
-     task, metadata, completions, and whether each stopped; never weights (nor log-probs, unless asked);
-  4. take a sample of what other peers published recently, never waiting for them: 4J groups a round,
-     drawn by the server from each producer's newest batches, every producer with equal chance;
-  5. re-tokenise each with the local tokenizer, score the text that will be trained on with the *local*
-     verifier, drop groups that reward.verify_item rejects (a poisoned ground truth), and choose J by the
-     selection rule (RULES; the paper's drops groups whose rewards are all equal, then draws J uniformly);
+  3. publish the I groups to the swarm server as decoded text, never weights (swarm.py);
+  4. take, never waiting, a sample of what the others published recently (4J groups, every producer alike);
+  5. re-tokenise and re-score each locally, drop those that reward.verify_item rejects, and choose J by the
+     selection rule (RULES; the paper's drops the groups whose rewards are all equal, draws J uniformly);
   6. take one GRPO step on the I + J groups (grpo.py);
   7. log the round to metrics.jsonl and the dashboard; checkpoint every --save-every rounds.
 
@@ -26,16 +23,12 @@ questions, sampling and external draws of a peer are separate random streams of 
 swarm and a silo peer of one seed are paired runs.
 
 Deviations from the paper, and why:
-- Learning rate: the paper's text says Adam at 0.001, its code 1e-5 or 1e-6. We use AdamW at --lr 1e-5
-  with gradient clipping at 1.0, measured against 1e-6 on SmolLM2-135M (docs/learning-rate.md).
-- Tasks: reward.py rewrites the paper's nine families from scratch. The default 135M model gets almost
-  no reward on them, so `--tasks auto` gives it an easy mix (and any other model the nine).
-- One-shot prompt: with --one-shot (on by default) the prompt holds one worked example of the same
-  task family as an earlier chat turn; without it a 135M model almost never uses the answer tags.
-- Old log-probs: as in the paper, a shared completion's are the receiver's own (grpo.py says what that
-  means); beyond the paper, --shared-logprobs makes them the sender's (docs/offpolicy.md).
-- Trust: external groups whose answer does not follow from their question are dropped
-  (reward.verify_item); the paper trusts the sender's ground truth.
+- Learning rate: AdamW at --lr 1e-5, clipped at 1.0; the paper's text says Adam at 0.001, its code 1e-5
+  or 1e-6 (docs/learning-rate.md measures 1e-5 against 1e-6 on SmolLM2-135M).
+- Tasks: the default 135M model scores almost nothing on the paper's nine; `--tasks auto` gives it easy ones.
+- --one-shot (on by default) puts a worked example first: without it a 135M model rarely uses the answer tags.
+- Old log-probs: a shared completion's are the receiver's own, as in the paper (grpo.py; --shared-logprobs
+  takes the sender's). Trust: beyond the paper, a shared item must verify (reward.verify_item).
 - Precision: float32 weights, trained under bfloat16 autocast where native, are copied each round into
   a bfloat16 (older GPUs: float16) sampler; weights in bfloat16 would round away updates of 1e-6.
 """
@@ -70,7 +63,7 @@ if __name__ != "__main__":  # python train.py reads its flags first, so that a w
     from tqdm import tqdm
 
 # -----------------------------------------------------------------------------
-# random streams; rollouts: a group, another peer's group made this peer's; the selection rule
+# random streams, a group of rollouts, another peer's group made this peer's, and the selection rule
 
 
 def stream(seed, *names):
@@ -202,9 +195,8 @@ class Algorithm1:
         return self.learn(r, self.collect(r))
 
     def collect(self, r):
-        """Steps 1-3: sample, score and publish this round's local groups; returns them for learn(). A silo
-        baseline, DAPO's dynamic sampling (Rule.resample), then samples I more questions at a time (extra)
-        until `target` groups are informative, while the batches sampled stay within `cap` completions."""
+        """Steps 1-3: sample, score and publish this round's groups for learn(). A resampling silo (DAPO's
+        dynamic sampling) then samples I more questions at a time (extra) until `target` are informative."""
         t0 = time.time()
         groups, sample_seconds = self.sample_local(r)
         self.publish(r, groups)
@@ -232,8 +224,8 @@ class Algorithm1:
         return items
 
     def sample_local(self, r, *more):
-        """Steps 1-2: G completions of each of round r's questions (`more`: a further batch's) from the
-        peer's own model, each decoded and scored by the local verifier; the seconds sampling took."""
+        """Steps 1-2: G completions of each question of round r (`more`: of a further batch), decoded and
+        scored by the local verifier -> (the groups, the seconds sampling took)."""
         t0, args, G = time.time(), self.args, self.args.generations
         items = self.questions(r, *more)
         prompts = [reward.prompt_ids(self.tok, it, args.one_shot, args.system_prompt) for it in items]

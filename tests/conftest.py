@@ -14,10 +14,15 @@ student changing a component file runs test_all.py; these guard what a change ca
   test_cli.py          the command lines: train.py's flags, launcher, Ctrl-C and end of run; sample.py's
   test_real_model.py   the real SmolLM2-135M-Instruct (a PyPI wheel) and the real ReasoningGym
   test_parity.py       reward.py's scorers against ReasoningGym's (python tests/test_parity.py N)
+  test_newcomer.py     a newcomer's first run: a stop keeps each round, resume, mistakes answered early
   test_reproduce.py    reproduce.py: small runs, seeds, flags, statistics
+  test_lab.py          the selection rule's registry (train.RULES) and reproduce.py's lab for a class
+  test_course.py       course.py: verify, start and reset byte for byte, grading, release
+  test_glossary.py     docs/glossary.md is what docs/glossary.py writes from the code
 
 This file puts the repository on the path, hands the test files the specification's fixtures (tiny,
-_sw_server, _sw_clients) and the swarm server as a process of its own (_sw_spawn, _sw_stop).
+_sw_server, _sw_clients), the swarm server as a process of its own (_sw_spawn, _sw_stop), and the
+processes whose command line holds some text (_processes_mentioning).
 """
 
 import os
@@ -50,3 +55,17 @@ def _sw_stop(proc):
     if proc.poll() is None:
         proc.kill()
     proc.wait()
+
+
+def _processes_mentioning(*texts):
+    """The ids of the processes whose command line holds every one of texts."""
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+            if all(text.encode() in cmdline for text in texts):
+                found.append(int(pid))
+        except (OSError, ValueError):
+            pass
+    return found

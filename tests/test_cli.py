@@ -23,7 +23,7 @@ import reward
 import sample
 import swarm
 import train
-from conftest import ROOT, _SW_SCRIPT
+from conftest import ROOT, _SW_SCRIPT, _processes_mentioning
 from test_all import (FakeClient, _fake_gpu, _free_port, _sw_group, _sw_post, _sw_read_all, quiet, save_tiny,
                       save_tiny_chars, spread_rewards, tiny_args)
 
@@ -82,19 +82,6 @@ def test_train_bad_flags_get_one_sentence(capsys):
             train.parse_args(bad)
         assert e.value.code == 2
         assert says in capsys.readouterr().err.strip().splitlines()[-1]
-
-
-def _processes_mentioning(*texts):
-    found = []
-    for pid in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-            if all(text.encode() in cmdline for text in texts):
-                found.append(int(pid))
-        except (OSError, ValueError):
-            pass
-    return found
 
 
 @pytest.mark.slow

@@ -25,8 +25,9 @@ import reward
 import sample
 import swarm
 import train
-from test_all import (FakeClient, _fake_gpu, _free_port, _processes_mentioning, quiet, save_tiny,  # noqa: F401
-                      spread_rewards, tiny, tiny_args, wire_group)
+from conftest import _processes_mentioning
+from test_all import (FakeClient, _fake_gpu, _free_port, quiet, save_tiny, spread_rewards, tiny,  # noqa: F401
+                      tiny_args, wire_group)
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(HERE, "train.py")

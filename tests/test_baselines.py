@@ -1,13 +1,17 @@
 import os, sys; sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # noqa: E401,E702
 # The maintainers' tests of the silo baselines and the cost columns: 8/0+informative-norm (a loss over the
 # informative groups alone), 8/0+resample (DAPO's dynamic sampling, within a cap), and what reproduce.py
-# counts of what a peer sampled and trained on.
+# counts of what a peer sampled and trained on; the candidate rules kept for the swarm (4/4+rare, 4/4+is-wide).
 #
 #     python -m pytest -q tests/test_baselines.py
 
 import json
+import math
+import random
+import types
 
 import pytest
+import torch
 
 import grpo
 import reproduce
@@ -165,3 +169,30 @@ def test_a_swarm_peer_samples_its_i_groups_and_counts_what_it_trained(tiny, tmp_
     assert m["completions_sampled"] == 2 * 4 and m["informative_trained"] == 2 and m["external_used"] == 0
     row = json.loads((tmp_path / "run" / "s" / "metrics.jsonl").read_text())
     assert row["round"] == 0 and not {"completions_sampled", "informative_trained"} & set(row)  # beside, not in it
+
+
+# ---------------------------------------------------------------------------------------------------
+# the candidate rules kept for the swarm (4/4+rare, 4/4+is-wide): each for the property that defines it
+
+
+def test_rare_draws_the_shared_groups_of_fewest_right_answers_first():
+    pool = [types.SimpleNamespace(rewards=r) for r in ([1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0], [0, 1, 0, 0])]
+    for seed in range(5):
+        drawn = train.RULES["rare"].draw(random.Random(seed), pool, 2)
+        assert sorted(drawn) == [1, 3]  # a right answer in four, the two rarest; ties in any order
+    assert sorted(train.RULES["rare"].draw(random.Random(0), pool, 9)) == [0, 1, 2, 3]  # J past the pool: all
+
+
+def test_is_wide_keeps_the_gradient_of_a_shared_token_up_to_a_ratio_of_3(tmp_path):
+    """is-wide trains against the senders' log-probs, as is does; a shared token the receiver finds 2.5
+    times as likely as its sender did, with a positive advantage, keeps its gradient (is's clip at 1.28
+    removes it); past 3 the clip removes it under is-wide too."""
+    wide, narrow = (train.parse_args(["--out", str(tmp_path), "--rule", r]) for r in ("is-wide", "is"))
+    assert wide.shared_logprobs and narrow.shared_logprobs and (wide.epsilon_high, narrow.epsilon_high) == (2.0, 0.28)
+    for ratio, kept in ((2.5, (True, False)), (3.5, (False, False))):
+        for args, keeps in zip((wide, narrow), kept):
+            logprobs = torch.zeros(1, 1, requires_grad=True)
+            loss, _ = grpo.grpo_loss(logprobs, torch.full((1, 1), -math.log(ratio)), torch.ones(1), torch.ones(1, 1),
+                                     epsilon=args.epsilon, epsilon_high=args.epsilon_high)
+            loss.backward()
+            assert (logprobs.grad.abs().item() > 0) == keeps

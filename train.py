@@ -135,10 +135,6 @@ def draw_uniform(rng, pool, J):  # the paper's draw: the indices of J groups of 
     return rng.sample(range(len(pool)), min(J, len(pool)))
 
 
-def draw_by(key):  # a draw that takes the pool's groups of the smallest key(group) first, ties at random
-    return lambda rng, pool, J: sorted(rng.sample(range(len(pool)), len(pool)), key=lambda k: key(pool[k]))[:J]
-
-
 @dataclasses.dataclass(frozen=True)
 class Rule:  # what a peer trains on, named in RULES: a receiver's selection rule (step 5), or a silo's
     what: str                    # what it does, in words: a run's log and its table say it
@@ -157,8 +153,6 @@ RULES = {  # the paper's rule first, the default; a variant is a line here (repr
     "informative-norm": Rule("a silo whose loss counts only informative groups", informative_only=True),
     "resample": Rule("a silo that samples I more questions at a time until 5 groups are informative, within "
                      "512 completions (DAPO's dynamic sampling)", informative_only=True, resample=(5, 512)),
-    "rare": Rule("the paper's, drawing the shared groups of fewest right answers first", draw=draw_by(
-        lambda g: mean(g.rewards))),
     "is-wide": Rule("the paper's against the senders' log-probs, a shared token's ratio clipped at 3, not 1.28",
                     flags=(("shared_logprobs", True), ("epsilon_high", 2.0))),
 }

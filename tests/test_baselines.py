@@ -1,14 +1,12 @@
 import os, sys; sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # noqa: E401,E702
 # The maintainers' tests of the silo baselines and the cost columns: 8/0+informative-norm (a loss over the
 # informative groups alone), 8/0+resample (DAPO's dynamic sampling, within a cap), and what reproduce.py
-# counts of what a peer sampled and trained on; the candidate rules kept for the swarm (4/4+rare, 4/4+is-wide).
+# counts of what a peer sampled and trained on; the candidate rule kept for the swarm, 4/4+is-wide.
 #
 #     python -m pytest -q tests/test_baselines.py
 
 import json
 import math
-import random
-import types
 
 import pytest
 import torch
@@ -172,15 +170,7 @@ def test_a_swarm_peer_samples_its_i_groups_and_counts_what_it_trained(tiny, tmp_
 
 
 # ---------------------------------------------------------------------------------------------------
-# the candidate rules kept for the swarm (4/4+rare, 4/4+is-wide): each for the property that defines it
-
-
-def test_rare_draws_the_shared_groups_of_fewest_right_answers_first():
-    pool = [types.SimpleNamespace(rewards=r) for r in ([1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0], [0, 1, 0, 0])]
-    for seed in range(5):
-        drawn = train.RULES["rare"].draw(random.Random(seed), pool, 2)
-        assert sorted(drawn) == [1, 3]  # a right answer in four, the two rarest; ties in any order
-    assert sorted(train.RULES["rare"].draw(random.Random(0), pool, 9)) == [0, 1, 2, 3]  # J past the pool: all
+# the candidate rule kept for the swarm (4/4+is-wide), for the property that defines it
 
 
 def test_is_wide_keeps_the_gradient_of_a_shared_token_up_to_a_ratio_of_3(tmp_path):

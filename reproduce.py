@@ -478,7 +478,7 @@ class CountingPeer(train.Peer):
         return super().batch(groups)
 
     def learn(self, r, collected):
-        sampled = sum(len(g.completions) for g in collected["groups"] + collected["extra"])
+        sampled = sum(len(g.completions) for g in collected["groups"] + collected.get("extra", []))
         m = super().learn(r, collected)
         return dict(m, **self.counts, completions_sampled=sampled, informative_trained=self.trained)
 

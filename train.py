@@ -204,7 +204,7 @@ class Algorithm1:
         """Steps 4-7: choose J external groups, take a GRPO step on them and the local groups, log the round."""
         t0 = time.time()
         external, counts = self.choose_external(r)
-        stats = self.update(collected["groups"] + collected["extra"] + external)
+        stats = self.update(collected["groups"] + collected.get("extra", []) + external)
         return self.log_round(r, collected, external, counts, stats, collected["seconds"] + time.time() - t0)
 
     def questions(self, r, *more):
@@ -319,7 +319,7 @@ class Algorithm1:
     def log_round(self, r, collected, external, counts, stats, seconds):
         """Step 7: the round's metrics, written as a line of metrics.jsonl."""
         local = collected["groups"]
-        batch, outs = local + collected["extra"] + external, [c for g in local for c in g.completions]
+        batch, outs = local + collected.get("extra", []) + external, [c for g in local for c in g.completions]
         m = dict(round=r, stepped=stats.pop("stepped"),
                  local_reward=mean([x for g in local for x in g.rewards]),  # the skill: its own rollouts
                  batch_reward=mean([x for g in batch for x in g.rewards]),  # the paper's figure

@@ -34,6 +34,7 @@ import ast
 import concurrent.futures
 import functools
 import hashlib
+import itertools
 import json
 import math
 import multiprocessing
@@ -192,15 +193,23 @@ def parse_configs(text):
             raise ValueError(f"--configs: {part.strip()!r} is not I/J or I/J+RULE, e.g. 4/4") from None
         if I < 1 or J < 0 or I + J > 64:
             raise ValueError(f"--configs: {part.strip()} needs I >= 1, J >= 0 and I + J <= 64")
-        if plus and (rule not in train.RULES or J == 0):
+        if plus and (rule not in train.RULES or (J == 0) != in_silo(rule)):
             raise ValueError(f"--configs: {part.strip()}: a rule is one of {', '.join('+' + r for r in train.RULES)}"
-                             ", and it needs shared groups (J > 0)")
+                             f"; {', '.join('+' + r for r in train.RULES if in_silo(r))} run in silo (J = 0), "
+                             "the others need shared groups (J > 0)")
         config = (I, J) if rule in ("", "paper") else (I, J, rule)
         if config not in configs:
             configs.append(config)
     if (8, 0) not in configs:
         raise ValueError("--configs must include 8/0: every ratio is taken against the silo baseline")
     return [(8, 0)] + [c for c in configs if c != (8, 0)]
+
+
+def in_silo(rule):
+    """Whether a rule of train.RULES is a silo baseline (it changes what a peer makes of its own groups),
+    not a receiver's selection rule: 8/0+informative-norm and 8/0+resample, never 4/4+resample."""
+    r = train.RULES[rule]
+    return r.informative_only or r.resample[0] > 0
 
 
 def name(config):
@@ -452,8 +461,10 @@ def initial_success(folder, task_name, one_shot=False, questions=256, G=8, max_n
 class CountingPeer(train.Peer):
     """A peer that also counts, each round, the external groups it trains on that another model sent
     (the wire's `model` field is not its own) and those it trains against their sender's log-probs
-    (--shared-logprobs, where the sender's tokenizer is its own). learn() returns them beside the
-    round's metrics (not in metrics.jsonl)."""
+    (--shared-logprobs, where the sender's tokenizer is its own); the completions it sampled itself
+    (a resampling silo's further batches too: the round's cost) and the informative groups its GRPO
+    step was given (after a silo baseline's filter). learn() returns them beside the round's metrics
+    (not in metrics.jsonl)."""
 
     def choose_external(self, r):
         external, counts = super().choose_external(r)
@@ -463,8 +474,14 @@ class CountingPeer(train.Peer):
                            external_sender_logprobs=len(with_logprobs))
         return external, counts
 
+    def batch(self, groups):  # update() makes the batch of the groups it trains on, and only then
+        self.trained = sum(map(train.informative, groups))
+        return super().batch(groups)
+
     def learn(self, r, collected):
-        return dict(super().learn(r, collected), **self.counts)
+        sampled = sum(len(g.completions) for g in collected["groups"] + collected.get("extra", []))
+        m = super().learn(r, collected)
+        return dict(m, **self.counts, completions_sampled=sampled, informative_trained=self.trained)
 
 
 class DiagnosedPeer(CountingPeer):
@@ -669,10 +686,12 @@ def summarise(runs, configs, seeds, rounds):
     """results.json's per-configuration figures: cumulative local and batch reward (whole run and first
     half) as mean +- s.e. over seeds and as ratios to 8/0 of the same seed; external groups used per
     round, and informative ones (rewards not all equal) trained on per round; the fraction of peer-rounds
-    without an optimizer step; wall time; the curve for the figure.
+    without an optimizer step; wall time; the curve for the figure; the cost (cost()).
     A configuration with a rule (4/4+is) also gets its local reward as a ratio to the same I/J under the
-    paper's rule, seed by seed (ratio_to_paper_rule), where that ran."""
+    paper's rule, seed by seed (ratio_to_paper_rule), where that ran, and every configuration its ratio to
+    each silo baseline that ran (ratio_to_silo: 8/0+resample, ...)."""
     base, window, summary = (8, 0), max(1, rounds // 20), {}
+    silos = [c for c in configs if c[1] == 0 and c != base]
     for c in configs:
         entry = {}
         for span, n in (("whole", rounds), ("first_half", rounds // 2)):
@@ -689,21 +708,38 @@ def summarise(runs, configs, seeds, rounds):
                           zip(entry[span]["cumulative_local_reward"]["per_seed"], plain)]
                 entry[span]["ratio_to_paper_rule"] = dict(mean_se(ratios), per_seed=ratios,
                                                           seeds_above_1=sum(r is not None and r > 1 for r in ratios))
+            for silo in silos:
+                bases = [cumulative(runs[silo, s], "local_reward", n) for s in seeds]
+                ratios = [v / b if b > 0 else None for v, b in
+                          zip(entry[span]["cumulative_local_reward"]["per_seed"], bases)]
+                entry[span].setdefault("ratio_to_silo", {})[name(silo)] = dict(
+                    mean_se(ratios), per_seed=ratios, seeds_above_1=sum(r is not None and r > 1 for r in ratios))
         rows = [m for s in seeds for peer in runs[c, s]["peers"] for m in peer]
         entry["external_groups_per_round"] = sum(m["external_used"] for m in rows) / len(rows)
-        # groups trained on whose rewards are not all equal (the only ones GRPO learns from): I local, the rest shared
-        entry["informative_groups_per_round"] = train.mean([(1 - m["frac_zero_std_batch"]) * (c[0] + m["external_used"])
-                                                            for m in rows])
+        # groups trained on whose rewards are not all equal (the only ones GRPO learns from), local and shared
+        entry["informative_groups_per_round"] = train.mean([m["informative_trained"] for m in rows])
         entry["rounds_without_step"] = sum(not m["stepped"] for m in rows) / len(rows)
         entry["minutes"] = sum(runs[c, s]["seconds"] for s in seeds) / 60
         entry["cpu_minutes"] = sum(runs[c, s]["cpu_seconds"] for s in seeds) / 60
         curves = [curve(runs[c, s], window) for s in seeds]
         entry["curve"] = {what: [sum(cv[r][i] for cv in curves) / len(curves) for r in range(rounds)]
                           for i, what in enumerate(("mean", "min", "max"))}
+        entry["cost"] = cost([runs[c, s] for s in seeds], rounds)
         if "lp_local" in rows[0]:
             entry["diagnosis"] = diagnosis(runs, c, seeds, rounds)
         summary[name(c)] = entry
     return summary
+
+
+def cost(results, rounds):
+    """What a configuration's peers sampled themselves (CountingPeer's completions_sampled): per peer and
+    round, per peer over the whole run, and per round the cumulative count of a peer (the mean over peers
+    and seeds), which with the reward curve makes the cost curve (reward against completions sampled)."""
+    peers = [peer for result in results for peer in result["peers"]]
+    per_round = [sum(peer[r]["completions_sampled"] for peer in peers) / len(peers) for r in range(rounds)]
+    cumulative = list(itertools.accumulate(per_round))
+    return dict(completions_per_round=cumulative[-1] / rounds, completions_per_peer=cumulative[-1],
+                cumulative_completions=cumulative)
 
 
 def by_kind(runs, configs, seeds, rounds, kinds):
@@ -773,7 +809,22 @@ def closing_sentence(summary, seeds):
         verdict = "Sharing hurt here: "
     else:
         verdict = "No clear effect of sharing here: "
-    return verdict + said + "." + paper + correction_sentence(summary)
+    return verdict + said + "." + paper + correction_sentence(summary) + silos_sentence(summary, c)
+
+
+def silos_sentence(summary, c):
+    """' Against the silo baselines, 4/4 earned ...': c's ratio to each silo baseline that ran, with what a peer
+    of each sampled a round; '' if none ran."""
+    said = []
+    for silo, r in summary[c]["whole"].get("ratio_to_silo", {}).items():
+        ci = f" (95% interval {r['ci95'][0]:.2f}–{r['ci95'][1]:.2f})" if r["ci95"] else ""
+        said.append(f"{fmt(r['mean'])} times {silo}'s{ci}, whose peers sampled "
+                    f"{summary[silo]['cost']['completions_per_round']:.0f} completions a round and trained on "
+                    f"{summary[silo]['informative_groups_per_round']:.1f} informative groups")
+    if not said:
+        return ""
+    return (f" Against the silo baselines, {c} peers, which sampled {summary[c]['cost']['completions_per_round']:.0f}"
+            f" completions a round, earned " + "; ".join(said) + ".")
 
 
 def correction_sentence(summary):
@@ -790,7 +841,7 @@ def correction_sentence(summary):
             f"{p['ci95'][1]:.2f}: {verdict} the paper's rule; first half {h['mean']:.2f}).")
 
 # -----------------------------------------------------------------------------
-# outputs: results.json, table.md, reward.svg (the paper's Fig. 2 for this run)
+# outputs: results.json, table.md, reward.svg (the paper's Fig. 2 for this run), cost.svg
 
 
 def settings(s):
@@ -851,13 +902,15 @@ def table_md(s, summary, seeds, sentence, minutes=None, estimated=None):
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     paired = [(c, e) for c, e in summary.items() if "ratio_to_paper_rule" in e["whole"]]
     if paired:
-        lines += ["", "Each rule against the paper's, seed by seed: cumulative local reward of I/J+RULE over I/J's "
-                  "(mean ± s.e., 95% interval, seed-to-seed sd).", "",
+        lines += ["", "Each rule against the same I/J without it (the paper's rule; for 8/0, the plain silo), seed by "
+                  "seed: cumulative local reward of I/J+RULE over I/J's (mean ± s.e., 95% interval, seed-to-seed sd).",
+                  "",
                   "| I/J | whole run | 95% interval | sd | seeds above 1 | first half | 95% interval |", "|---" * 7 + "|"]
         for c, e in paired:
             w, h = e["whole"]["ratio_to_paper_rule"], e["first_half"]["ratio_to_paper_rule"]
             cis = [f"{x['ci95'][0]:.2f}–{x['ci95'][1]:.2f}" if x["ci95"] else "–" for x in (w, h)]
             lines.append(f"| {c} | {pm(w)} | {cis[0]} | {fmt(w['sd'])} | {w['seeds_above_1']} | {pm(h)} | {cis[1]} |")
+    lines += cost_md(summary) + silos_md(summary, seeds)
     if any("diagnosis" in e for e in summary.values()):
         lines += ["", "Diagnosis (--diagnose), by quarter of the run, mean over peers and seeds: reward, the peer's "
                   "own log-prob per token and the gradient norm of the loss on its own (local) and on shared "
@@ -876,6 +929,78 @@ def table_md(s, summary, seeds, sentence, minutes=None, estimated=None):
               "all equal, the only ones GRPO learns from. Run minutes: wall time of the configuration's runs, "
               "added up (runs go in parallel)."]
     return "\n".join(lines) + "\n"
+
+
+COST_POINTS = (0.25, 0.5, 0.75, 1.0)  # cost_md: shares of what an 8/0 peer samples over the run
+
+
+def reward_at(entry, completions):
+    """The configuration's local reward (its curve: running mean, peers and seeds) in the first round by
+    which a peer had sampled `completions` on average; None if its peers never sampled that many."""
+    cumulative = entry["cost"]["cumulative_completions"]
+    r = next((r for r, x in enumerate(cumulative) if x >= completions - 1e-9), None)
+    return None if r is None else entry["curve"]["mean"][r]
+
+
+def completions_to(entry, reward_level):
+    """Completions a peer had sampled (mean) by the first round its local reward (curve) reached reward_level;
+    None if it never did."""
+    r = next((r for r, y in enumerate(entry["curve"]["mean"]) if y >= reward_level), None)
+    return None if r is None else entry["cost"]["cumulative_completions"][r]
+
+
+def cost_md(summary):
+    """table.md's cost table: what each configuration's peers sampled themselves, the informative groups
+    they trained on, and the cost curve at a few points (reward against completions sampled)."""
+    silo = summary["8/0"]
+    total, end = silo["cost"]["completions_per_peer"], silo["curve"]["mean"][-1]
+    points = [share * total for share in COST_POINTS]
+    lines = ["", "Cost: what a peer sampled itself, per round and over the run; the informative groups its "
+             "GRPO step was given per round; its local reward (running mean, as in the figure) once it had "
+             f"sampled as many completions as an 8/0 peer samples in a quarter, half, three quarters and all of "
+             f"the run; and the completions it had sampled when its local reward first reached 8/0's at the end "
+             f"({end:.3f}). A shared group costs its receiver nothing to sample.", "",
+             "| I/J | completions sampled per peer per round | informative groups trained per round | completions "
+             "per peer, whole run | " + " | ".join(f"local reward at {x:,.0f} completions" for x in points)
+             + " | completions to reach 8/0's end |", "|---" * (5 + len(points)) + "|"]
+    for c, e in summary.items():
+        reach = completions_to(e, end)
+        lines.append(f"| {c} | {e['cost']['completions_per_round']:.1f} | {e['informative_groups_per_round']:.2f} | "
+                     f"{e['cost']['completions_per_peer']:,.0f} | "
+                     + " | ".join(fmt(reward_at(e, x), 3) for x in points)
+                     + f" | {'not reached' if reach is None else f'{reach:,.0f}'} |")
+    return lines
+
+
+def silos_md(summary, seeds):
+    """table.md's comparison with each silo baseline that ran (8/0+resample, ...): every other
+    configuration's cumulative local reward over the baseline's, seed by seed."""
+    silos = sorted({s for e in summary.values() for s in e["whole"].get("ratio_to_silo", {})})
+    if not silos:
+        return []
+    lines = ["", "Against each silo baseline, seed by seed: cumulative local reward over the baseline's (mean ± "
+             "s.e., 95% interval, seeds above 1).", "",
+             "| I/J | " + " | ".join(f"over {b} | 95% interval | seeds above 1" for b in silos) + " |",
+             "|---" * (1 + 3 * len(silos)) + "|"]
+    for c, e in summary.items():
+        if c in silos:
+            continue
+        cells = []
+        for b in silos:
+            x = e["whole"]["ratio_to_silo"][b]
+            cells += [pm(x), f"{x['ci95'][0]:.2f}–{x['ci95'][1]:.2f}" if x["ci95"] else "–",
+                      f"{x['seeds_above_1']}/{len(seeds)}"]
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def cost_svg(summary):
+    """The cost curve: each configuration's local reward (its figure's line) against the completions a
+    peer had sampled itself by that round (mean over peers and seeds)."""
+    lines = {c: list(zip(e["cost"]["cumulative_completions"], e["curve"]["mean"])) for c, e in summary.items()}
+    return swarm.render_svg(lines, mean_over=0, xlabel="completions a peer sampled itself, cumulative",
+                            ylabel="local reward", title="local reward against the completions a peer sampled "
+                            "(running mean, mean of peers and seeds)")
 
 
 def reward_svg(summary, rounds, kinds=None):
@@ -937,7 +1062,7 @@ def kinds_sentence(kinds):
 
 
 def write_outputs(s, folder, summary, seeds, extra=None, kinds=None):
-    """results.json, table.md and reward.svg into folder; returns the closing sentence. kinds: by_kind's
+    """results.json, table.md, reward.svg and cost.svg into folder; returns the closing sentence. kinds: by_kind's
     figures of a mixed swarm (extra's `kinds` describes them)."""
     extra = extra or {}
     sentence = closing_sentence(summary, seeds) + (kinds_sentence(kinds) if kinds else "")
@@ -952,6 +1077,8 @@ def write_outputs(s, folder, summary, seeds, extra=None, kinds=None):
         f.write(table + ("\n".join(kinds_md(kinds, seeds, extra.get("kinds", {}))) + "\n" if kinds else ""))
     with open(os.path.join(folder, "reward.svg"), "w") as f:
         f.write(reward_svg(summary, s.rounds, kinds))
+    with open(os.path.join(folder, "cost.svg"), "w") as f:
+        f.write(cost_svg(summary))
     return sentence
 
 # -----------------------------------------------------------------------------
@@ -1112,7 +1239,7 @@ def main(argv=None):
     sentence = write_outputs(s, s.out, summary, seeds, dict(extra, minutes=(time.time() - t0) / 60,
                                                             estimated_minutes=estimate), kinds)
     print(open(os.path.join(s.out, "table.md")).read())
-    print(f"wrote {s.out}/results.json, table.md and reward.svg in {(time.time() - t0) / 60:.1f} minutes"
+    print(f"wrote {s.out}/results.json, table.md, reward.svg and cost.svg in {(time.time() - t0) / 60:.1f} minutes"
           + (f" (estimated {estimate:.0f})" if estimate else "") + "\n\n" + sentence)
     return sentence
 

@@ -136,13 +136,15 @@ def draw_uniform(rng, pool, J):  # the paper's draw: the indices of J groups of 
 
 
 @dataclasses.dataclass(frozen=True)
-class Rule:  # a receiver's selection rule (step 5), named in RULES; a run says which it ran (--rule NAME)
+class Rule:  # what a peer trains on, named in RULES: a receiver's selection rule (step 5), or a silo's
     what: str                    # what it does, in words: a run's log and its table say it
     keep: object = informative   # keep(group): whether a re-scored shared group may join the pool
     draw: object = draw_uniform  # draw(rng, pool, J): the indices of the pool's groups it draws
     pool_rounds: int = 2         # the rounds an undrawn shared group stays in the pool after it came
     flags: tuple = ()            # the settings it changes, as (flag, value) pairs
     judge: object = None         # judge(peer, groups): the kept groups that the receiver's own model keeps
+    informative_only: bool = False  # the loss, its normaliser too, counts only informative groups
+    resample: tuple = (0, 0)     # (target, cap): more questions until `target` are informative (collect)
 
 
 def surprisal(peer, g):
@@ -166,6 +168,11 @@ RULES = {  # the paper's rule first, the default; a variant is a line here (repr
     "keep-all": Rule("keep shared groups whose rewards are all equal too", keep=lambda g: True),
     "is": Rule("the paper's, against the senders' log-probs", flags=(("shared_logprobs", True),)),
     "plausible": Rule("the paper's, of the shared groups its own model could have written", judge=plausible),
+    "informative-norm": Rule("a silo whose loss counts only informative groups", informative_only=True),
+    "resample": Rule("a silo that samples I more questions at a time until 5 groups are informative, within "
+                     "512 completions (DAPO's dynamic sampling)", informative_only=True, resample=(5, 512)),
+    "is-wide": Rule("the paper's against the senders' log-probs, a shared token's ratio clipped at 3, not 1.28",
+                    flags=(("shared_logprobs", True), ("epsilon_high", 2.0))),
 }
 
 # -----------------------------------------------------------------------------
@@ -201,36 +208,41 @@ class Algorithm1:
         return self.learn(r, self.collect(r))
 
     def collect(self, r):
-        """Steps 1-3: sample, score and publish this round's local groups; returns them for learn()."""
+        """Steps 1-3: sample, score and publish this round's groups for learn(). A resampling silo (DAPO's
+        dynamic sampling) then samples I more questions at a time (extra) until `target` are informative."""
         t0 = time.time()
         groups, sample_seconds = self.sample_local(r)
         self.publish(r, groups)
-        return dict(groups=groups, sample_seconds=sample_seconds, seconds=time.time() - t0)
+        (target, cap), extra = self.rule.resample, []
+        for k in range(1, cap // (len(groups) * self.args.generations)):  # batch k + 1 stays within the cap
+            if sum(map(informative, groups + extra)) < target:
+                extra += self.sample_local(r, "more", k)[0]
+        return dict(groups=groups, extra=extra, sample_seconds=sample_seconds, seconds=time.time() - t0)
 
     def learn(self, r, collected):
         """Steps 4-7: choose J external groups, take a GRPO step on them and the local groups, log the round."""
         t0, self.own = time.time(), collected["groups"]
         external, counts = self.choose_external(r)
-        stats = self.update(collected["groups"] + external)
+        stats = self.update(collected["groups"] + collected.get("extra", []) + external)
         return self.log_round(r, collected, external, counts, stats, collected["seconds"] + time.time() - t0)
 
-    def questions(self, r):
+    def questions(self, r, *more):
         """Step 1: I items (--local), each of a task family drawn uniformly, from round r's own random
         stream. The first I items of round r are the same whatever I, J or the swarm: runs are paired."""
-        rng = stream(self.args.seed, "questions", r)
+        rng = stream(self.args.seed, "questions", r, *more)
         items = []
         for _ in range(self.args.local):
             task = reward.get_task(rng.choice(self.args.task_list))
             items.append(task.generate(rng))
         return items
 
-    def sample_local(self, r):
-        """Steps 1-2: G completions of each question of round r, decoded and scored by the local verifier
-        -> (the groups, the seconds sampling took)."""
+    def sample_local(self, r, *more):
+        """Steps 1-2: G completions of each question of round r (`more`: of a further batch), decoded and
+        scored by the local verifier -> (the groups, the seconds sampling took)."""
         t0, args, G = time.time(), self.args, self.args.generations
-        items = self.questions(r)
+        items = self.questions(r, *more)
         prompts = [reward.prompt_ids(self.tok, it, args.one_shot, args.system_prompt) for it in items]
-        seed = stream(args.seed, "sampling", r).getrandbits(63)
+        seed = stream(args.seed, "sampling", r, *more).getrandbits(63)
         outs, logprobs = sample.generate(self.sampler, prompts, num_samples=G, seed=seed, logprobs=True,
                                          max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                          eos_token_ids=self.stop_ids)
@@ -310,6 +322,8 @@ class Algorithm1:
     def update(self, groups):
         """Step 6: group-normalised advantages, then a GRPO step (grpo.step) unless they are all zero; the
         sampling copy gets the new weights. Returns the step's stats; `stepped` says whether it stepped."""
+        if self.rule.informative_only and any(map(informative, groups)):  # a silo baseline (RULES)
+            groups = [g for g in groups if informative(g)][:self.rule.resample[0] or None]  # resample: target
         batch, _, adv = self.batch(groups)
         if not bool((adv != 0).any()):
             return dict(stepped=False, zero_adv_frac=1.0, train_tok_per_s=0.0)
@@ -325,7 +339,7 @@ class Algorithm1:
     def log_round(self, r, collected, external, counts, stats, seconds):
         """Step 7: the round's metrics, written as a line of metrics.jsonl."""
         local = collected["groups"]
-        batch, outs = local + external, [c for g in local for c in g.completions]
+        batch, outs = local + collected.get("extra", []) + external, [c for g in local for c in g.completions]
         m = dict(round=r, stepped=stats.pop("stepped"),
                  local_reward=mean([x for g in local for x in g.rewards]),  # the skill: its own rollouts
                  batch_reward=mean([x for g in batch for x in g.rewards]),  # the paper's figure

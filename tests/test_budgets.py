@@ -14,7 +14,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPONENTS = ["reward.py", "model.py", "sample.py", "grpo.py", "swarm.py", "train.py"]  # the README's order
 MARKER = "# ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----"
-BUDGETS = dict(reading=1700, whole=4550, function=60, readme=250,  # lines: reading path, six files, a function, README
+BUDGETS = dict(reading=1700, whole=5500, function=60, readme=250,  # lines: reading path, six files, a function, README
                long_lines=20, long_chars=110, jumps=10, swarm_jumps=5)  # per file, characters, six files, swarm.py
 
 

@@ -49,7 +49,8 @@ def test_reproduce_small_run_writes_the_table_and_figure_and_pairs_the_seeds(tmp
     assert results["sentence"] == sentence and sentence in (out / "table.md").read_text()
     table = (out / "table.md").read_text()
     assert re.search(r"^\| 8/0 \|", table, re.M) and re.search(r"^\| 4/4 \|", table, re.M)
-    assert len(re.findall(r"^\| 4/4\+is \|", table, re.M)) == 3  # the table, per seed, against the paper's rule
+    # the table, per seed, against the paper's rule, and the cost (what its peers sampled, cost.svg beside)
+    assert len(re.findall(r"^\| 4/4\+is \|", table, re.M)) == 4 and (out / "cost.svg").exists()
     corrected = results["configurations"]["4/4+is"]["whole"]
     assert corrected["ratio_to_paper_rule"]["per_seed"][0] == pytest.approx(
         corrected["cumulative_local_reward"]["per_seed"][0]

@@ -199,20 +199,26 @@ def _stalled(url, head, senders, stop, made):
     return threads
 
 
+def _beside_stalled(proc, url, folder, head, senders, token, seconds):
+    """`senders` stalled bodies sent with `head` (_stalled), then an honest client with `token` alternating
+    GET and POST for `seconds`; the server is ended after. Returns their connects and the honest figures."""
+    stop, made = threading.Event(), [0]
+    threads = _stalled(url, head, senders, stop, made)
+    try:
+        time.sleep(3)
+        honest = _honest(url, seconds, headers={"Authorization": f"Bearer {token}"})
+        return {"their_connects": made[0], **honest}
+    finally:
+        _end(proc, folder, stop, threads)
+
+
 def attack_stalled_bodies(senders=8, seconds=15):
     """With a token: `senders` connections without it, each sending a body of 8 MB minus one byte and then
     stalling (again whenever the server closes them), while an honest client with the token alternates
     GET and POST."""
     proc, url, folder = _server(None, "--token", "s3cret")
-    stop, made = threading.Event(), [0]
     head = b"POST /rollouts HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
-    threads = _stalled(url, head, senders, stop, made)
-    try:
-        time.sleep(3)
-        honest = _honest(url, seconds, headers={"Authorization": "Bearer s3cret"})
-        return {"stalled_senders": senders, "their_connects": made[0], **honest}
-    finally:
-        _end(proc, folder, stop, threads)
+    return {"stalled_senders": senders, **_beside_stalled(proc, url, folder, head, senders, "s3cret", seconds)}
 
 
 def attack_stalled_reads(senders=9, seconds=15):
@@ -220,14 +226,8 @@ def attack_stalled_reads(senders=9, seconds=15):
     each declaring a body of 8 MB, sending all of it but one byte and stalling (again whenever the server
     closes them), while an honest client with the token alternates GET and POST."""
     proc, url, folder = _server(None, "--token", "s3cret", "--public-reads")
-    stop, made = threading.Event(), [0]
-    threads = _stalled(url, b"GET /rollouts HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n", senders, stop, made)
-    try:
-        time.sleep(3)
-        honest = _honest(url, seconds, headers={"Authorization": "Bearer s3cret"})
-        return {"stalled_gets": senders, "their_connects": made[0], **honest}
-    finally:
-        _end(proc, folder, stop, threads)
+    head = b"GET /rollouts HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+    return {"stalled_gets": senders, **_beside_stalled(proc, url, folder, head, senders, "s3cret", seconds)}
 
 
 def attack_stalled_writer(bodies=9, seconds=15):
@@ -238,15 +238,8 @@ def attack_stalled_writer(bodies=9, seconds=15):
         f.write("mallory m-token\nhonest h-token\n")
         f.flush()
         proc, url, folder = _server(None, "--peers-file", f.name)
-    stop, made = threading.Event(), [0]
     head = b"POST /rollouts HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer m-token\r\nContent-Length: %d\r\n\r\n"
-    threads = _stalled(url, head, bodies, stop, made)
-    try:
-        time.sleep(3)
-        honest = _honest(url, seconds, headers={"Authorization": "Bearer h-token"})
-        return {"stalled_bodies": bodies, "their_connects": made[0], **honest}
-    finally:
-        _end(proc, folder, stop, threads)
+    return {"stalled_bodies": bodies, **_beside_stalled(proc, url, folder, head, bodies, "h-token", seconds)}
 
 
 def attack_parse_bombs(writers=4, seconds=15):

@@ -570,6 +570,21 @@ def bench_stores(peers=1000, rounds=3, local=4, sample=16, workers=8, stores=("f
     return out
 
 
+def post_until_acknowledged(post, stop):
+    """A writer's retry: post() again (the same batch id) every 0.05 s until a 200 -> its seq, or None once
+    `stop` is set. Refusals and network errors alike are tried again, as a peer's outbox does."""
+    import requests
+    while not stop.is_set():
+        try:
+            r = post()
+            if r.status_code == 200:
+                return r.json()["seq"]
+        except requests.RequestException:
+            pass
+        time.sleep(0.05)
+    return None
+
+
 def bench_kills(cycles=10, writers=16):
     """kill -9 under load, with appendonly yes and appendfsync always: `writers` threads post numbered batches
     through one swarm.py server over a durable redis-server (each posts a batch again, with the same id, until
@@ -591,17 +606,10 @@ def bench_kills(cycles=10, writers=16):
                 key = f"w{w}-{i}"
                 body = {"peer": f"w{w}", "round": i, "batch_id": key,
                         "groups": [dict(_groups(key, 1)[0], metadata={"key": key})]}
-                while not stop.is_set():
-                    try:
-                        r = session.post(url + "/rollouts", json=body, timeout=30)
-                        if r.status_code == 200:
-                            acked.append((key, r.json()["seq"], phase[0]))
-                            break
-                    except requests.RequestException:
-                        pass
-                    time.sleep(0.05)
-                if stop.is_set():
+                seq = post_until_acknowledged(lambda: session.post(url + "/rollouts", json=body, timeout=30), stop)
+                if seq is None:
                     return
+                acked.append((key, seq, phase[0]))
 
         threads = [threading.Thread(target=writer, args=(w,)) for w in range(writers)]
         for t in threads:

@@ -16,6 +16,7 @@ import time
 import pytest
 import requests
 
+import bench
 import swarm
 import train
 from conftest import ROOT, _sw_spawn, _sw_stop
@@ -183,17 +184,11 @@ def _sw_kill_under_writers(target, url, cycles=1, batches=40):
     def writer(name):
         for i in range(10**6):
             key = f"{name}-{i}"
-            while not stop.is_set():
-                try:
-                    r = _sw_post(url(), name, i, [_sw_group(i, metadata={"key": key})], batch_id=key)
-                    if r.status_code == 200:
-                        acked.append((key, r.json()["seq"]))
-                        break
-                except requests.RequestException:
-                    pass
-                time.sleep(0.05)
-            if stop.is_set():
+            seq = bench.post_until_acknowledged(
+                lambda: _sw_post(url(), name, i, [_sw_group(i, metadata={"key": key})], batch_id=key), stop)
+            if seq is None:
                 return
+            acked.append((key, seq))
 
     threads = [threading.Thread(target=writer, args=(f"w{w}",)) for w in range(4)]
     for t in threads:

@@ -215,8 +215,9 @@ class Algorithm1:
         self.publish(r, groups)
         (target, cap), extra = self.rule.resample, []
         for k in range(1, cap // (len(groups) * self.args.generations)):  # batch k + 1 stays within the cap
-            if sum(map(informative, groups + extra)) < target:
-                extra += self.sample_local(r, "more", k)[0]
+            if sum(map(informative, groups + extra)) >= target:
+                break
+            extra += self.sample_local(r, "more", k)[0]
         return dict(groups=groups, extra=extra, sample_seconds=sample_seconds, seconds=time.time() - t0)
 
     def learn(self, r, collected):

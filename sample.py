@@ -160,9 +160,9 @@ class GraphedDecode:
     CUDA graph once per generate() call, with static input buffers, and replayed at every step. This removes
     the per-kernel launch cost that dominates decoding for models this small (the gpt-fast idea). The eager
     step stays the reference and what cuda_graph=False selects; a test checks both give the same logits
-    on the CPU. This path has not yet been run on a GPU (docs/performance.md)."""
+    on the CPU; docs/performance.md has its times on a GPU."""
 
-    def __init__(self, model, cache, pads):
+    def __init__(self, model, cache, pads, step=decode_step):  # step: bench.py's compiled one, say
         S = cache.shape[-2]
         self.tokens = torch.zeros_like(pads)
         self.t = torch.full((), S - 1, dtype=torch.long, device=pads.device)  # a slot never read
@@ -172,11 +172,11 @@ class GraphedDecode:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm up (allocations, kernel choice) outside the graph
                 for _ in range(2):
-                    decode_step(model, cache, self.tokens, self.t, self.pads, S)
+                    step(model, cache, self.tokens, self.t, self.pads, S)
             torch.cuda.current_stream().wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
-                self.logits = decode_step(model, cache, self.tokens, self.t, self.pads, S)
+                self.logits = step(model, cache, self.tokens, self.t, self.pads, S)
 
     def __call__(self, tokens, t):
         self.tokens.copy_(tokens)

@@ -526,3 +526,24 @@ def test_train_launcher_passes_the_reward_to_its_dashboard(tiny, tmp_path, monke
     with pytest.raises(SystemExit, match="no server in this test"):
         train.main(["--peers", "2", "--model", str(tiny), "--out", str(tmp_path / "run")])
     assert got["score"] is reward.score  # (python swarm.py alone judges no content: it shows no rewards)
+
+
+def test_bench_peer_memory_measures_a_whole_peer_against_the_count_train_py_checks(tmp_path):
+    """python bench.py --peer-memory: each --local is a peer in a process of its own that trains 3 rounds, every one
+    a step (coin-flip rewards), and its row holds the bytes measured beside train.peer_memory's count for the
+    same settings. A model that is neither a shape nor a folder is one sentence."""
+    save_tiny(tmp_path / "tiny", std=None)
+    flags = "--tasks repeat_number --max-new-tokens 16"
+    cmd = [sys.executable, os.path.join(ROOT, "bench.py"), "--peer-memory", "--model", str(tmp_path / "tiny"),
+           "--device", "cpu", "--local", "3", "--peer-flags", flags, "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [(r["what"], r["local"], r["steps"]) for r in rows] == [("peer memory", 3, 3)]
+    for r in rows:
+        args = train.parse_args(["--model", str(tmp_path / "tiny"), "--device", "cpu", "--local", str(r["local"]),
+                                 "--external", "0", "--out", str(tmp_path / "x")] + flags.split())
+        assert r["counted_gb"] == pytest.approx(train.peer_memory(*train.model_size(str(tmp_path / "tiny")), args) / 1e9)
+        assert r["measured_gb"] > 0.1  # a process that imported torch, at the least
+    bad = subprocess.run(cmd[:3] + ["--model", str(tmp_path / "none")], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "takes a shape" in bad.stderr.strip().splitlines()[-1]

@@ -147,27 +147,29 @@ class Rule:  # what a peer trains on, named in RULES: a receiver's selection rul
     resample: tuple = (0, 0)     # (target, cap): more questions until `target` are informative (collect)
 
 
-def surprisal(peer, g):
-    """A group's completions' -log-probs per character (a stop token is one) under the peer's own model."""
-    batch = grpo.pack([(g.prompt, g.completions)], peer.pad_id, peer.stop_ids, peer.args.device)
-    with torch.no_grad():
-        logp = grpo.completion_logprobs(peer.model, batch, peer.args.temperature, peer.amp_dtype).sum(1)
-    return [-lp / max(len(t) + s, 1) for lp, t, s in zip(logp.tolist(), g.texts, g.stopped)]
-
-
-def plausible(peer, groups):
-    """The shared groups the receiver could have written: half or more of their completions no more surprising
-    per character to its own model than the median of its own this round, whatever tokenizer wrote them."""
-    own = sorted(x for g in peer.own for x in surprisal(peer, g))
-    median = own[len(own) // 2] if own else float("inf")
-    return [g for g in groups if 2 * sum(x <= median for x in surprisal(peer, g)) >= len(g.completions)]
+def whole(peer, groups):
+    """Of each shared group, the completions that fit the receiver's own length limit as their sender wrote
+    them, if they still disagree: one it must cut (retokenise) is a fragment no policy wrote, scored as if
+    one had. In a swarm of one tokenizer and one limit only a text that re-tokenises longer is cut."""
+    def uncut(text, stopped):  # retokenise's test, on the text as it was sent
+        ids = peer.tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return len(ids) + stopped <= peer.args.max_new_tokens
+    kept = []
+    for g in groups:
+        k = [i for i, sent in enumerate(zip(g.item["completions"], g.item["stopped"])) if uncut(*sent)]
+        part = {f: [getattr(g, f)[i] for i in k] for f in ("completions", "texts", "stopped", "rewards")}
+        h = dataclasses.replace(g, **part, logprobs=g.logprobs and [g.logprobs[i] for i in k])
+        kept += [h] * informative(h)
+    return kept
 
 
 RULES = {  # the paper's rule first, the default; a variant is a line here (reproduce.py: I/J+NAME)
     "paper": Rule("drop shared groups whose rewards are all equal, draw J of the rest uniformly"),
     "keep-all": Rule("keep shared groups whose rewards are all equal too", keep=lambda g: True),
     "is": Rule("the paper's, against the senders' log-probs", flags=(("shared_logprobs", True),)),
-    "plausible": Rule("the paper's, of the shared groups its own model could have written", judge=plausible),
+    "plausible": Rule("the paper's, of the shared groups its own model could have written",
+                      judge=lambda peer, groups: plausible(peer, groups)),  # below the marker line
+    "whole": Rule("the paper's, of the shared completions that fit its own length limit uncut", judge=whole),
     "informative-norm": Rule("a silo whose loss counts only informative groups", informative_only=True),
     "resample": Rule("a silo that samples I more questions at a time until 5 groups are informative, within "
                      "512 completions (DAPO's dynamic sampling)", informative_only=True, resample=(5, 512)),
@@ -362,6 +364,26 @@ def mean(xs):
 
 # ----- Nothing below this line is needed to understand SAPO: plumbing follows. -----
 # The flags and their checks, the peer's loading, loop and checkpoints, the launcher, the plot, the command line.
+
+
+# -----------------------------------------------------------------------------
+# a receiver's judge beyond the paper, kept for its measurements: plausible (docs/offpolicy.md)
+
+
+def surprisal(peer, g):
+    """A group's completions' -log-probs per character (a stop token is one) under the peer's own model."""
+    batch = grpo.pack([(g.prompt, g.completions)], peer.pad_id, peer.stop_ids, peer.args.device)
+    with torch.no_grad():
+        logp = grpo.completion_logprobs(peer.model, batch, peer.args.temperature, peer.amp_dtype).sum(1)
+    return [-lp / max(len(t) + s, 1) for lp, t, s in zip(logp.tolist(), g.texts, g.stopped)]
+
+
+def plausible(peer, groups):
+    """The shared groups the receiver could have written: half or more of their completions no more surprising
+    per character to its own model than the median of its own this round, whatever tokenizer wrote them."""
+    own = sorted(x for g in peer.own for x in surprisal(peer, g))
+    median = own[len(own) // 2] if own else float("inf")
+    return [g for g in groups if 2 * sum(x <= median for x in surprisal(peer, g)) >= len(g.completions)]
 
 
 def parse_args(argv=None):

@@ -15,6 +15,7 @@ import torch
 import model as M
 import reproduce
 import reward
+import swarm
 import train
 from test_all import FakeClient, quiet, spread_rewards, tiny, tiny_args, wire_group  # noqa: F401 (a fixture)
 
@@ -102,11 +103,39 @@ def test_a_receiver_never_trains_on_a_shared_group_its_own_model_rejects(tiny, t
     assert trained == {"plausible": [0], "paper": [0, 1]}
 
 
-def test_a_receivers_judge_needs_nothing_a_sender_could_forge(tiny, tmp_path, monkeypatch):
-    """plausible reads the receiver's own model and the text: a group that claims other log-probs, token
-    ids, tokenizer, model or sender gets the same surprisal and the same verdict as the honest one."""
+def test_a_receiver_never_trains_on_a_fragment_its_own_limit_cut(tiny, tmp_path, monkeypatch):
+    """whole: of a shared group only the completions that fit the receiver's own length limit uncut reach the
+    GRPO step, and a group they leave all equal is dropped whole. At a limit of 6 tokens the first group
+    keeps all three (the third did not stop, but it is whole: 5 tokens), the second loses its only right
+    answer (8 tokens with its stop, cut to 6) and goes; the paper's rule trains the fragment. At a limit of
+    8 nothing is cut, and whole trains on exactly what the paper's rule trains on."""
     _score_shared_only(monkeypatch)
-    peer = train.Peer(tiny_args(tmp_path, "--name", "r", "--rule", "plausible", "--shared-logprobs"), log=quiet,
+    rng, trained = random.Random(0), {}
+    items = [reward.TASKS["repeat_number"].generate(rng) for _ in range(2)]
+    right = [f"<answer> {x['answer']} </answer>" for x in items]
+    sent = [(right[0], True), ("no", True), (right[0] + " 1 2", False)], [(right[1] + " 1 2 3 4", True), ("no", True)]
+    shared = [dict(swarm.wire_group(x["task"], x["question"], x["answer"], [c for c, _ in cs], [s for _, s in cs],
+                                    x["metadata"], "tiny"), peer="other", round=0, seq=k + 1)
+              for k, (x, cs) in enumerate(zip(items, sent))]
+    for rule, limit in (("whole", 6), ("paper", 6), ("whole", 8), ("paper", 8)):
+        peer = train.Peer(tiny_args(tmp_path, "--name", f"{rule}-{limit}", "--rule", rule, "--max-new-tokens",
+                                    str(limit)), log=quiet, client=FakeClient())
+        peer.client.queue = [dict(g) for g in shared]
+        m, given = _learn(peer)
+        trained[rule, limit] = sorted((g.item["seq"], g.stopped) for g in given if g.external)
+        assert m["external_survived"] == len(trained[rule, limit]) and not peer.pool
+    assert trained["whole", 6] == [(1, [True, True, False])]
+    assert trained["paper", 6] == [(1, [True, True, False]), (2, [False, True])]
+    assert trained["whole", 8] == trained["paper", 8] == [(1, [True, True, False]), (2, [True, True])]
+
+
+@pytest.mark.parametrize("rule", ["plausible", "whole"])
+def test_a_receivers_judge_needs_nothing_a_sender_could_forge(tiny, tmp_path, monkeypatch, rule):
+    """plausible and whole read what the receiver trains on (the text as its own tokens, cut at its own
+    limit) and, plausible, its own model: a group that claims other log-probs, token ids, tokenizer, model or
+    sender gets the same surprisal and the same verdict as the honest one."""
+    monkeypatch.setattr(reward, "score", lambda item, text: float("peer" in item and "<answer>" in text))
+    peer = train.Peer(tiny_args(tmp_path, "--name", "r", "--rule", rule, "--shared-logprobs"), log=quiet,
                       client=FakeClient())
     peer.own = peer.sample_local(0)[0]
     honest = wire_group(reward.TASKS["repeat_number"].generate(random.Random(0)))
@@ -118,9 +147,9 @@ def test_a_receivers_judge_needs_nothing_a_sender_could_forge(tiny, tmp_path, mo
 
     def judged(g):
         x = train.external_group(peer.tok, g, peer.stop_id, 6, False, quiet)
-        return train.surprisal(peer, x), len(peer.rule.judge(peer, [x]))
+        return train.surprisal(peer, x), [g.completions for g in peer.rule.judge(peer, [x])]
 
-    assert peer.rule is train.RULES["plausible"] and peer.rule.judge is not None
+    assert peer.rule is train.RULES[rule] and peer.rule.judge is not None
     for claim in claims:
         assert judged({**honest, **claim}) == judged(honest), claim
 

@@ -15,7 +15,8 @@ is the silo baseline. The measure is cumulative reward, every peer's reward summ
 as a ratio to 8/0 seed by seed (peer k of every configuration gets the same questions and sampling
 seeds). I/J+NAME runs the receivers' selection rule NAME of train.RULES instead of the paper's (4/4+is,
 beyond the paper, trains shared completions against their senders' log-probs; 4/4+keep-all keeps shared
-groups whose rewards are all equal; 4/4+plausible only those the receiver's own model could have written).
+groups whose rewards are all equal; 4/4+plausible only those the receiver's own model could have written;
+4/4+whole only the shared completions that fit the receiver's own length limit uncut).
 docs/reproduce.md says what the toy is, why sharing helps it, and what the lab, the diagnosis, the sweep
 and the mixed swarm found.
 

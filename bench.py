@@ -52,6 +52,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -424,7 +425,7 @@ def peer_memory_side(args):
     out = tempfile.mkdtemp(prefix="nanosapo-peer-")
     argv = ["--model", args.peer_memory_side, "--device", args.device, "--rounds", "3", "--out", out,
             "--local", str(args.local[0]), "--external", "0", "--quiet", "--save-every", "0"]
-    targs = train.parse_args(argv + args.peer_flags.split())
+    targs = train.parse_args(argv + shlex.split(args.peer_flags))
     cuda = targs.device.type == "cuda"
     if cuda:
         free, total = torch.cuda.mem_get_info()
@@ -855,6 +856,10 @@ def main():
     if args.peer_memory:
         if min(args.local) < 1:
             p.error("--local needs at least 1 group a round")
+        try:
+            shlex.split(args.peer_flags)
+        except ValueError as e:
+            p.error(f"--peer-flags is not one line of flags: {e}")
         for name in models:
             if name not in SHAPES and not os.path.isdir(name):
                 p.error(f"--peer-memory takes a shape ({', '.join(SHAPES)}) or a model folder, not {name!r}")

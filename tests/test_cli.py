@@ -531,7 +531,7 @@ def test_train_launcher_passes_the_reward_to_its_dashboard(tiny, tmp_path, monke
 def test_bench_peer_memory_measures_a_whole_peer_against_the_count_train_py_checks(tmp_path):
     """python bench.py --peer-memory: each --local is a peer in a process of its own that trains 3 rounds, every one
     a step (coin-flip rewards), and its row holds the bytes measured beside train.peer_memory's count for the
-    same settings. A model that is neither a shape nor a folder is one sentence."""
+    same settings. A model that is neither a shape nor a folder, or flags that do not split, is one sentence."""
     save_tiny(tmp_path / "tiny", std=None)
     flags = "--tasks repeat_number --max-new-tokens 16"
     cmd = [sys.executable, os.path.join(ROOT, "bench.py"), "--peer-memory", "--model", str(tmp_path / "tiny"),
@@ -545,5 +545,7 @@ def test_bench_peer_memory_measures_a_whole_peer_against_the_count_train_py_chec
                                  "--external", "0", "--out", str(tmp_path / "x")] + flags.split())
         assert r["counted_gb"] == pytest.approx(train.peer_memory(*train.model_size(str(tmp_path / "tiny")), args) / 1e9)
         assert r["measured_gb"] > 0.1  # a process that imported torch, at the least
-    bad = subprocess.run(cmd[:3] + ["--model", str(tmp_path / "none")], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "takes a shape" in bad.stderr.strip().splitlines()[-1]
+    for wrong, says in ((["--model", str(tmp_path / "none")], "takes a shape"),
+                        (["--model", str(tmp_path / "tiny"), "--peer-flags", '--tasks "x'], "not one line of flags")):
+        bad = subprocess.run(cmd[:3] + wrong, capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and says in bad.stderr.strip().splitlines()[-1]

@@ -21,14 +21,17 @@ student changing a component file runs test_all.py; these guard what a change ca
   test_glossary.py     docs/glossary.md is what docs/glossary.py writes from the code
 
 This file puts the repository on the path, hands the test files the specification's fixtures (tiny,
-_sw_server, _sw_clients), the swarm server as a process of its own (_sw_spawn, _sw_stop), and the
-processes whose command line holds some text (_processes_mentioning).
+_sw_server, _sw_clients), the swarm server as a process of its own (_sw_spawn, _sw_stop), a stand-in
+server whose every answer a test writes (fake_server), and the processes whose command line holds some
+text (_processes_mentioning).
 """
 
+import json
 import os
 import re
 import subprocess
 import sys
+import threading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -36,6 +39,34 @@ sys.path.insert(0, ROOT)
 from test_all import _sw_clients, _sw_server, tiny  # noqa: E402, F401 (fixtures: pytest finds them here)
 
 _SW_SCRIPT = os.path.join(ROOT, "swarm.py")
+
+
+def fake_server(answer):
+    """A stand-in server on loopback: every GET and POST is answered by answer(method, path, body) -> (status,
+    a JSON-able reply or bytes[, headers]). -> (the server, its URL); the caller shuts it down."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            status, reply, *headers = answer(self.command, self.path, body)
+            reply = reply if isinstance(reply, bytes) else json.dumps(reply).encode()
+            self.send_response(status)
+            for name, value in (headers[0] if headers else {}).items():
+                self.send_header(name, value)
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.handle_error = lambda request, address: None  # a client that hangs up mid-reply is no news here
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
 
 
 def _sw_spawn(folder, log_path, *flags, preexec_fn=None):

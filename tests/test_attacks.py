@@ -31,6 +31,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (run as a script)
 import bench  # noqa: E402
 from bench import _cpu_seconds, _end, _groups, _pct, _read_all, _rss_mb, _server  # noqa: E402
+from conftest import fake_server  # noqa: E402
 
 
 def attack_flood(slow=500, seconds=20):
@@ -557,27 +558,6 @@ def attack_client(calls=50):
             server.shutdown()
 
 
-def _fake_server(answer):
-    """A server on loopback whose every GET is answered by answer(path) -> (status, body bytes)."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            status, body = answer(self.path)
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.handle_error = lambda request, address: None  # a client that hangs up mid-reply is no news here
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
-
-
 def _longest_stall(seconds, client=None):
     """The training thread: short steps of work, asking the client for a read (fetch(), which never
     waits) every 0.1 s, as a round would -> the longest it stood still, in seconds."""
@@ -602,11 +582,11 @@ def attack_large_reply(mb=32, seconds=10, closes=5):
     body = b'{"groups":[' + b",".join([b"{}"] * ((mb << 20) // 3)) + b'],"last":1}'
     sent = threading.Event()
 
-    def answer(path):
+    def answer(method, path, request_body):
         sent.set()
         return 200, body
 
-    httpd, url = _fake_server(answer)
+    httpd, url = fake_server(answer)
     log = io.StringIO()
     try:
         with contextlib.redirect_stderr(log):
@@ -642,10 +622,10 @@ def attack_poisoned_reads(groups=40, seconds=8):
     import swarm
     stored = []
 
-    def answer(path):  # every sampled read: all the groups so far (the client hands out none twice)
-        return 200, json.dumps({"groups": stored, "last": len(stored)}).encode()
+    def answer(method, path, body):  # every sampled read: all the groups so far (the client hands out none twice)
+        return 200, {"groups": stored, "last": len(stored)}
 
-    httpd, url = _fake_server(answer)
+    httpd, url = fake_server(answer)
     log, got = io.StringIO(), []
     try:
         with contextlib.redirect_stderr(log):
@@ -1022,8 +1002,6 @@ def attack_client_reads(rounds=60, link_seconds=6, seconds=10):
     """Two peers on a real server, each round publishing a batch and a metrics row and asking for a read,
     rounds 0.01 to 0.1 s apart: the groups each received. Then a peer whose server takes `link_seconds` to take each
     batch (a 6 MB batch on a 1 MB/s link), asking for a read every 0.1 s for `seconds`: the reads done."""
-    import json as json_
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     import swarm
     proc, url, folder = _server()
     received, rng = {}, random.Random(0)
@@ -1046,31 +1024,18 @@ def attack_client_reads(rounds=60, link_seconds=6, seconds=10):
             t.join()
     finally:
         _end(proc, folder)
-    reads, stored = [0], json_.dumps({"groups": [dict(g, peer="other", round=0, seq=1, time=1.7e9)
-                                                 for g in _groups("other", 1)], "last": 1}).encode()
+    reads, stored = [0], {"groups": [dict(g, peer="other", round=0, seq=1, time=1.7e9) for g in _groups("other", 1)],
+                          "last": 1}
 
-    class SlowLink(BaseHTTPRequestHandler):
-        def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
+    def slow_link(method, path, body):
+        if method == "POST":
             time.sleep(link_seconds)  # what the batch takes to cross the link
-            self._answer(json_.dumps({"accepted": 4, "seq": 4}).encode())
+            return 200, {"accepted": 4, "seq": 4}
+        reads[0] += 1
+        return 200, stored
 
-        def do_GET(self):
-            reads[0] += 1
-            self._answer(stored)
-
-        def _answer(self, body):
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), SlowLink)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    client = swarm.connect(f"http://127.0.0.1:{httpd.server_address[1]}", "slow", 4)
+    httpd, url = fake_server(slow_link)
+    client = swarm.connect(url, "slow", 4)
     try:
         t0 = time.time()
         for r in range(4):

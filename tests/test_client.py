@@ -14,6 +14,7 @@ import pytest
 import requests
 
 import swarm
+from conftest import fake_server
 from test_all import _free_port, _sw_group, _sw_post, _sw_read_all, _sw_stored
 
 
@@ -71,8 +72,6 @@ def test_swarm_client_back_online_says_whether_anything_waited(tmp_path, capsys,
 
 
 def test_swarm_client_checks_every_group_it_receives(capsys, _sw_clients):
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     def stored(n, **change):
         g = dict(_sw_group(n), peer="mallory", round=1, seq=n, time=1.0e9)
         g.update(change)
@@ -82,21 +81,10 @@ def test_swarm_client_checks_every_group_it_receives(capsys, _sw_clients):
               stored(5, peer="<b>"), stored(6, time=KeyError), stored(7, question=None), "not a group",
               stored(8), stored(8), stored(9, seq=99)]
 
-    class Hostile(BaseHTTPRequestHandler):
-        def do_GET(self):  # every sampled read: the same groups (the client hands out none twice)
-            body = json.dumps({"groups": groups, "last": 99}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    # every sampled read: the same groups (the client hands out none twice)
+    httpd, url = fake_server(lambda method, path, body: (200, {"groups": groups, "last": 99}))
     try:
-        client = _sw_clients(f"http://127.0.0.1:{httpd.server_address[1]}", "alice")
+        client = _sw_clients(url, "alice")
         assert client.flush(10) and client.flush(10)
         got = client.fetch()
         assert [g["seq"] for g in got] == [1, 8, 99] and all(isinstance(g["completions"], list) for g in got)
@@ -112,32 +100,13 @@ def test_swarm_client_checks_every_group_it_receives(capsys, _sw_clients):
 @pytest.fixture
 def _sw_fake():
     """Make servers with _sw_fake(answer): every request is answered by answer(method, path, body) ->
-    (status, a JSON-able reply or bytes[, headers]). Every one is shut at the end of the test."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    (status, a JSON-able reply or bytes[, headers]) (conftest.fake_server). Every one is shut at the end."""
     made = []
 
     def make(answer):
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                status, reply, *headers = answer(self.command, self.path, body)
-                reply = reply if isinstance(reply, bytes) else json.dumps(reply).encode()
-                self.send_response(status)
-                for name, value in (headers[0] if headers else {}).items():
-                    self.send_header(name, value)
-                self.send_header("Content-Length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply)
-
-            do_POST = do_GET
-
-            def log_message(self, *args):
-                pass
-
-        made.append(ThreadingHTTPServer(("127.0.0.1", 0), Handler))
-        made[-1].handle_error = lambda request, address: None  # a client that hangs up is no news
-        threading.Thread(target=made[-1].serve_forever, daemon=True).start()
-        return f"http://127.0.0.1:{made[-1].server_address[1]}"
+        httpd, url = fake_server(answer)
+        made.append(httpd)
+        return url
 
     yield make
     for httpd in made:

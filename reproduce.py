@@ -210,7 +210,7 @@ def in_silo(rule):
     """Whether a rule of train.RULES is a silo baseline (it changes what a peer makes of its own groups),
     not a receiver's selection rule: 8/0+informative-norm and 8/0+resample, never 4/4+resample."""
     r = train.RULES[rule]
-    return r.informative_only or r.resample[0] > 0
+    return r.informative_only or r.resample[0] > 0 or r.push_down == "none"
 
 
 def name(config):

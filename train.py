@@ -145,6 +145,7 @@ class Rule:  # what a peer trains on, named in RULES: a receiver's selection rul
     judge: object = None         # judge(peer, groups): the kept groups that the receiver's own model keeps
     informative_only: bool = False  # the loss, its normaliser too, counts only informative groups
     resample: tuple = (0, 0)     # (target, cap): more questions until `target` are informative (collect)
+    push_down: str = "all"       # whose completions below their group's mean are pushed down: "all", "own", "none"
 
 
 def whole(peer, groups):
@@ -173,6 +174,10 @@ RULES = {  # the paper's rule first, the default; a variant is a line here (repr
     "informative-norm": Rule("a silo whose loss counts only informative groups", informative_only=True),
     "resample": Rule("a silo that samples I more questions at a time until 5 groups are informative, within "
                      "512 completions (DAPO's dynamic sampling)", informative_only=True, resample=(5, 512)),
+    "positive": Rule("the paper's, but a shared completion below its group's mean is not pushed down: the "
+                     "receiver learns another policy's successes, never its failures", push_down="own"),
+    "positive-silo": Rule("a silo that pushes down none of its own failures either: positive's control",
+                          push_down="none"),
     "is-wide": Rule("the paper's against the senders' log-probs, a shared token's ratio clipped at 3, not 1.28",
                     flags=(("shared_logprobs", True), ("epsilon_high", 2.0))),
 }
@@ -301,9 +306,13 @@ class Algorithm1:
 
     def batch(self, groups):
         """The groups as GRPO's batch: (prompt ids, [completion ids, ...]) each, to be packed into one row,
-        the rewards, and group-normalised advantages, one per completion."""
+        the rewards, and group-normalised advantages, one per completion. A rule that pushes down only its
+        own failures (RULES: positive) gives a shared completion below its group's mean 0; "none", any."""
         rewards = torch.tensor([x for g in groups for x in g.rewards])
         advantages = grpo.group_advantages(rewards, [len(g.rewards) for g in groups], self.args.adv_scale)
+        if self.rule.push_down != "all":
+            spared = torch.tensor([g.external or self.rule.push_down == "none" for g in groups for _ in g.rewards])
+            advantages = advantages.masked_fill(spared & (advantages < 0), 0.0)
         return [(g.prompt, g.completions) for g in groups], rewards, advantages
 
     def behaviour(self, groups):

@@ -129,6 +129,48 @@ def test_a_receiver_never_trains_on_a_fragment_its_own_limit_cut(tiny, tmp_path,
     assert trained["whole", 8] == trained["paper", 8] == [(1, [True, True, False]), (2, [True, True])]
 
 
+def test_a_receiver_never_trains_on_a_shared_failure(tiny, tmp_path, monkeypatch):
+    """positive: a shared completion below its group's mean reaches the GRPO step with an advantage of 0, so
+    what it says cannot move the receiver's weights: after a round whose only informative group is shared,
+    the weights are the same to the bit whichever wrong answer (two known tokens) it holds. The paper's
+    rule, given the same groups, trains on it: its weights differ."""
+    _score_shared_only(monkeypatch)
+    item = reward.TASKS["repeat_number"].generate(random.Random(0))
+    right, weights = f"<answer> {item['answer']} </answer>", {}
+    for rule in ("positive", "paper"):
+        for wrong in ("12 13", "14 15"):
+            peer = train.Peer(tiny_args(tmp_path, "--name", f"{rule}-{wrong[:2]}", "--rule", rule), log=quiet,
+                              client=FakeClient())
+            assert len(set(peer.tok(wrong, add_special_tokens=False)["input_ids"]) - {peer.tok.unk_token_id}) == 2
+            peer.client.queue = [wire_group(item, completions=[right, wrong])]
+            m, given = _learn(peer)
+            assert m["stepped"] and [g.texts for g in given if g.external] == [[right, wrong]]
+            weights[rule, wrong] = torch.cat([p.detach().flatten() for p in peer.model.parameters()])
+    assert torch.equal(weights["positive", "12 13"], weights["positive", "14 15"])
+    assert not torch.equal(weights["paper", "12 13"], weights["paper", "14 15"])
+
+
+def test_a_receivers_advantages_under_positive_need_nothing_a_sender_could_forge(tiny, tmp_path):
+    """positive decides from the rewards the receiver's own verifier gives the text it trains on: a group
+    that claims other log-probs, token ids, tokenizer, model or sender gets the same advantages."""
+    peer = train.Peer(tiny_args(tmp_path, "--name", "r", "--rule", "positive"), log=quiet, client=FakeClient())
+    honest = wire_group(reward.TASKS["repeat_number"].generate(random.Random(0)), completions=["<answer>", "no",
+                                                                                              "a", "b"])
+    ids = [peer.tok(c, add_special_tokens=False)["input_ids"] + [peer.stop_id] for c in honest["completions"]]
+    claims = [dict(model="another-model"), dict(peer="someone", round=7),
+              dict(token_ids=ids, logprobs=[[0.0] * len(x) for x in ids], tokenizer=train.tokenizer_fingerprint(peer.tok)),
+              dict(token_ids=ids, logprobs=[[-1e4] * len(x) for x in ids], tokenizer="vocab-another")]
+
+    def advantages(g):
+        return peer.batch([train.external_group(peer.tok, g, peer.stop_id, 6, False, quiet)])[2].tolist()
+
+    assert advantages(honest) == pytest.approx([0.0, 0.0, 0.0, 0.0])  # rewards all equal: nothing to learn
+    honest["completions"][0] = f"<answer> {honest['answer']} </answer>"
+    assert advantages(honest) == pytest.approx([1.5, 0.0, 0.0, 0.0], abs=1e-3)  # one right of four: 0.75 / 0.5
+    for claim in claims:
+        assert advantages({**honest, **claim}) == advantages(honest), claim
+
+
 @pytest.mark.parametrize("rule", ["plausible", "whole"])
 def test_a_receivers_judge_needs_nothing_a_sender_could_forge(tiny, tmp_path, monkeypatch, rule):
     """plausible and whole read what the receiver trains on (the text as its own tokens, cut at its own

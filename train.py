@@ -145,23 +145,7 @@ class Rule:  # what a peer trains on, named in RULES: a receiver's selection rul
     judge: object = None         # judge(peer, groups): the kept groups that the receiver's own model keeps
     informative_only: bool = False  # the loss, its normaliser too, counts only informative groups
     resample: tuple = (0, 0)     # (target, cap): more questions until `target` are informative (collect)
-    push_down: str = "all"       # whose completions below their group's mean are pushed down: "all", "own", "none"
-
-
-def whole(peer, groups):
-    """Of each shared group, the completions that fit the receiver's own length limit as their sender wrote
-    them, if they still disagree: one it must cut (retokenise) is a fragment no policy wrote, scored as if
-    one had. In a swarm of one tokenizer and one limit only a text that re-tokenises longer is cut."""
-    def uncut(text, stopped):  # retokenise's test, on the text as it was sent
-        ids = peer.tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        return len(ids) + stopped <= peer.args.max_new_tokens
-    kept = []
-    for g in groups:
-        k = [i for i, sent in enumerate(zip(g.item["completions"], g.item["stopped"])) if uncut(*sent)]
-        part = {f: [getattr(g, f)[i] for i in k] for f in ("completions", "texts", "stopped", "rewards")}
-        h = dataclasses.replace(g, **part, logprobs=g.logprobs and [g.logprobs[i] for i in k])
-        kept += [h] * informative(h)
-    return kept
+    push_down: str = "all"       # whose completions below their group's mean are pushed down: all, own, none
 
 
 RULES = {  # the paper's rule first, the default; a variant is a line here (reproduce.py: I/J+NAME)
@@ -170,7 +154,8 @@ RULES = {  # the paper's rule first, the default; a variant is a line here (repr
     "is": Rule("the paper's, against the senders' log-probs", flags=(("shared_logprobs", True),)),
     "plausible": Rule("the paper's, of the shared groups its own model could have written",
                       judge=lambda peer, groups: plausible(peer, groups)),  # below the marker line
-    "whole": Rule("the paper's, of the shared completions that fit its own length limit uncut", judge=whole),
+    "whole": Rule("the paper's, of the shared completions that fit its own length limit uncut",
+                  judge=lambda peer, groups: whole(peer, groups)),  # below the marker line
     "informative-norm": Rule("a silo whose loss counts only informative groups", informative_only=True),
     "resample": Rule("a silo that samples I more questions at a time until 5 groups are informative, within "
                      "512 completions (DAPO's dynamic sampling)", informative_only=True, resample=(5, 512)),
@@ -310,9 +295,9 @@ class Algorithm1:
         own failures (RULES: positive) gives a shared completion below its group's mean 0; "none", any."""
         rewards = torch.tensor([x for g in groups for x in g.rewards])
         advantages = grpo.group_advantages(rewards, [len(g.rewards) for g in groups], self.args.adv_scale)
-        if self.rule.push_down != "all":
-            spared = torch.tensor([g.external or self.rule.push_down == "none" for g in groups for _ in g.rewards])
-            advantages = advantages.masked_fill(spared & (advantages < 0), 0.0)
+        if self.rule.push_down != "all":  # spared: shared completions ("own"), or every one ("none")
+            spared = [g.external or self.rule.push_down == "none" for g in groups for _ in g.rewards]
+            advantages = advantages.masked_fill(torch.tensor(spared) & (advantages < 0), 0.0)
         return [(g.prompt, g.completions) for g in groups], rewards, advantages
 
     def behaviour(self, groups):
@@ -376,7 +361,7 @@ def mean(xs):
 
 
 # -----------------------------------------------------------------------------
-# a receiver's judge beyond the paper, kept for its measurements: plausible (docs/offpolicy.md)
+# a receiver's judges beyond the paper, kept for their measurements: plausible, whole (docs/offpolicy.md)
 
 
 def surprisal(peer, g):
@@ -393,6 +378,22 @@ def plausible(peer, groups):
     own = sorted(x for g in peer.own for x in surprisal(peer, g))
     median = own[len(own) // 2] if own else float("inf")
     return [g for g in groups if 2 * sum(x <= median for x in surprisal(peer, g)) >= len(g.completions)]
+
+
+def whole(peer, groups):
+    """Of each shared group, the completions that fit the receiver's own length limit as their sender wrote
+    them, if they still disagree: one it must cut (retokenise) is a fragment no policy wrote, scored as if
+    one had. In a swarm of one tokenizer and one limit only a text that re-tokenises longer is cut."""
+    def uncut(text, stopped):  # retokenise's test, on the text as it was sent
+        ids = peer.tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return len(ids) + stopped <= peer.args.max_new_tokens
+    kept = []
+    for g in groups:
+        k = [i for i, sent in enumerate(zip(g.item["completions"], g.item["stopped"])) if uncut(*sent)]
+        part = {f: [getattr(g, f)[i] for i in k] for f in ("completions", "texts", "stopped", "rewards")}
+        h = dataclasses.replace(g, **part, logprobs=g.logprobs and [g.logprobs[i] for i in k])
+        kept += [h] * informative(h)
+    return kept
 
 
 def parse_args(argv=None):

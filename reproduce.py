@@ -207,10 +207,9 @@ def parse_configs(text):
 
 
 def in_silo(rule):
-    """Whether a rule of train.RULES is a silo baseline (it changes what a peer makes of its own groups),
-    not a receiver's selection rule: 8/0+informative-norm and 8/0+resample, never 4/4+resample."""
-    r = train.RULES[rule]
-    return r.informative_only or r.resample[0] > 0 or r.push_down == "none"
+    """Whether a rule of train.RULES is a silo baseline (Rule.silo: it changes what a peer makes of its own
+    groups), not a receiver's selection rule: 8/0+resample and 8/0+positive-silo, never 4/4+resample."""
+    return train.RULES[rule].silo
 
 
 def name(config):

@@ -2727,16 +2727,16 @@ def test_train_a_group_is_external_by_its_own_field_not_by_what_its_item_holds(t
 def test_train_rules_that_push_down_fewer_failures_zero_only_those_negative_advantages(tiny, tmp_path):
     """--rule positive: batch() gives a shared completion below its group's mean an advantage of 0; the
     shared one above it, and every completion of the peer's own groups, keep the group's advantage.
-    positive-silo, its control, zeroes every negative advantage, its own too."""
+    positive-all, and positive-silo (its silo, the control), zero every negative advantage, its own too."""
     own = train.Group({}, [9], [[5], [6]], ["", ""], [True, True], [1.0, 0.0])
     theirs = dataclasses.replace(own, external=True)
     adv = {}
-    for rule in ("paper", "positive", "positive-silo"):
+    for rule in ("paper", "positive", "positive-all", "positive-silo"):
         peer = train.Peer(tiny_args(tmp_path, "--name", rule, "--rule", rule), log=quiet, client=FakeClient())
         adv[rule] = peer.batch([own, theirs])[2].tolist()
     assert adv["paper"] == pytest.approx([0.7071, -0.7071, 0.7071, -0.7071], abs=1e-4)
     assert adv["positive"] == pytest.approx([0.7071, -0.7071, 0.7071, 0.0], abs=1e-4)
-    assert adv["positive-silo"] == pytest.approx([0.7071, 0.0, 0.7071, 0.0], abs=1e-4)
+    assert adv["positive-all"] == adv["positive-silo"] == pytest.approx([0.7071, 0.0, 0.7071, 0.0], abs=1e-4)
 
 
 def test_train_every_row_is_trained_up_to_its_first_stop_only(tiny, tmp_path, monkeypatch):

@@ -146,6 +146,7 @@ class Rule:  # what a peer trains on, named in RULES: a receiver's selection rul
     informative_only: bool = False  # the loss, its normaliser too, counts only informative groups
     resample: tuple = (0, 0)     # (target, cap): more questions until `target` are informative (collect)
     push_down: str = "all"       # whose completions below their group's mean are pushed down: all, own, none
+    silo: bool = False           # a silo baseline, run with J = 0 only: it changes what a peer does alone
 
 
 RULES = {  # the paper's rule first, the default; a variant is a line here (reproduce.py: I/J+NAME)
@@ -156,13 +157,16 @@ RULES = {  # the paper's rule first, the default; a variant is a line here (repr
                       judge=lambda peer, groups: plausible(peer, groups)),  # below the marker line
     "whole": Rule("the paper's, of the shared completions that fit its own length limit uncut",
                   judge=lambda peer, groups: whole(peer, groups)),  # below the marker line
-    "informative-norm": Rule("a silo whose loss counts only informative groups", informative_only=True),
+    "informative-norm": Rule("a silo whose loss counts only informative groups", informative_only=True,
+                             silo=True),
     "resample": Rule("a silo that samples I more questions at a time until 5 groups are informative, within "
-                     "512 completions (DAPO's dynamic sampling)", informative_only=True, resample=(5, 512)),
+                     "512 completions (DAPO's dynamic sampling)", informative_only=True, resample=(5, 512),
+                     silo=True),
     "positive": Rule("the paper's, but a shared completion below its group's mean is not pushed down: the "
                      "receiver learns another policy's successes, never its failures", push_down="own"),
-    "positive-silo": Rule("a silo that pushes down none of its own failures either: positive's control",
-                          push_down="none"),
+    "positive-all": Rule("positive, and its own failures are not pushed down either", push_down="none"),
+    "positive-silo": Rule("a silo that pushes down none of its failures: positive-all alone, the control",
+                          push_down="none", silo=True),
     "is-wide": Rule("the paper's against the senders' log-probs, a shared token's ratio clipped at 3, not 1.28",
                     flags=(("shared_logprobs", True), ("epsilon_high", 2.0))),
 }

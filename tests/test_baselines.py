@@ -122,9 +122,11 @@ def test_the_silo_baselines_are_rules_of_the_registry():
     assert train.RULES["resample"].resample == (5, 512) and train.RULES["resample"].informative_only
     assert "5 groups are informative" in train.RULES["resample"].what and "512 completions" in train.RULES[
         "resample"].what
-    assert reproduce.parse_configs("8/0,8/0+informative-norm,8/0+resample,4/4") == [
-        (8, 0), (8, 0, "informative-norm"), (8, 0, "resample"), (4, 4)]
-    for wrong in ("8/0,4/4+resample", "8/0,4/4+informative-norm", "8/0,8/0+is"):
+    assert reproduce.parse_configs("8/0,8/0+informative-norm,8/0+resample,4/4,8/0+positive-silo,4/4+positive-all") == [
+        (8, 0), (8, 0, "informative-norm"), (8, 0, "resample"), (4, 4), (8, 0, "positive-silo"), (4, 4, "positive-all")]
+    assert [name for name, rule in train.RULES.items() if rule.silo] == ["informative-norm", "resample", "positive-silo"]
+    for wrong in ("8/0,4/4+resample", "8/0,4/4+informative-norm", "8/0,8/0+is", "8/0,4/4+positive-silo",
+                  "8/0,8/0+positive-all"):
         with pytest.raises(ValueError, match="run in silo"):
             reproduce.parse_configs(wrong)
 
